@@ -1,0 +1,1 @@
+"""Model packages on disk: HF checkpoint reading, the artifact format, conversion."""

@@ -1,0 +1,88 @@
+"""`load_model`: the notebook entry point for a model package (artifact or HF checkpoint).
+
+Owns resolving a path to (config, params) in the requested dtype and a jitted full-sequence
+`logits`. It keeps no engine state: the Program builds its own step functions from the same
+config and params.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ninfer_jax.artifact import format as artifact_format
+from ninfer_jax.artifact.hf import SafetensorsSource, checkpoint_dir, is_hf_checkpoint, read_config
+from ninfer_jax.errors import CheckpointError, ConfigError
+from ninfer_jax.models.qwen3_6 import ModelConfig, forward
+from ninfer_jax.models.qwen3_6.weights import params_from_hf, param_shapes
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def _dtype(dtype: str):
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def read_hf(path: str | pathlib.Path, dtype: str = "float32"):
+    """(config, params as numpy, notes) from an HF checkpoint directory."""
+    cfg = ModelConfig.from_hf_dict(read_config(path))
+    params, notes = params_from_hf(cfg, SafetensorsSource(path), cast=lambda a: a.astype(_dtype(dtype)))
+    return cfg, params, notes
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _logits(params, cfg, token_ids):
+    return forward(params, cfg, token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """A model package in memory: `.config`, `.params` (device arrays), `.logits(token_ids)`."""
+
+    config: ModelConfig
+    params: dict
+    path: pathlib.Path
+    notes: tuple[str, ...] = ()
+
+    def logits(self, token_ids) -> np.ndarray:
+        """token_ids: int array [B, T] (no padding) -> float32 numpy logits [B, T, vocab]."""
+        ids = np.asarray(token_ids)
+        if ids.ndim != 2 or ids.shape[1] == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"token_ids must be a non-empty int array [B, T], got "
+                             f"shape {ids.shape} dtype {ids.dtype}")
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise ValueError(f"token_ids must be in [0, vocab_size={self.config.vocab_size}), "
+                             f"got range [{ids.min()}, {ids.max()}]")
+        return np.asarray(_logits(self.params, self.config, jnp.asarray(ids, jnp.int32)))
+
+
+def load_model(path: str | pathlib.Path, dtype: str = "float32") -> LoadedModel:
+    """Loads an artifact directory or an HF checkpoint directory in `dtype` (float32|bfloat16)."""
+    root = checkpoint_dir(path)
+    jdtype = _dtype(dtype)
+    if artifact_format.is_artifact(root):
+        manifest = artifact_format.read_manifest(root)
+        cfg = ModelConfig.from_dict(manifest["config"])
+        saved = jnp.dtype(manifest["dtype"])
+        num_mtp = manifest.get("num_mtp_layers", 0)
+        target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, saved),
+                              param_shapes(cfg, num_mtp), is_leaf=lambda x: isinstance(x, tuple))
+        params = artifact_format.read_artifact(root, target)
+        params = jax.tree.map(lambda a: jnp.asarray(a, jdtype), params)
+        notes = tuple(manifest.get("notes", ()))
+    elif is_hf_checkpoint(root):
+        cfg, np_params, notes = read_hf(root, dtype)
+        params = jax.tree.map(jnp.asarray, np_params)
+    else:
+        raise CheckpointError(
+            f"{str(root)!r} is neither an artifact (no manifest.json) nor an HF checkpoint "
+            "(config.json + *.safetensors)"
+        )
+    return LoadedModel(config=cfg, params=params, path=root, notes=tuple(notes))

@@ -1,0 +1,124 @@
+"""Gated full attention and the small interface through which it reads and writes K/V.
+
+Owns the attention maths of DESIGN §14 (interleaved [q | gate] per head, q/k zero-centred
+RMSNorm, partial RoPE, GQA with scale head_dim^-0.5, output * sigmoid(gate)). Where K/V live is
+not its business: every call goes through a `KVAccess`, so the layer code is the same for a
+plain causal forward, a contiguous cache, and the Program's paged pools.
+
+A `KVAccess` is a pytree. `layers` is its per-layer part (leaves with a leading
+[num_attention_layers] axis, scanned one layer at a time); everything else (lengths, page
+tables) is shared by all layers. `attend(layer_kv, q, k, v)` stores the new K/V and returns the
+attention output with the updated per-layer part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from ninfer_jax.models.qwen3_6.config import ModelConfig
+from ninfer_jax.models.qwen3_6.layers import apply_rope, dense, rms_norm
+
+
+class KVAccess(Protocol):
+    """How attention layers reach their K/V (see module docstring)."""
+
+    layers: Any
+
+    def attend(self, layer_kv: Any, q: jax.Array, k: jax.Array, v: jax.Array
+               ) -> tuple[jax.Array, Any]:
+        """q [B, T, Hq, D] (normed, roped); k, v [B, T, Hkv, D] for the new tokens.
+        Returns (out [B, T, Hq, D], updated layer_kv)."""
+        ...
+
+    def with_layers(self, layers: Any) -> "KVAccess":
+        ...
+
+
+def _grouped_attention(q, k, v, mask):
+    """q [B, T, Hq, D]; k, v [B, S, Hkv, D]; mask [B, T, S] bool. Softmax in fp32."""
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d**-0.5)
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(mask[:, None, None].any(-1, keepdims=True), probs, 0.0).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["layers"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class CausalKV:
+    """No cache: plain causal attention over the tokens of this call (full forward)."""
+
+    layers: None = None
+
+    def attend(self, layer_kv, q, k, v):
+        t = q.shape[1]
+        mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (q.shape[0], t, t))
+        return _grouped_attention(q, k, v, mask), layer_kv
+
+    def with_layers(self, layers):
+        return self
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["layers", "lengths"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class ContiguousKV:
+    """A contiguous per-row cache: the new tokens of row b go to positions lengths[b]...
+
+    layers = (k, v), each [L, B, S_max, Hkv, D]. lengths [B] int32: cached positions before
+    this call. A token at position p attends to every cached or new position <= p.
+    """
+
+    layers: tuple[jax.Array, jax.Array]
+    lengths: jax.Array  # [B] int32
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "ContiguousKV":
+        shape = (cfg.num_attention_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        return cls(layers=(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)),
+                   lengths=jnp.zeros((batch,), jnp.int32))
+
+    def attend(self, layer_kv, q, k, v):
+        k_cache, v_cache = layer_kv
+        write = jax.vmap(lambda c, new, at: jax.lax.dynamic_update_slice_in_dim(c, new, at, 0))
+        k_cache = write(k_cache, k.astype(k_cache.dtype), self.lengths)
+        v_cache = write(v_cache, v.astype(v_cache.dtype), self.lengths)
+        t, s = q.shape[1], k_cache.shape[1]
+        q_pos = self.lengths[:, None] + jnp.arange(t)[None, :]
+        mask = jnp.arange(s)[None, None, :] <= q_pos[:, :, None]
+        return _grouped_attention(q, k_cache, v_cache, mask), (k_cache, v_cache)
+
+    def with_layers(self, layers):
+        return dataclasses.replace(self, layers=layers)
+
+    def advance(self, num_new: jax.Array) -> "ContiguousKV":
+        """The cache after `num_new` [B] tokens per row were committed."""
+        return dataclasses.replace(self, lengths=self.lengths + num_new)
+
+
+def attention_mixer(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                    kv: KVAccess, layer_kv: Any, cfg: ModelConfig):
+    """One gated-attention layer's mixer (after input_layernorm).
+
+    x [B, T, H]; cos/sin [B, T, rotary_dim]. Returns (y [B, T, H], updated layer_kv).
+    """
+    b, t, _ = x.shape
+    hq, hkv, d = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
+    q_gate = dense(x, p["q"]).reshape(b, t, hq, 2 * d)
+    q, gate = q_gate[..., :d], q_gate[..., d:].reshape(b, t, hq * d)
+    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm(dense(x, p["k"]).reshape(b, t, hkv, d), p["k_norm"], cfg.rms_norm_eps)
+    v = dense(x, p["v"]).reshape(b, t, hkv, d)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    out, layer_kv = kv.attend(layer_kv, q, k, v)
+    out = out.reshape(b, t, hq * d) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
+    return dense(out, p["o"]), layer_kv

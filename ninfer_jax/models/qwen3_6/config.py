@@ -1,0 +1,218 @@
+"""The Qwen3.6 family's static model configuration, built from a Hugging Face `config.json`.
+
+Owns: every dimension and static choice of the family (dense or MoE, layer pattern, rotary
+dims). It is frozen and hashable so it can be a static argument of `jax.jit`. It knows nothing of
+weights, files or devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any, Literal
+
+from ninfer_jax.errors import ConfigError
+
+LINEAR = "linear_attention"
+FULL = "full_attention"
+
+_DENSE_TYPES = ("qwen3_5", "qwen3_5_text")
+_MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Static configuration of one Qwen3.6-family text model (hashable; a jit static arg)."""
+
+    variant: Literal["dense", "moe"]
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]
+    # Gated full attention.
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    # GatedDeltaNet.
+    conv_kernel: int
+    linear_num_k_heads: int
+    linear_num_v_heads: int
+    linear_k_dim: int
+    linear_v_dim: int
+    # MLP (dense) or MoE.
+    intermediate_size: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    # Everything else.
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 262144
+    mtp_num_layers: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    gdn_chunk_size: int = 64
+
+    def __post_init__(self):
+        for name in ("num_q_heads", "num_kv_heads", "head_dim", "linear_num_k_heads"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_q_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.linear_num_v_heads % self.linear_num_k_heads:
+            raise ConfigError(
+                f"linear_num_value_heads ({self.linear_num_v_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.linear_num_k_heads})"
+            )
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ConfigError(
+                f"rotary dims int(head_dim * partial_rotary_factor) = {self.rotary_dim} must be "
+                f"even and in (0, head_dim={self.head_dim}]"
+            )
+        bad = sorted(set(self.layer_types) - {LINEAR, FULL})
+        if bad:
+            raise ConfigError(f"layer_types has unsupported entries {bad}; known: {LINEAR}, {FULL}")
+        if self.conv_kernel < 2:
+            raise ConfigError(f"linear_conv_kernel_dim must be >= 2, got {self.conv_kernel}")
+        if self.variant == "moe" and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                f"1..num_experts ({self.num_experts})"
+            )
+
+    # Derived sizes -------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def num_linear_layers(self) -> int:
+        return self.layer_types.count(LINEAR)
+
+    @property
+    def num_attention_layers(self) -> int:
+        return self.layer_types.count(FULL)
+
+    @property
+    def linear_key_size(self) -> int:
+        return self.linear_num_k_heads * self.linear_k_dim
+
+    @property
+    def linear_value_size(self) -> int:
+        return self.linear_num_v_heads * self.linear_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the GDN causal conv: [q | k | v]."""
+        return 2 * self.linear_key_size + self.linear_value_size
+
+    @property
+    def layer_period(self) -> int:
+        """Smallest p such that the layer pattern repeats every p layers (the scan group size)."""
+        n = self.num_layers
+        for p in range(1, n + 1):
+            if n % p == 0 and self.layer_types == self.layer_types[:p] * (n // p):
+                return p
+        return n
+
+    # Construction --------------------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, config: dict[str, Any]) -> "ModelConfig":
+        """Builds the config from an HF `config.json` dict (flat, or nested `text_config`)."""
+        model_type = config.get("model_type")
+        if model_type not in _DENSE_TYPES + _MOE_TYPES:
+            raise ConfigError(
+                f"unknown model_type {model_type!r}; supported: {', '.join(_DENSE_TYPES + _MOE_TYPES)}"
+            )
+        text = config.get("text_config") or config
+        if not isinstance(text, dict):
+            raise ConfigError(f"text_config must be an object, got {type(text).__name__}")
+        variant = "moe" if model_type in _MOE_TYPES else "dense"
+
+        def need(key: str) -> Any:
+            if key not in text:
+                raise ConfigError(f"config.json is missing {key!r}")
+            return text[key]
+
+        if text.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"unsupported hidden_act {text['hidden_act']!r}; supported: 'silu'")
+        if text.get("attention_bias", False):
+            raise ConfigError("unsupported attention_bias=true; the Qwen3.6 family has none")
+        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"unsupported rope_type {rope_type!r}; supported: 'default'")
+        rope_theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
+        partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
+
+        num_layers = int(need("num_hidden_layers"))
+        layer_types = text.get("layer_types")
+        if layer_types is None:
+            interval = int(text.get("full_attention_interval", 4))
+            layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers)]
+        if len(layer_types) != num_layers:
+            raise ConfigError(
+                f"layer_types has {len(layer_types)} entries but num_hidden_layers is {num_layers}"
+            )
+        head_dim = int(text.get("head_dim") or need("hidden_size") // need("num_attention_heads"))
+        eos = text.get("eos_token_id", config.get("eos_token_id"))
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        moe_kwargs = {}
+        if variant == "moe":
+            moe_kwargs = dict(
+                num_experts=int(need("num_experts")),
+                num_experts_per_tok=int(need("num_experts_per_tok")),
+                moe_intermediate_size=int(need("moe_intermediate_size")),
+                shared_expert_intermediate_size=int(need("shared_expert_intermediate_size")),
+            )
+        else:
+            moe_kwargs = dict(intermediate_size=int(need("intermediate_size")))
+        return cls(
+            variant=variant,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=int(need("hidden_size")),
+            layer_types=tuple(layer_types),
+            num_q_heads=int(need("num_attention_heads")),
+            num_kv_heads=int(need("num_key_value_heads")),
+            head_dim=head_dim,
+            rotary_dim=int(head_dim * partial),
+            rope_theta=rope_theta,
+            conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
+            linear_num_k_heads=int(need("linear_num_key_heads")),
+            linear_num_v_heads=int(need("linear_num_value_heads")),
+            linear_k_dim=int(need("linear_key_head_dim")),
+            linear_v_dim=int(need("linear_value_head_dim")),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(tie),
+            max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
+            mtp_num_layers=int(text.get("mtp_num_hidden_layers", 0)),
+            eos_token_ids=eos_ids,
+            **moe_kwargs,
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | pathlib.Path) -> "ModelConfig":
+        file = pathlib.Path(path) / "config.json"
+        if not file.is_file():
+            raise ConfigError(f"no config.json in {path}")
+        try:
+            return cls.from_hf_dict(json.loads(file.read_text()))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{file} is not valid JSON: {e}") from e
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        d["layer_types"] = tuple(d["layer_types"])
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})

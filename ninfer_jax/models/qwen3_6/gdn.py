@@ -1,0 +1,163 @@
+"""GatedDeltaNet (linear attention) mixer: causal conv, the gated delta rule, gated output norm.
+
+Owns the GDN maths of DESIGN §14 and its per-sequence state: the conv state (the last
+`conv_kernel - 1` pre-conv inputs) and the fp32 recurrent state `S [v_heads, k_dim, v_dim]`.
+Multi-token input uses the chunked (UT-transform) form, one token the recurrent form; both
+compute the same function. Padded tokens at the end of a row (`num_valid`) leave the state
+exactly as the last valid token left it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ninfer_jax.models.qwen3_6.config import ModelConfig
+from ninfer_jax.models.qwen3_6.layers import dense, gated_rms_norm
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["conv", "recurrent"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class GDNState:
+    """State of every GDN layer for B sequences (leading axis: linear layers)."""
+
+    conv: jax.Array  # [L, B, conv_dim, conv_kernel - 1] activation dtype, oldest input first
+    recurrent: jax.Array  # [L, B, v_heads, k_dim, v_dim] float32
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, batch: int, dtype=jnp.float32) -> "GDNState":
+        n = cfg.num_linear_layers
+        return cls(
+            conv=jnp.zeros((n, batch, cfg.conv_dim, cfg.conv_kernel - 1), dtype),
+            recurrent=jnp.zeros(
+                (n, batch, cfg.linear_num_v_heads, cfg.linear_k_dim, cfg.linear_v_dim), jnp.float32
+            ),
+        )
+
+
+def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def recurrent_delta_rule(q, k, v, g, beta, state):
+    """Token-by-token gated delta rule. q, k [B, T, H, dk] (normalised, q scaled);
+    v [B, T, H, dv]; g, beta [B, T, H]; state [B, H, dk, dv]. All fp32.
+    Returns (out [B, T, H, dv], final state)."""
+
+    def step(s, inputs):
+        q_t, k_t, v_t, g_t, b_t = inputs
+        s = s * jnp.exp(g_t)[..., None, None]
+        kv_mem = jnp.einsum("bhkv,bhk->bhv", s, k_t)
+        delta = (v_t - kv_mem) * b_t[..., None]
+        s = s + k_t[..., :, None] * delta[..., None, :]
+        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
+
+    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
+    state, out = jax.lax.scan(step, state, xs)
+    return jnp.moveaxis(out, 0, 1), state
+
+
+def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int):
+    """Chunked (UT-transform) gated delta rule, same contract as `recurrent_delta_rule`.
+
+    Within a chunk the delta-rule updates are condensed into matmuls by inverting the unit
+    lower-triangular system (I + A) with forward substitution (batched triangular solves are
+    slow on XLA:CPU); chunks are then scanned with the state as carry.
+    """
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    c = chunk_size
+    pad = (-t) % c
+    if pad:
+        q, k, v = (jnp.pad(a, ((0, 0), (0, pad), (0, 0), (0, 0))) for a in (q, k, v))
+        g, beta = (jnp.pad(a, ((0, 0), (0, pad), (0, 0))) for a in (g, beta))
+    n = (t + pad) // c
+    # [B, H, N, C, ...]
+    q, k, v = (a.reshape(b, n, c, h, -1).transpose(0, 3, 1, 2, 4) for a in (q, k, v))
+    g, beta = (a.reshape(b, n, c, h).transpose(0, 3, 1, 2) for a in (g, beta))
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    cum = jnp.cumsum(g, axis=-1)
+    lower = jnp.tril(jnp.ones((c, c), bool))
+    strict = jnp.tril(jnp.ones((c, c), bool), -1)
+    decay = jnp.where(lower, jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], 0.0)), 0.0)
+    # Solve (I + A) W = rhs with A = strictly-lower(k_beta k^T * decay), by forward substitution.
+    a = jnp.where(strict, -(k_beta @ jnp.swapaxes(k, -1, -2)) * decay, 0.0)
+
+    def substitute(i, m):
+        row = m[..., i, :]
+        return m.at[..., i, :].set(row + jnp.einsum("...j,...jk->...k", row, m))
+
+    t_inv = jax.lax.fori_loop(1, c, substitute, a) + jnp.eye(c, dtype=a.dtype)
+    new_v = t_inv @ v_beta
+    k_cumdecay = t_inv @ (k_beta * jnp.exp(cum)[..., None])
+    intra = jnp.where(lower, (q @ jnp.swapaxes(k, -1, -2)) * decay, 0.0)
+    q_dec = q * jnp.exp(cum)[..., None]
+    k_dec = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1])[..., None, None]
+
+    def per_chunk(s, xs):
+        nv, kc, qd, kd, it, cd = xs
+        v_new = nv - kc @ s
+        out = qd @ s + it @ v_new
+        s = s * cd + jnp.swapaxes(kd, -1, -2) @ v_new
+        return s, out
+
+    xs = tuple(jnp.moveaxis(a, 2, 0) for a in (new_v, k_cumdecay, q_dec, k_dec, intra, chunk_decay))
+    state, out = jax.lax.scan(per_chunk, state, xs)
+    out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * c, dv)[:, :, :t]
+    return out.transpose(0, 2, 1, 3), state
+
+
+def gdn_mixer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array,
+              num_valid: jax.Array | None, cfg: ModelConfig):
+    """One GDN layer's mixer (after input_layernorm).
+
+    x [B, T, H]; conv_state [B, conv_dim, K-1]; rec_state [B, Hv, dk, dv] fp32;
+    num_valid [B] int32 or None (all T valid). Returns (y [B, T, H], conv_state, rec_state).
+    """
+    bsz, t, _ = x.shape
+    kern = cfg.conv_kernel
+    hk, hv, dk, dv = cfg.linear_num_k_heads, cfg.linear_num_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
+    mixed = dense(x, p["in_qkv"])  # [B, T, conv_dim]
+    z = dense(x, p["in_z"]).reshape(bsz, t, hv, dv)
+    b_gate = dense(x, p["in_b"])
+    a_gate = dense(x, p["in_a"])
+
+    # Causal depthwise conv over [previous K-1 inputs | this chunk].
+    full = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2).astype(mixed.dtype), mixed], axis=1)
+    w = p["conv"].astype(jnp.float32)  # [K, conv_dim]
+    conv = sum(full[:, i : i + t].astype(jnp.float32) * w[i] for i in range(kern))
+    conv = jax.nn.silu(conv).astype(x.dtype)
+    if num_valid is None:
+        new_conv = full[:, t:]
+        valid = None
+    else:
+        # The K-1 inputs ending at the last valid token of each row.
+        idx = num_valid[:, None] + jnp.arange(kern - 1)[None, :]
+        new_conv = jnp.take_along_axis(full, idx[:, :, None], axis=1)
+        valid = jnp.arange(t)[None, :] < num_valid[:, None]
+    new_conv = jnp.swapaxes(new_conv, 1, 2).astype(conv_state.dtype)
+
+    q, k, v = jnp.split(conv.astype(jnp.float32), [cfg.linear_key_size, 2 * cfg.linear_key_size], -1)
+    q = _l2norm(q.reshape(bsz, t, hk, dk)) * (dk**-0.5)
+    k = _l2norm(k.reshape(bsz, t, hk, dk))
+    v = v.reshape(bsz, t, hv, dv)
+    if hv != hk:
+        q, k = (jnp.repeat(a, hv // hk, axis=2) for a in (q, k))
+    beta = jax.nn.sigmoid(b_gate.astype(jnp.float32))
+    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
+        a_gate.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32)
+    )
+    if valid is not None:  # padded tokens neither decay nor write the state
+        beta = jnp.where(valid[..., None], beta, 0.0)
+        g = jnp.where(valid[..., None], g, 0.0)
+    if t == 1:
+        out, rec = recurrent_delta_rule(q, k, v, g, beta, rec_state)
+    else:
+        out, rec = chunked_delta_rule(q, k, v, g, beta, rec_state, cfg.gdn_chunk_size)
+    out = gated_rms_norm(out.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)
+    return dense(out.reshape(bsz, t, hv * dv), p["out"]), new_conv, rec

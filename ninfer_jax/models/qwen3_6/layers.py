@@ -1,0 +1,102 @@
+"""Stateless building blocks of the family: norms, rotary embedding, SwiGLU MLP and MoE.
+
+Owns the per-token maths of DESIGN §14 that carries no sequence state. Activations are in the
+params' dtype; norms, softmaxes and matmul accumulation run in fp32 and are cast back.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ninfer_jax.models.qwen3_6.config import ModelConfig
+
+
+def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] @ w [in, out] with fp32 accumulation, returned in x's dtype."""
+    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Zero-centred RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32, cast back."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """GatedDeltaNet's output norm: plain `* w` (not zero-centred), then `* silu(gate)`."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    y = weight * y.astype(x.dtype)
+    return (y.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+
+
+def rope_cos_sin(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [..., rotary_dim] (fp32) for integer positions [...].
+
+    Text positions use the same value in all three MRoPE rows, which is plain RoPE over the
+    first `rotary_dim` dims (NeoX halves).
+    """
+    half = jnp.arange(0, cfg.rotary_dim, 2, dtype=jnp.float32) / cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rope_theta**half)
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Partial NeoX RoPE. x [B, T, H, D]; cos/sin [B, T, R] with R <= D rotated dims."""
+    r = cos.shape[-1]
+    xf = x.astype(jnp.float32)
+    x_rot, x_pass = xf[..., :r], xf[..., r:]
+    x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2 :]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return jnp.concatenate([x_rot * c + rotated * s, x_pass], axis=-1).astype(x.dtype)
+
+
+def swiglu(p: dict, x: jax.Array) -> jax.Array:
+    """Dense SwiGLU: down(silu(gate(x)) * up(x)). p: gate/up [H, I], down [I, H]."""
+    return dense(jax.nn.silu(dense(x, p["gate"])) * dense(x, p["up"]), p["down"])
+
+
+def moe(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Sparse MoE with a shared expert. x [..., H].
+
+    Router: softmax over all experts in fp32, top-k, renormalised. Experts are SwiGLU
+    (p["experts"]: gate/up [E, H, I], down [E, I, H]). The shared expert is SwiGLU times
+    sigmoid(shared_gate(x)). With few tokens the selected experts' weights are gathered per
+    token (decode reads only k experts); with many, every expert runs densely and a [N, E]
+    combine matrix with zeros for unselected experts mixes them (same sums, no gather).
+    """
+    shape = x.shape
+    xt = x.reshape(-1, shape[-1])
+    n, k, e = xt.shape[0], cfg.num_experts_per_tok, cfg.num_experts
+    logits = jnp.matmul(xt, p["router"], preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    top_w, top_i = jax.lax.top_k(probs, k)
+    top_w = (top_w / jnp.sum(top_w, axis=-1, keepdims=True)).astype(x.dtype)
+    ex = p["experts"]
+    if n * k < e:
+        gate = jnp.einsum("nh,nkhi->nki", xt, ex["gate"][top_i], preferred_element_type=jnp.float32)
+        up = jnp.einsum("nh,nkhi->nki", xt, ex["up"][top_i], preferred_element_type=jnp.float32)
+        act = (jax.nn.silu(gate) * up).astype(x.dtype)
+        out = jnp.einsum("nki,nkih->nkh", act, ex["down"][top_i], preferred_element_type=jnp.float32)
+        routed = jnp.einsum("nkh,nk->nh", out.astype(x.dtype), top_w,
+                            preferred_element_type=jnp.float32).astype(x.dtype)
+    else:
+        gate = jnp.einsum("nh,ehi->nei", xt, ex["gate"], preferred_element_type=jnp.float32)
+        up = jnp.einsum("nh,ehi->nei", xt, ex["up"], preferred_element_type=jnp.float32)
+        act = (jax.nn.silu(gate) * up).astype(x.dtype)
+        out = jnp.einsum("nei,eih->neh", act, ex["down"], preferred_element_type=jnp.float32)
+        combine = jnp.zeros((n, e), x.dtype).at[jnp.arange(n)[:, None], top_i].set(top_w)
+        routed = jnp.einsum("neh,ne->nh", out.astype(x.dtype), combine,
+                            preferred_element_type=jnp.float32).astype(x.dtype)
+    shared = swiglu(p["shared"], xt) * jax.nn.sigmoid(dense(xt, p["shared_gate"]))
+    return (routed + shared).reshape(shape)
+
+
+def mlp(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The layer's feed-forward: SwiGLU for the dense variant, MoE for the MoE variant."""
+    return moe(p, x, cfg) if cfg.variant == "moe" else swiglu(p, x)

@@ -1,0 +1,123 @@
+"""The family's forward passes: full-sequence logits, multi-token prefill, one-token decode.
+
+Params are a pytree of dicts (see `weights.py` for the schema): `embed`, `final_norm`, optional
+`lm_head` (absent when tied), and the decoder layers stacked per kind under `linear` and
+`attention` so the stack is `lax.scan`ned. The scan runs over repeats of the layer pattern's
+period (e.g. groups of 3 GDN + 1 attention); a pattern with no shorter period is one group.
+
+Everything here is a pure function of (params, static config, arrays); state goes in and comes
+out explicitly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ninfer_jax.models.qwen3_6.attention import CausalKV, KVAccess, attention_mixer
+from ninfer_jax.models.qwen3_6.config import FULL, ModelConfig
+from ninfer_jax.models.qwen3_6.gdn import GDNState, gdn_mixer
+from ninfer_jax.models.qwen3_6.layers import mlp, rms_norm, rope_cos_sin
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["logits", "hidden", "gdn", "kv"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    logits: jax.Array  # [B, T, vocab] float32
+    hidden: jax.Array  # [B, T, H] after the final norm (the MTP head's input)
+    gdn: GDNState
+    kv: Any  # the KVAccess after this call's writes
+
+
+def _grouped(tree: Any, groups: int) -> Any:
+    return jax.tree.map(lambda a: a.reshape(groups, a.shape[0] // groups, *a.shape[1:]), tree)
+
+
+def _ungrouped(tree: Any) -> Any:
+    return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
+
+
+def run_layers(params: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Array,
+               gdn: GDNState, kv: KVAccess, num_valid: jax.Array | None):
+    """Applies the decoder stack. h [B, T, H]; positions [B, T] int32 absolute positions.
+
+    Returns (h, gdn, kv) with every layer's state updated.
+    """
+    period = cfg.layer_period
+    groups = cfg.num_layers // period
+    pattern = cfg.layer_types[:period]
+    cos, sin = rope_cos_sin(positions, cfg)
+    eps = cfg.rms_norm_eps
+
+    def group_fn(h, xs):
+        lin_p, att_p, conv, rec, kv_layers = xs
+        convs, recs, kvs = [], [], []
+        i_lin = i_att = 0
+        for kind in pattern:
+            p = jax.tree.map(lambda a, i=(i_att if kind == FULL else i_lin): a[i],
+                             att_p if kind == FULL else lin_p)
+            x = rms_norm(h, p["input_norm"], eps)
+            if kind == FULL:
+                layer_kv = jax.tree.map(lambda a, i=i_att: a[i], kv_layers)
+                y, layer_kv = attention_mixer(p["mixer"], x, cos, sin, kv, layer_kv, cfg)
+                kvs.append(layer_kv)
+                i_att += 1
+            else:
+                y, c, r = gdn_mixer(p["mixer"], x, conv[i_lin], rec[i_lin], num_valid, cfg)
+                convs.append(c)
+                recs.append(r)
+                i_lin += 1
+            h = h + y
+            h = h + mlp(p["mlp"], rms_norm(h, p["post_norm"], eps), cfg)
+        new_conv = jnp.stack(convs) if convs else conv
+        new_rec = jnp.stack(recs) if recs else rec
+        new_kv = jax.tree.map(lambda *a: jnp.stack(a), *kvs) if kvs else kv_layers
+        return h, (new_conv, new_rec, new_kv)
+
+    xs = (
+        _grouped(params["linear"], groups),
+        _grouped(params["attention"], groups),
+        _grouped(gdn.conv, groups),
+        _grouped(gdn.recurrent, groups),
+        _grouped(kv.layers, groups),
+    )
+    h, (conv, rec, kv_layers) = jax.lax.scan(group_fn, h, xs)
+    new_gdn = GDNState(conv=_ungrouped(conv), recurrent=_ungrouped(rec))
+    return h, new_gdn, kv.with_layers(_ungrouped(kv_layers))
+
+
+def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """Logits [..., vocab] in fp32 from final-normed hidden states."""
+    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.matmul(hidden, w, preferred_element_type=jnp.float32)
+
+
+def step(params: dict, cfg: ModelConfig, token_ids: jax.Array, start_pos: jax.Array,
+         gdn: GDNState, kv: KVAccess, num_valid: jax.Array | None = None) -> StepOutput:
+    """Runs T new tokens per row from the carried state.
+
+    token_ids [B, T] int32; start_pos [B] int32 absolute position of token_ids[:, 0];
+    num_valid [B] int32 (optional): only the first num_valid[b] tokens of row b are real, the
+    rest is padding that leaves the GDN state untouched (its K/V writes are beyond the row's
+    frontier and are overwritten later). T == 1 is a decode step (recurrent GDN form); T > 1 a
+    prefill chunk (chunked form).
+    """
+    positions = start_pos[:, None] + jnp.arange(token_ids.shape[1], dtype=jnp.int32)[None, :]
+    h = params["embed"][token_ids]
+    h, gdn, kv = run_layers(params, cfg, h, positions, gdn, kv, num_valid)
+    hidden = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    return StepOutput(logits=lm_head(params, cfg, hidden), hidden=hidden, gdn=gdn, kv=kv)
+
+
+def forward(params: dict, cfg: ModelConfig, token_ids: jax.Array) -> jax.Array:
+    """Full-sequence logits [B, T, vocab] (fp32) from empty state; token_ids [B, T] int32."""
+    b = token_ids.shape[0]
+    dtype = params["embed"].dtype
+    out = step(params, cfg, token_ids, jnp.zeros((b,), jnp.int32),
+               GDNState.zeros(cfg, b, dtype), CausalKV())
+    return out.logits

@@ -1,0 +1,275 @@
+"""The weight schema: Hugging Face tensor names and shapes <-> this project's params pytree.
+
+Owns the mapping of DESIGN §14's checkpoints (`model.*` or `model.language_model.*`, `lm_head.*`,
+`mtp.*`; experts split per expert or fused) onto the stacked params layout, with the transposes
+to `x @ W` form. Every tensor is checked against the shape the config implies; a missing tensor
+or a shape mismatch raises a `CheckpointError` naming it. It reads tensors through a
+`TensorSource` and knows nothing about files.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Iterable, Protocol
+
+import jax
+import numpy as np
+
+from ninfer_jax.errors import CheckpointError
+from ninfer_jax.models.qwen3_6.config import FULL, LINEAR, ModelConfig
+
+TEXT_PREFIXES = ("model.language_model.", "model.")
+VISION_PREFIX = "model.visual."
+MTP_PREFIX = "mtp."
+
+
+class TensorSource(Protocol):
+    def keys(self) -> Iterable[str]: ...
+
+    def get(self, name: str) -> np.ndarray: ...
+
+
+def text_prefix(keys: Iterable[str]) -> str:
+    """The prefix of the text decoder's tensors in this checkpoint."""
+    keys = set(keys)
+    for prefix in TEXT_PREFIXES:
+        if f"{prefix}embed_tokens.weight" in keys:
+            return prefix
+    raise CheckpointError(
+        "missing tensor 'model.embed_tokens.weight' (or 'model.language_model.embed_tokens.weight')"
+    )
+
+
+class _Reader:
+    """Fetches tensors by name with shape checks, remembering which names were consumed."""
+
+    def __init__(self, source: TensorSource):
+        self.source = source
+        self.keys = set(source.keys())
+        self.used: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.keys
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.keys:
+            raise CheckpointError(f"missing tensor {name!r}")
+        arr = self.source.get(name)
+        if tuple(arr.shape) != tuple(shape):
+            raise CheckpointError(
+                f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(shape)}"
+            )
+        self.used.add(name)
+        return arr
+
+    def linear(self, name: str, out_dim: int, in_dim: int) -> np.ndarray:
+        """An nn.Linear weight [out, in] as [in, out]."""
+        return np.ascontiguousarray(self.get(name, (out_dim, in_dim)).T)
+
+
+def _mlp(r: _Reader, pre: str, cfg: ModelConfig) -> dict:
+    h = cfg.hidden_size
+    if cfg.variant == "dense":
+        i = cfg.intermediate_size
+        return {
+            "gate": r.linear(f"{pre}mlp.gate_proj.weight", i, h),
+            "up": r.linear(f"{pre}mlp.up_proj.weight", i, h),
+            "down": r.linear(f"{pre}mlp.down_proj.weight", h, i),
+        }
+    e, i, s = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    fused = f"{pre}mlp.experts.gate_up_proj"
+    if r.has(fused):
+        gate_up = r.get(fused, (e, 2 * i, h))
+        experts = {
+            "gate": np.ascontiguousarray(gate_up[:, :i].transpose(0, 2, 1)),
+            "up": np.ascontiguousarray(gate_up[:, i:].transpose(0, 2, 1)),
+            "down": np.ascontiguousarray(
+                r.get(f"{pre}mlp.experts.down_proj", (e, h, i)).transpose(0, 2, 1)
+            ),
+        }
+    else:
+        per = [
+            (r.linear(f"{pre}mlp.experts.{j}.gate_proj.weight", i, h),
+             r.linear(f"{pre}mlp.experts.{j}.up_proj.weight", i, h),
+             r.linear(f"{pre}mlp.experts.{j}.down_proj.weight", h, i))
+            for j in range(e)
+        ]
+        experts = {k: np.stack([p[n] for p in per]) for n, k in enumerate(("gate", "up", "down"))}
+    return {
+        "router": r.linear(f"{pre}mlp.gate.weight", e, h),
+        "experts": experts,
+        "shared": {
+            "gate": r.linear(f"{pre}mlp.shared_expert.gate_proj.weight", s, h),
+            "up": r.linear(f"{pre}mlp.shared_expert.up_proj.weight", s, h),
+            "down": r.linear(f"{pre}mlp.shared_expert.down_proj.weight", h, s),
+        },
+        "shared_gate": r.linear(f"{pre}mlp.shared_expert_gate.weight", 1, h),
+    }
+
+
+def _attention_layer(r: _Reader, pre: str, cfg: ModelConfig) -> dict:
+    h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads
+    a = f"{pre}self_attn."
+    return {
+        "input_norm": r.get(f"{pre}input_layernorm.weight", (h,)),
+        "post_norm": r.get(f"{pre}post_attention_layernorm.weight", (h,)),
+        "mixer": {
+            "q": r.linear(f"{a}q_proj.weight", hq * d * 2, h),
+            "k": r.linear(f"{a}k_proj.weight", hkv * d, h),
+            "v": r.linear(f"{a}v_proj.weight", hkv * d, h),
+            "o": r.linear(f"{a}o_proj.weight", h, hq * d),
+            "q_norm": r.get(f"{a}q_norm.weight", (d,)),
+            "k_norm": r.get(f"{a}k_norm.weight", (d,)),
+        },
+        "mlp": _mlp(r, pre, cfg),
+    }
+
+
+def _linear_layer(r: _Reader, pre: str, cfg: ModelConfig) -> dict:
+    h, hv, dv, k = cfg.hidden_size, cfg.linear_num_v_heads, cfg.linear_v_dim, cfg.conv_kernel
+    a = f"{pre}linear_attn."
+    conv = r.get(f"{a}conv1d.weight", (cfg.conv_dim, 1, k))
+    return {
+        "input_norm": r.get(f"{pre}input_layernorm.weight", (h,)),
+        "post_norm": r.get(f"{pre}post_attention_layernorm.weight", (h,)),
+        "mixer": {
+            "in_qkv": r.linear(f"{a}in_proj_qkv.weight", cfg.conv_dim, h),
+            "in_z": r.linear(f"{a}in_proj_z.weight", hv * dv, h),
+            "in_b": r.linear(f"{a}in_proj_b.weight", hv, h),
+            "in_a": r.linear(f"{a}in_proj_a.weight", hv, h),
+            "conv": np.ascontiguousarray(conv[:, 0, :].T),
+            "dt_bias": r.get(f"{a}dt_bias", (hv,)),
+            "A_log": r.get(f"{a}A_log", (hv,)),
+            "norm": r.get(f"{a}norm.weight", (dv,)),
+            "out": r.linear(f"{a}out_proj.weight", h, hv * dv),
+        },
+        "mlp": _mlp(r, pre, cfg),
+    }
+
+
+def _stack(layers: list[dict]) -> dict:
+    """Stacks per-layer dicts on a new leading axis; no layers of a kind gives {}."""
+    return jax.tree.map(lambda *a: np.stack(a), *layers) if layers else {}
+
+
+def _mtp(r: _Reader, cfg: ModelConfig) -> dict | None:
+    layer_ids = sorted({int(m.group(1)) for k in r.keys
+                        if (m := re.match(r"mtp\.layers\.(\d+)\.", k))})
+    if not layer_ids:
+        return None
+    h = cfg.hidden_size
+    return {
+        "fc": r.linear("mtp.fc.weight", h, 2 * h),
+        "embed_norm": r.get("mtp.pre_fc_norm_embedding.weight", (h,)),
+        "hidden_norm": r.get("mtp.pre_fc_norm_hidden.weight", (h,)),
+        "final_norm": r.get("mtp.norm.weight", (h,)),
+        "layers": _stack([_attention_layer(r, f"mtp.layers.{j}.", cfg) for j in layer_ids]),
+    }
+
+
+def params_from_hf(cfg: ModelConfig, source: TensorSource,
+                   cast: Callable[[np.ndarray], np.ndarray] = lambda a: a
+                   ) -> tuple[dict, list[str]]:
+    """Reads the params pytree (numpy leaves) from HF-named tensors.
+
+    Returns (params, notes): notes say what was skipped (e.g. the vision tower). Tensors of the
+    text model that the schema does not know raise, so a checkpoint is never half-read.
+    """
+    r = _Reader(source)
+    pre = text_prefix(r.keys)
+    h, v = cfg.hidden_size, cfg.vocab_size
+    linear, attention = [], []
+    for i, kind in enumerate(cfg.layer_types):
+        layer_pre = f"{pre}layers.{i}."
+        if kind == FULL:
+            attention.append(_attention_layer(r, layer_pre, cfg))
+        elif kind == LINEAR:
+            linear.append(_linear_layer(r, layer_pre, cfg))
+    params = {
+        "embed": r.get(f"{pre}embed_tokens.weight", (v, h)),
+        "final_norm": r.get(f"{pre}norm.weight", (h,)),
+        "linear": _stack(linear),
+        "attention": _stack(attention),
+    }
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = r.linear("lm_head.weight", v, h)
+    elif r.has("lm_head.weight"):
+        r.used.add("lm_head.weight")  # a tied copy saved by some exporters
+    mtp = _mtp(r, cfg)
+    if mtp is not None:
+        params["mtp"] = mtp
+    notes = []
+    visual = sorted(k for k in r.keys if k.startswith(VISION_PREFIX))
+    if visual:
+        notes.append(f"skipped the vision tower ({len(visual)} tensors under {VISION_PREFIX!r})")
+    unknown = sorted(r.keys - r.used - set(visual))
+    if unknown:
+        raise CheckpointError(
+            f"{len(unknown)} tensors are not part of the {cfg.variant} Qwen3.6 schema for this "
+            f"config, e.g. {unknown[:3]}"
+        )
+    check_param_shapes(cfg, params)
+    return jax.tree.map(cast, params), notes
+
+
+def param_shapes(cfg: ModelConfig, num_mtp_layers: int = 0) -> dict:
+    """The params pytree's leaf shapes implied by the config (tuples as leaves).
+
+    `params_from_hf` checks its result against this, so the two cannot drift apart; artifact
+    loading uses it as the restore target.
+    """
+    h, v, d = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
+    hq, hkv, hv, dv = cfg.num_q_heads, cfg.num_kv_heads, cfg.linear_num_v_heads, cfg.linear_v_dim
+    if cfg.variant == "dense":
+        i = cfg.intermediate_size
+        mlp = {"gate": (h, i), "up": (h, i), "down": (i, h)}
+    else:
+        e, i, s = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        mlp = {
+            "router": (h, e),
+            "experts": {"gate": (e, h, i), "up": (e, h, i), "down": (e, i, h)},
+            "shared": {"gate": (h, s), "up": (h, s), "down": (s, h)},
+            "shared_gate": (h, 1),
+        }
+    norms = {"input_norm": (h,), "post_norm": (h,)}
+    attention = {**norms, "mlp": mlp, "mixer": {
+        "q": (h, hq * d * 2), "k": (h, hkv * d), "v": (h, hkv * d), "o": (hq * d, h),
+        "q_norm": (d,), "k_norm": (d,)}}
+    linear = {**norms, "mlp": mlp, "mixer": {
+        "in_qkv": (h, cfg.conv_dim), "in_z": (h, hv * dv), "in_b": (h, hv), "in_a": (h, hv),
+        "conv": (cfg.conv_kernel, cfg.conv_dim), "dt_bias": (hv,), "A_log": (hv,), "norm": (dv,),
+        "out": (hv * dv, h)}}
+
+    def stacked(tree, n):
+        if n == 0:
+            return {}
+        return jax.tree.map(lambda s: (n, *s), tree, is_leaf=lambda x: isinstance(x, tuple))
+
+    shapes = {
+        "embed": (v, h),
+        "final_norm": (h,),
+        "linear": stacked(linear, cfg.num_linear_layers),
+        "attention": stacked(attention, cfg.num_attention_layers),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (h, v)
+    if num_mtp_layers:
+        shapes["mtp"] = {"fc": (2 * h, h), "embed_norm": (h,), "hidden_norm": (h,),
+                         "final_norm": (h,), "layers": stacked(attention, num_mtp_layers)}
+    return shapes
+
+
+def check_param_shapes(cfg: ModelConfig, params: dict) -> None:
+    """Raises a CheckpointError naming the first leaf whose path or shape is not the schema's."""
+    num_mtp = len(params["mtp"]["layers"]["input_norm"]) if "mtp" in params else 0
+    want = dict(jax.tree_util.tree_flatten_with_path(
+        param_shapes(cfg, num_mtp), is_leaf=lambda x: isinstance(x, tuple))[0])
+    got = {path: tuple(np.shape(a)) for path, a in jax.tree_util.tree_flatten_with_path(params)[0]}
+    for path in sorted(set(want) | set(got), key=str):
+        name = jax.tree_util.keystr(path)
+        if path not in got:
+            raise CheckpointError(f"params are missing {name} (expected shape {want[path]})")
+        if path not in want:
+            raise CheckpointError(f"params have an unexpected leaf {name}")
+        if got[path] != want[path]:
+            raise CheckpointError(f"params leaf {name} has shape {got[path]}, expected {want[path]}")
