@@ -1,0 +1,174 @@
+"""Pallas (Triton backend) paged attention decode kernel.
+
+Owns the GPU decode path: one query token per row attending over that row's pages. It reads the
+same pool layout and gives the same result as `reference.paged_attention_reference`, which is its
+oracle; it does not write pages. On CPU it runs only with `interpret=True`.
+
+Shape of the computation. The grid is `(B, H_kv)`: one program per batch row and kv head. The
+program holds the `G = H_q // H_kv` query heads that share its kv head, padded to
+`block_h = max(16, next_pow2(G))` rows because Triton's dot needs at least 16 rows. Scalar
+prefetch is TPU-only, so pages are gathered inside the kernel: each `fori_loop` step loads
+`pages_per_block` page ids from the row's page table and reads those pages
+(`k_ref[page_ids]`, `[pages_per_block, page_size, D]`) for an online-softmax update (running max,
+running sum, fp32 accumulator). The loop runs `cdiv(length, pages_per_block * page_size)` steps,
+so pages past a row's length are never read and a zero-length row writes zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.paged_attention.reference import default_scale
+from pallas_kernels.paged_attention.shapes import check_decode_inputs
+
+MIN_BLOCK_H = 16  # smallest M dimension Triton's tl.dot accepts
+TARGET_BLOCK_K = 128  # key positions per loop step when pages_per_block is chosen automatically
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# Triton's default for float32 operands is TF32; IEEE keeps fp32 pools on the reference's
+# numbers. bf16 operands are unaffected.
+_PRECISION = lax.Precision.HIGHEST
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _decode_kernel(
+    lengths_ref,  # [1] int32
+    page_ids_ref,  # [num_blocks * pages_per_block] int32
+    q_ref,  # [block_h, D]
+    k_pages_ref,  # [P, page_size, D] (this program's kv head)
+    v_pages_ref,  # [P, page_size, D]
+    o_ref,  # [block_h, D]
+    *,
+    scale: float,
+    pages_per_block: int,
+    num_pages: int,
+):
+    block_h, head_dim = q_ref.shape
+    page_size = k_pages_ref.shape[1]
+    block_k = pages_per_block * page_size
+    length = lengths_ref[0]
+    q = q_ref[...]
+
+    def body(step, carry):
+        acc, row_max, row_sum = carry
+        page_ids = page_ids_ref[pl.ds(step * pages_per_block, pages_per_block)]
+        # Table entries past the row's last page may be anything; keep every read in bounds.
+        page_ids = jnp.clip(page_ids, 0, num_pages - 1)
+        k = k_pages_ref[page_ids].reshape(block_k, head_dim)
+        v = v_pages_ref[page_ids].reshape(block_k, head_dim)
+        positions = step * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+        valid = positions < length  # [1, block_k]
+
+        logits = plgpu.dot(q, k, trans_b=True, precision=_PRECISION) * scale  # [block_h, block_k]
+        logits = jnp.where(valid, logits, _MASK_VALUE)
+        new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
+        correction = jnp.exp(row_max - new_max)
+        probs = jnp.exp(logits - new_max[:, None])
+        # Stale or NaN values at masked positions must not leak through 0 * v.
+        v = jnp.where(valid.reshape(block_k, 1), v, jnp.zeros_like(v))
+        acc = acc * correction[:, None] + plgpu.dot(probs.astype(v.dtype), v, precision=_PRECISION)
+        row_sum = row_sum * correction + jnp.sum(probs, axis=1)
+        return acc, new_max, row_sum
+
+    init = (
+        jnp.zeros((block_h, head_dim), jnp.float32),
+        jnp.full((block_h,), jnp.finfo(jnp.float32).min, jnp.float32),
+        jnp.zeros((block_h,), jnp.float32),
+    )
+    num_steps = (length + block_k - 1) // block_k
+    acc, _, row_sum = lax.fori_loop(0, num_steps, body, init)
+    row_sum = jnp.where(row_sum == 0.0, 1.0, row_sum)
+    o_ref[...] = (acc / row_sum[:, None]).astype(o_ref.dtype)
+
+
+def _auto_pages_per_block(page_size: int, max_pages: int) -> int:
+    """Pages per loop step: about TARGET_BLOCK_K keys, no more than the table needs."""
+    by_target = max(1, TARGET_BLOCK_K // page_size)
+    return min(by_target, pl.next_power_of_2(max_pages))
+
+
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_tables: jax.Array,
+    lengths: jax.Array,
+    *,
+    scale: float | None = None,
+    pages_per_block: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:
+    """Decode attention over a page pool with a Pallas kernel (same contract as the reference).
+
+    Args:
+      q: `[B, H_q, D]` queries, not pre-scaled; `D` a power of two.
+      k_pages, v_pages: `[P, page_size, H_kv, D]` one layer's pool; `page_size` a power of two.
+      page_tables: `[B, max_pages_per_seq]` int32 page ids; entries past a row's last page may
+        hold any value (they are clamped and masked).
+      lengths: `[B]` int32 valid key positions per row; 0 gives a zero output row.
+      scale: logit scale, default `D**-0.5`.
+      pages_per_block: pages read per loop step, a power of two; default gives about
+        `TARGET_BLOCK_K` keys per step.
+      num_warps, num_stages: Triton launch parameters (ignored in interpret mode).
+      interpret: run the Pallas interpreter (required on CPU).
+
+    Returns:
+      `[B, H_q, D]` in q's dtype; softmax and accumulation in float32.
+    """
+    dims = check_decode_inputs(q, k_pages, v_pages, page_tables, lengths)
+    batch, num_q_heads, head_dim = q.shape
+    max_pages = page_tables.shape[1]
+    if not _is_pow2(head_dim):
+        raise ValueError(f"q head_dim must be a power of two for the kernel, got {head_dim}")
+    if not _is_pow2(dims.page_size):
+        raise ValueError(
+            f"k_pages page_size must be a power of two for the kernel, got {dims.page_size}"
+        )
+    if pages_per_block is None:
+        pages_per_block = _auto_pages_per_block(dims.page_size, max_pages)
+    if not _is_pow2(pages_per_block):
+        raise ValueError(f"pages_per_block must be a power of two, got {pages_per_block}")
+
+    group = num_q_heads // dims.num_kv_heads
+    block_h = max(MIN_BLOCK_H, pl.next_power_of_2(group))
+    q_blocks = q.reshape(batch, dims.num_kv_heads, group, head_dim)
+    q_blocks = jnp.pad(q_blocks, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
+    padded_pages = pl.cdiv(max_pages, pages_per_block) * pages_per_block
+    page_tables = jnp.pad(page_tables, ((0, 0), (0, padded_pages - max_pages)))
+
+    kernel = functools.partial(
+        _decode_kernel,
+        scale=default_scale(head_dim, scale),
+        pages_per_block=pages_per_block,
+        num_pages=dims.num_pages,
+    )
+    pool_spec = pl.BlockSpec(
+        (dims.num_pages, dims.page_size, None, head_dim), lambda b, h: (0, 0, h, 0)
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid=(batch, dims.num_kv_heads),
+        in_specs=[
+            pl.BlockSpec((None, 1), lambda b, h: (b, 0)),
+            pl.BlockSpec((None, padded_pages), lambda b, h: (b, 0)),
+            pl.BlockSpec((None, None, block_h, head_dim), lambda b, h: (b, h, 0, 0)),
+            pool_spec,
+            pool_spec,
+        ],
+        out_specs=pl.BlockSpec((None, None, block_h, head_dim), lambda b, h: (b, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct(q_blocks.shape, q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="paged_attention_decode",
+    )(lengths.reshape(batch, 1), page_tables, q_blocks, k_pages, v_pages)
+    return out[:, :, :group, :].reshape(batch, num_q_heads, head_dim)

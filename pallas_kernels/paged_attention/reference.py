@@ -1,0 +1,151 @@
+"""Pure-jnp paged attention: the CPU default path and the oracle for the Pallas kernel.
+
+Owns decode attention over a page pool (many rows, one query token each) and prefill attention
+for one sequence's chunk over its cached pages plus the chunk itself. Does not write pages and
+does not apply RoPE, norms or output gates; callers do.
+
+Layout (DESIGN §10): one attention layer's pool is `k_pages, v_pages: [P, page_size, H_kv, D]`.
+Query head `h` reads kv head `h // (H_q // H_kv)` (GQA). Logits are `scale * q·k` with
+`scale = D**-0.5` unless given; softmax and accumulation run in float32 and the result is cast to
+q's dtype. Key positions at or beyond a row's length are masked and their K/V contents, whatever
+they are (stale data, NaN), never reach the output.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.paged_attention.shapes import (
+    PoolDims,
+    check_decode_inputs,
+    check_prefill_inputs,
+)
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def default_scale(head_dim: int, scale: float | None) -> float:
+    """Returns `scale`, or `head_dim**-0.5` when it is None."""
+    return head_dim**-0.5 if scale is None else float(scale)
+
+
+def _gather_rows(pages: jax.Array, page_ids: jax.Array, dims: PoolDims) -> jax.Array:
+    """Gathers `[..., max_pages]` page ids into `[..., max_pages * page_size, H_kv, D]` fp32."""
+    page_ids = jnp.clip(page_ids, 0, dims.num_pages - 1)
+    gathered = pages[page_ids].astype(jnp.float32)
+    lead = page_ids.shape[:-1]
+    return gathered.reshape(
+        *lead, page_ids.shape[-1] * dims.page_size, dims.num_kv_heads, dims.head_dim
+    )
+
+
+def _masked_softmax_weights(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax over the last axis restricted to `mask`; rows with no valid key give all zeros."""
+    logits = jnp.where(mask, logits, -jnp.inf)
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    weights = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
+    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    return weights / jnp.where(denom == 0.0, 1.0, denom)
+
+
+def paged_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_tables: jax.Array,
+    lengths: jax.Array,
+    *,
+    scale: float | None = None,
+) -> jax.Array:
+    """Decode attention of one query token per row over that row's pages.
+
+    Args:
+      q: `[B, H_q, D]` queries, not pre-scaled.
+      k_pages, v_pages: `[P, page_size, H_kv, D]` one layer's page pool.
+      page_tables: `[B, max_pages_per_seq]` int32 page ids; position `t` of row `b` lives in page
+        `page_tables[b, t // page_size]` at offset `t % page_size`. Entries past a row's last page
+        may hold any value (out-of-range ids are clamped, their keys masked).
+      lengths: `[B]` int32 number of valid key positions per row; 0 gives a zero output row.
+      scale: logit scale, default `D**-0.5`.
+
+    Returns:
+      `[B, H_q, D]` in q's dtype.
+    """
+    dims = check_decode_inputs(q, k_pages, v_pages, page_tables, lengths)
+    batch, num_q_heads, head_dim = q.shape
+    group = num_q_heads // dims.num_kv_heads
+    keys = _gather_rows(k_pages, page_tables, dims)  # [B, L, H_kv, D]
+    values = _gather_rows(v_pages, page_tables, dims)
+    valid = jnp.arange(keys.shape[1])[None, :] < lengths[:, None]  # [B, L]
+    values = jnp.where(valid[:, :, None, None], values, 0.0)
+
+    qg = q.astype(jnp.float32).reshape(batch, dims.num_kv_heads, group, head_dim)
+    logits = jnp.einsum("bhgd,blhd->bhgl", qg, keys, precision=_HIGHEST)
+    logits = logits * default_scale(head_dim, scale)
+    weights = _masked_softmax_weights(logits, valid[:, None, None, :])
+    out = jnp.einsum("bhgl,blhd->bhgd", weights, values, precision=_HIGHEST)
+    return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+
+
+def paged_prefill_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    prior_len: jax.Array | int,
+    chunk_k: jax.Array,
+    chunk_v: jax.Array,
+    chunk_len: jax.Array | int,
+    *,
+    scale: float | None = None,
+) -> jax.Array:
+    """Causal attention of one sequence's prefill chunk over its cached pages and itself.
+
+    Query row `i` sits at absolute position `prior_len + i`. It attends to the `prior_len` cached
+    positions read from the pages and to chunk keys `j <= i` with `j < chunk_len`. The chunk's own
+    K/V come from `chunk_k/chunk_v`, so the pages need not hold them yet (and page contents at
+    positions `>= prior_len` are ignored).
+
+    Args:
+      q: `[T, H_q, D]` chunk queries, not pre-scaled; rows `>= chunk_len` are padding.
+      k_pages, v_pages: `[P, page_size, H_kv, D]` one layer's page pool.
+      page_table: `[max_pages_per_seq]` int32 page ids of this sequence.
+      prior_len: int32 scalar, number of positions already cached.
+      chunk_k, chunk_v: `[T, H_kv, D]` the chunk's keys and values.
+      chunk_len: int32 scalar, number of valid chunk rows (`0 <= chunk_len <= T`).
+      scale: logit scale, default `D**-0.5`.
+
+    Returns:
+      `[T, H_q, D]` in q's dtype. Padding rows (`i >= chunk_len`) are exactly zero, as is any row
+      with no valid key.
+    """
+    dims = check_prefill_inputs(
+        q, k_pages, v_pages, page_table, prior_len, chunk_k, chunk_v, chunk_len
+    )
+    num_tokens, num_q_heads, head_dim = q.shape
+    group = num_q_heads // dims.num_kv_heads
+    cached_k = _gather_rows(k_pages, page_table, dims)  # [L, H_kv, D]
+    cached_v = _gather_rows(v_pages, page_table, dims)
+    keys = jnp.concatenate([cached_k, chunk_k.astype(jnp.float32)], axis=0)  # [L + T, H_kv, D]
+    values = jnp.concatenate([cached_v, chunk_v.astype(jnp.float32)], axis=0)
+
+    num_cached = cached_k.shape[0]
+    rows = jnp.arange(num_tokens)
+    cached_valid = jnp.broadcast_to(
+        jnp.arange(num_cached)[None, :] < prior_len, (num_tokens, num_cached)
+    )
+    chunk_valid = (rows[None, :] <= rows[:, None]) & (rows[None, :] < chunk_len)
+    valid = jnp.concatenate([cached_valid, chunk_valid], axis=1)  # [T, L + T]
+    valid = valid & (rows < chunk_len)[:, None]
+    key_used = jnp.any(valid, axis=0)  # [L + T]
+    values = jnp.where(key_used[:, None, None], values, 0.0)
+
+    qg = q.astype(jnp.float32).reshape(num_tokens, dims.num_kv_heads, group, head_dim)
+    logits = jnp.einsum("thgd,shd->hgts", qg, keys, precision=_HIGHEST)
+    logits = logits * default_scale(head_dim, scale)
+    weights = _masked_softmax_weights(logits, valid[None, None, :, :])
+    out = jnp.einsum("hgts,shd->thgd", weights, values, precision=_HIGHEST)
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)

@@ -1,0 +1,132 @@
+"""Trace-time argument checks shared by the paged attention reference and kernel.
+
+Owns the shape and dtype contract of the page pool and the decode/prefill inputs; computes
+nothing on device. Every check runs in Python on static shapes, so a bad call fails at trace time
+with the argument's name and the shape it should have had.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolDims:
+    """Static sizes of one attention layer's page pool `[P, page_size, H_kv, D]`."""
+
+    num_pages: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def _shape_str(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def check_pool(k_pages: jax.Array, v_pages: jax.Array) -> PoolDims:
+    """Checks `k_pages` and `v_pages` are equal-shaped `[P, page_size, H_kv, D]` pools."""
+    _require(
+        k_pages.ndim == 4,
+        "k_pages must be [num_pages, page_size, num_kv_heads, head_dim], got "
+        f"{_shape_str(k_pages.shape)}",
+    )
+    _require(
+        v_pages.shape == k_pages.shape,
+        f"v_pages must have k_pages' shape {_shape_str(k_pages.shape)}, got "
+        f"{_shape_str(v_pages.shape)}",
+    )
+    _require(
+        v_pages.dtype == k_pages.dtype,
+        f"v_pages must have k_pages' dtype {k_pages.dtype}, got {v_pages.dtype}",
+    )
+    return PoolDims(*k_pages.shape)
+
+
+def check_query_heads(name: str, q: jax.Array, dims: PoolDims) -> None:
+    """Checks the last two axes of `q` are `[H_q, D]` with `H_q` a multiple of `H_kv`."""
+    num_q_heads, head_dim = q.shape[-2:]
+    _require(
+        head_dim == dims.head_dim,
+        f"{name} head_dim must equal the pool's head_dim {dims.head_dim}, got "
+        f"{_shape_str(q.shape)}",
+    )
+    _require(
+        num_q_heads % dims.num_kv_heads == 0,
+        f"{name} num_q_heads ({num_q_heads}) must be a multiple of the pool's num_kv_heads "
+        f"({dims.num_kv_heads})",
+    )
+
+
+def _check_int32(name: str, x: jax.Array) -> None:
+    _require(x.dtype == jnp.int32, f"{name} must be int32, got {x.dtype}")
+
+
+def check_decode_inputs(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_tables: jax.Array,
+    lengths: jax.Array,
+) -> PoolDims:
+    """Checks decode inputs: q `[B, H_q, D]`, page_tables `[B, max_pages]`, lengths `[B]`."""
+    dims = check_pool(k_pages, v_pages)
+    _require(
+        q.ndim == 3,
+        f"q must be [B, num_q_heads, head_dim={dims.head_dim}], got {_shape_str(q.shape)}",
+    )
+    check_query_heads("q", q, dims)
+    batch = q.shape[0]
+    _require(
+        page_tables.ndim == 2 and page_tables.shape[0] == batch,
+        f"page_tables must be [B={batch}, max_pages_per_seq], got {_shape_str(page_tables.shape)}",
+    )
+    _check_int32("page_tables", page_tables)
+    _require(
+        lengths.shape == (batch,),
+        f"lengths must be [B={batch}], got {_shape_str(lengths.shape)}",
+    )
+    _check_int32("lengths", lengths)
+    return dims
+
+
+def check_prefill_inputs(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    prior_len: jax.Array,
+    chunk_k: jax.Array,
+    chunk_v: jax.Array,
+    chunk_len: jax.Array,
+) -> PoolDims:
+    """Checks one sequence's prefill inputs: q `[T, H_q, D]`, chunk_k/v `[T, H_kv, D]`."""
+    dims = check_pool(k_pages, v_pages)
+    _require(
+        q.ndim == 3,
+        f"q must be [T, num_q_heads, head_dim={dims.head_dim}], got {_shape_str(q.shape)}",
+    )
+    check_query_heads("q", q, dims)
+    chunk_shape = (q.shape[0], dims.num_kv_heads, dims.head_dim)
+    for name, x in (("chunk_k", chunk_k), ("chunk_v", chunk_v)):
+        _require(
+            x.shape == chunk_shape,
+            f"{name} must be [T, num_kv_heads, head_dim] = {_shape_str(chunk_shape)}, got "
+            f"{_shape_str(x.shape)}",
+        )
+    _require(
+        page_table.ndim == 1,
+        f"page_table must be [max_pages_per_seq], got {_shape_str(page_table.shape)}",
+    )
+    _check_int32("page_table", page_table)
+    for name, x in (("prior_len", prior_len), ("chunk_len", chunk_len)):
+        _require(jnp.ndim(x) == 0, f"{name} must be a scalar, got {_shape_str(jnp.shape(x))}")
+    return dims
