@@ -1,0 +1,301 @@
+"""The `cache` store: host memory, a fixed slab of slots managed by a CacheBuffer.
+
+Config: `capacity` (blocks), `policy` (`lru`|`clock`|`fifo`, default `lru`), `block_bytes` (every
+block is exactly this many bytes, split over any number of buffers), `num_threads` (transfer
+threads, default 2), and `piped_lower_store` (injected by a pipe: the tier below).
+
+Owns the slab, the CacheBuffer and the job table. With a lower tier it writes through (a dump
+completes only once the tier below holds the block too, so an evicted block stays readable from
+there) and is Prefetchable (see memory_prefetch). Safety rules enforced here (G4): a final
+`commit` or an `unpin` that would leave a block unguarded is refused while a job on that block has
+not been consumed; `commit(True)` publishes only blocks a successful dump wrote (G2).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ninfer_jax.store.base import Prefetchable, Store, TokenAddressed
+from ninfer_jax.store.cache_buffer import CacheBuffer
+from ninfer_jax.store.config import get_int, get_str, reject_unknown, require_mapping
+from ninfer_jax.store.errors import InvalidParam
+from ninfer_jax.store.jobs import JobTable
+from ninfer_jax.store.policy import known_policies
+from ninfer_jax.store.transfer import TransferPool, gather, scatter
+from ninfer_jax.store.types import (
+    AddressedToken, BlockId, BlockPayload, IoResult, JobDescriptor, RequestContext, ids_hex,
+)
+
+_FIELDS = ("capacity", "policy", "block_bytes", "num_threads", "piped_lower_store")
+
+
+class CacheStore(Store):
+    name = "cache"
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self.lock = threading.RLock()
+        self.lower: Store | None = None
+
+    def setup(self, config: Mapping[str, Any]) -> None:
+        from ninfer_jax.store import policies  # noqa: F401  (registers lru/clock/fifo)
+        from ninfer_jax.store.memory_prefetch import CachePrefetch
+
+        config = require_mapping(config, "cache")
+        reject_unknown(config, _FIELDS, "cache")
+        capacity = get_int(config, "capacity", "cache", minimum=1)
+        policy = get_str(config, "policy", "cache", default="lru", choices=known_policies())
+        self.block_bytes = get_int(config, "block_bytes", "cache", minimum=1)
+        num_threads = get_int(config, "num_threads", "cache", default=2, minimum=1)
+        lower = config.get("piped_lower_store")
+        if lower is not None and not isinstance(lower, Store):
+            raise InvalidParam(f"cache: config field 'piped_lower_store' must be a Store, "
+                               f"got {type(lower).__name__}")
+        self.lower = lower
+        self.buffer = CacheBuffer(capacity, policy, self._clock)
+        self.slab = np.empty((capacity, self.block_bytes), dtype=np.uint8)
+        self.jobs = JobTable("cache")
+        self.pool = TransferPool("cache", num_threads)
+        self._busy: dict[BlockId, int] = {}
+        self._written: set[BlockId] = set()
+        self._lower_job_ids = itertools.count()
+        self._token_facet = _CacheTokenFacet(self)
+        self._prefetch_facet = CachePrefetch(self) if lower is not None else None
+
+    def as_token_addressed(self) -> TokenAddressed:
+        return self._token_facet
+
+    def as_prefetchable(self) -> Prefetchable | None:
+        return self._prefetch_facet
+
+    # -- base Store: self-guarded transfers ------------------------------------------------------
+    def lookup(self, ids: Sequence[BlockId]) -> list[bool]:
+        with self.lock:
+            return self.buffer.lookup(ids)
+
+    def touch(self, ids: Sequence[BlockId], ttl_ms: int | None) -> None:
+        with self.lock:
+            self.buffer.touch(ids, ttl_ms)
+
+    def load(self, job_id: int, job: JobDescriptor) -> None:
+        """Pins the blocks for the transfer's duration; a missing block is NotFound."""
+        with self.lock:
+            slots = self.buffer.pin(job.block_ids)
+            try:
+                self.check_sizes(job)
+                self.jobs.accept(job_id)
+            except Exception:
+                self.buffer.unpin(job.block_ids)
+                raise
+
+        def work() -> bool:
+            try:
+                self.copy_out(slots, job.payloads)
+            finally:
+                with self.lock:
+                    self.buffer.unpin(job.block_ids)
+            return True
+
+        self.pool.start(self.jobs, job_id, job.prerequisite, work)
+
+    def dump(self, job_id: int, job: JobDescriptor) -> None:
+        """Reserves, writes (through to the tier below) and commits on the transfer's outcome."""
+        with self.lock:
+            self.check_sizes(job)
+            slots = self.buffer.reserve(job.block_ids).slots
+            try:
+                self.jobs.accept(job_id)
+            except Exception:
+                self.buffer.commit(job.block_ids, False)
+                raise
+
+        def work() -> bool:
+            ok = False
+            try:
+                ok = self.copy_in(slots, job)
+            finally:
+                with self.lock:
+                    self.buffer.commit(job.block_ids, ok)
+            return ok
+
+        self.pool.start(self.jobs, job_id, job.prerequisite, work)
+
+    def get_finished(self) -> list[IoResult]:
+        return self.jobs.get_finished()
+
+    def wait(self, job_ids: Sequence[int]) -> list[IoResult]:
+        return self.jobs.wait(job_ids)
+
+    def close(self) -> None:
+        self.jobs.wait_all_finished()
+        self.pool.shutdown()
+
+    # -- shared by the facets --------------------------------------------------------------------
+    def check_sizes(self, job: JobDescriptor) -> None:
+        for block_id, payload in zip(job.block_ids, job.payloads):
+            if payload.nbytes != self.block_bytes:
+                raise InvalidParam(f"cache: payload of block {block_id.hex()} has "
+                                   f"{payload.nbytes} bytes, block_bytes is {self.block_bytes}")
+
+    def copy_out(self, slots: Sequence[int], payloads: Sequence[BlockPayload]) -> None:
+        for slot, payload in zip(slots, payloads):
+            scatter(self.slab[slot], payload.views())
+
+    def copy_in(self, slots: Sequence[int], job: JobDescriptor) -> bool:
+        """Writes the sources into the slots, then through to the tier below; True if both did."""
+        for slot, payload in zip(slots, job.payloads):
+            gather(payload.views(), self.slab[slot])
+        if self.lower is None:
+            return True
+        rows = [BlockPayload([self.slab[slot]]) for slot in slots]
+        return self.lower_transfer("dump", job.block_ids, rows)
+
+    def lower_transfer(self, kind: str, ids: list[BlockId], payloads: list[BlockPayload],
+                       token: AddressedToken | None = None) -> bool:
+        """Runs one load or dump on the tier below and waits for it; this store is its only user.
+
+        A dump on a tokened lower tier is admitted and concluded around the transfer; a load
+        uses `token` (the lower tier's pin) when the tier is tokened.
+        """
+        assert self.lower is not None
+        job_id = next(self._lower_job_ids)
+        job = JobDescriptor(ids, payloads, description=f"cache {kind} via lower tier")
+        facet = self.lower.as_token_addressed()
+        if facet is None:
+            getattr(self.lower, kind)(job_id, job)
+            return self.lower.wait([job_id])[0].success
+        if kind == "load":
+            facet.load(job_id, job, token or AddressedToken(tuple(ids)))
+            return self.lower.wait([job_id])[0].success
+        lower_token = facet.alloc(ids, None)
+        ok = False
+        try:
+            facet.dump(job_id, job, lower_token)
+            ok = self.lower.wait([job_id])[0].success
+        finally:
+            facet.commit(ids, ok)
+        return ok
+
+    def track(self, job_id: int, ids: Sequence[BlockId],
+              on_consumed: Callable[[bool], None] | None = None) -> None:
+        """Accepts a job and counts it busy on `ids` until its completion is consumed."""
+
+        def release(success: bool) -> None:
+            with self.lock:
+                for block_id in ids:
+                    self._busy[block_id] -= 1
+                    if not self._busy[block_id]:
+                        del self._busy[block_id]
+            if on_consumed is not None:
+                on_consumed(success)
+
+        self.jobs.accept(job_id, release)
+        for block_id in ids:
+            self._busy[block_id] = self._busy.get(block_id, 0) + 1
+
+    def require_idle(self, ids: Sequence[BlockId], action: str) -> None:
+        busy = [block_id for block_id in ids if self._busy.get(block_id)]
+        if busy:
+            raise InvalidParam(f"cache: {action} of block(s) {ids_hex(busy)} refused: a job on "
+                               "them has not been consumed by get_finished/wait yet")
+
+    def mark_written(self, ids: Sequence[BlockId]) -> None:
+        with self.lock:
+            self._written.update(ids)
+
+    def is_written(self, block_id: BlockId) -> bool:
+        return block_id in self._written
+
+    def forget_written(self, ids: Sequence[BlockId]) -> None:
+        self._written.difference_update(ids)
+
+
+class _CacheTokenFacet(TokenAddressed):
+    """Pins and two-phase admission for CacheStore; transfers carry the token's keys."""
+
+    def __init__(self, store: CacheStore):
+        self._s = store
+
+    def pin(self, ids: Sequence[BlockId]) -> AddressedToken:
+        with self._s.lock:
+            self._s.buffer.pin(ids)
+        return AddressedToken(tuple(ids))
+
+    def unpin(self, ids: Sequence[BlockId]) -> None:
+        s = self._s
+        with s.lock:
+            last = [b for b in ids if s.buffer.pin_count(b) == 1]
+            s.require_idle(last, "unpin")
+            s.buffer.unpin(ids)
+
+    def alloc(self, ids: Sequence[BlockId], ctx: RequestContext | None) -> AddressedToken:
+        with self._s.lock:
+            self._s.buffer.reserve(ids, None if ctx is None else ctx.ttl_ms)
+        return AddressedToken(tuple(ids))
+
+    def commit(self, ids: Sequence[BlockId], success: bool) -> None:
+        s = self._s
+        with s.lock:
+            for block_id in ids:
+                if s.buffer.alloc_refs(block_id) == 0:
+                    raise InvalidParam(f"commit: block {block_id.hex()} has no outstanding alloc")
+            final = [b for b in ids if s.buffer.alloc_refs(b) == 1]
+            s.require_idle(final, "final commit")
+            # A success vote counts only for data a successful dump actually wrote (G2).
+            votes = {b: bool(success) and s.is_written(b) for b in ids}
+            s.forget_written(final)
+            s.buffer.commit([b for b in ids if votes[b]], True)
+            s.buffer.commit([b for b in ids if not votes[b]], False)
+
+    def load(self, job_id: int, job: JobDescriptor, token: AddressedToken) -> None:
+        s = self._s
+        with s.lock:
+            _check_token(job, token)
+            unpinned = [b for b in job.block_ids if s.buffer.pin_count(b) == 0]
+            if unpinned:
+                raise InvalidParam(f"cache: load of unpinned block(s) {ids_hex(unpinned)}; "
+                                   "pin them first")
+            slots = [s.buffer.slot_of(b) for b in job.block_ids]
+            missing = [b for b, slot in zip(job.block_ids, slots) if slot is None]
+            if missing:
+                raise InvalidParam(f"cache: load of expired block(s) {ids_hex(missing)}")
+            s.check_sizes(job)
+            s.track(job_id, job.block_ids)
+
+        def work() -> bool:
+            s.copy_out(slots, job.payloads)
+            return True
+
+        s.pool.start(s.jobs, job_id, job.prerequisite, work)
+
+    def dump(self, job_id: int, job: JobDescriptor, token: AddressedToken) -> None:
+        s = self._s
+        with s.lock:
+            _check_token(job, token)
+            slots = [s.buffer.reserved_slot(b) for b in job.block_ids]
+            missing = [b for b, slot in zip(job.block_ids, slots) if slot is None]
+            if missing:
+                raise InvalidParam(f"cache: dump of block(s) {ids_hex(missing)} without an "
+                                   "outstanding alloc")
+            s.check_sizes(job)
+            s.track(job_id, job.block_ids)
+
+        def work() -> bool:
+            ok = s.copy_in(slots, job)
+            if ok:
+                s.mark_written(job.block_ids)
+            return ok
+
+        s.pool.start(s.jobs, job_id, job.prerequisite, work)
+
+
+def _check_token(job: JobDescriptor, token: AddressedToken) -> None:
+    if list(token.keys) != list(job.block_ids):
+        raise InvalidParam(f"token keys ({ids_hex(token.keys)}) do not match the job's block ids "
+                           f"({ids_hex(job.block_ids)})")
