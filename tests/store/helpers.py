@@ -1,0 +1,59 @@
+"""Shared test helpers: ids, payloads, a fake monotonic clock, small stores."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ninfer_jax.store import BlockId, BlockPayload, CacheBuffer
+from ninfer_jax.store.memory import CacheStore
+
+BLOCK_BYTES = 64
+
+
+def bid(i: int) -> BlockId:
+    return BlockId(i.to_bytes(16, "little"))
+
+
+def ids(*numbers: int) -> list[BlockId]:
+    return [bid(i) for i in numbers]
+
+
+def block_data(i: int, nbytes: int = BLOCK_BYTES) -> np.ndarray:
+    return (np.arange(nbytes, dtype=np.uint32) * 7 + i * 131).astype(np.uint8)
+
+
+def payloads(numbers, nbytes: int = BLOCK_BYTES) -> list[BlockPayload]:
+    return [BlockPayload([block_data(i, nbytes)]) for i in numbers]
+
+
+def empties(n: int, nbytes: int = BLOCK_BYTES) -> list[BlockPayload]:
+    return [BlockPayload([np.zeros(nbytes, np.uint8)]) for _ in range(n)]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def buffer(capacity: int = 4, policy: str = "lru", clock: FakeClock | None = None) -> CacheBuffer:
+    return CacheBuffer(capacity, policy, clock or FakeClock())
+
+
+def cache_store(capacity: int = 4, policy: str = "lru", clock=None, lower=None) -> CacheStore:
+    store = CacheStore(clock or FakeClock())
+    config = {"capacity": capacity, "policy": policy, "block_bytes": BLOCK_BYTES}
+    if lower is not None:
+        config["piped_lower_store"] = lower
+    store.setup(config)
+    return store
+
+
+def admit(buf: CacheBuffer, numbers, ttl_ms=None) -> None:
+    buf.reserve(ids(*numbers), ttl_ms)
+    buf.commit(ids(*numbers), True)
