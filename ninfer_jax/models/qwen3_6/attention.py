@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from ninfer_jax.models.qwen3_6.config import ModelConfig
-from ninfer_jax.models.qwen3_6.layers import apply_rope, dense, rms_norm
+from ninfer_jax.models.qwen3_6.layers import apply_rope, dense, einsum32, rms_norm
 
 
 class KVAccess(Protocol):
@@ -44,11 +44,11 @@ def _grouped_attention(q, k, v, mask):
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d**-0.5)
+    scores = einsum32("btkgd,bskd->bkgts", qg, k) * (d**-0.5)
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(mask[:, None, None].any(-1, keepdims=True), probs, 0.0).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    out = einsum32("bkgts,bskd->btkgd", probs, v)
     return out.reshape(b, t, hq, d).astype(q.dtype)
 
 

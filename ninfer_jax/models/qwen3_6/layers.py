@@ -12,9 +12,20 @@ import jax.numpy as jnp
 from ninfer_jax.models.qwen3_6.config import ModelConfig
 
 
+def einsum32(subscripts: str, *operands: jax.Array) -> jax.Array:
+    """einsum with fp32 accumulation and an fp32 result.
+
+    XLA:CPU has no bf16 x bf16 -> f32 dot, so there the operands are upcast first; on
+    accelerators the operands stay in their dtype and only the accumulator is fp32.
+    """
+    if jax.default_backend() == "cpu":
+        operands = tuple(o.astype(jnp.float32) for o in operands)
+    return jnp.einsum(subscripts, *operands, preferred_element_type=jnp.float32)
+
+
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., in] @ w [in, out] with fp32 accumulation, returned in x's dtype."""
-    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    return einsum32("...i,io->...o", x, w).astype(x.dtype)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -73,26 +84,24 @@ def moe(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
     n, k, e = xt.shape[0], cfg.num_experts_per_tok, cfg.num_experts
-    logits = jnp.matmul(xt, p["router"], preferred_element_type=jnp.float32)
+    logits = einsum32("nh,he->ne", xt, p["router"])
     probs = jax.nn.softmax(logits, axis=-1)
     top_w, top_i = jax.lax.top_k(probs, k)
     top_w = (top_w / jnp.sum(top_w, axis=-1, keepdims=True)).astype(x.dtype)
     ex = p["experts"]
     if n * k < e:
-        gate = jnp.einsum("nh,nkhi->nki", xt, ex["gate"][top_i], preferred_element_type=jnp.float32)
-        up = jnp.einsum("nh,nkhi->nki", xt, ex["up"][top_i], preferred_element_type=jnp.float32)
+        gate = einsum32("nh,nkhi->nki", xt, ex["gate"][top_i])
+        up = einsum32("nh,nkhi->nki", xt, ex["up"][top_i])
         act = (jax.nn.silu(gate) * up).astype(x.dtype)
-        out = jnp.einsum("nki,nkih->nkh", act, ex["down"][top_i], preferred_element_type=jnp.float32)
-        routed = jnp.einsum("nkh,nk->nh", out.astype(x.dtype), top_w,
-                            preferred_element_type=jnp.float32).astype(x.dtype)
+        out = einsum32("nki,nkih->nkh", act, ex["down"][top_i])
+        routed = einsum32("nkh,nk->nh", out.astype(x.dtype), top_w).astype(x.dtype)
     else:
-        gate = jnp.einsum("nh,ehi->nei", xt, ex["gate"], preferred_element_type=jnp.float32)
-        up = jnp.einsum("nh,ehi->nei", xt, ex["up"], preferred_element_type=jnp.float32)
+        gate = einsum32("nh,ehi->nei", xt, ex["gate"])
+        up = einsum32("nh,ehi->nei", xt, ex["up"])
         act = (jax.nn.silu(gate) * up).astype(x.dtype)
-        out = jnp.einsum("nei,eih->neh", act, ex["down"], preferred_element_type=jnp.float32)
+        out = einsum32("nei,eih->neh", act, ex["down"])
         combine = jnp.zeros((n, e), x.dtype).at[jnp.arange(n)[:, None], top_i].set(top_w)
-        routed = jnp.einsum("neh,ne->nh", out.astype(x.dtype), combine,
-                            preferred_element_type=jnp.float32).astype(x.dtype)
+        routed = einsum32("neh,ne->nh", out.astype(x.dtype), combine).astype(x.dtype)
     shared = swiglu(p["shared"], xt) * jax.nn.sigmoid(dense(xt, p["shared_gate"]))
     return (routed + shared).reshape(shape)
 

@@ -1,0 +1,86 @@
+"""The `ninfer` command line (absl flags): `ninfer <command> --flag=value ...`.
+
+Owns flags, exit codes and what goes to stdout (answers) versus stderr (progress, timing).
+Commands: convert (HF checkpoint -> artifact), logits (next-token predictions of a model).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("hf_dir", None, "convert: the HF checkpoint directory to read")
+flags.DEFINE_string("out", None, "convert: the artifact directory to write")
+flags.DEFINE_string("model", None, "artifact or HF checkpoint directory")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights/activations dtype")
+flags.DEFINE_list("prompt_ids", None, "logits: comma-separated prompt token ids")
+flags.DEFINE_integer("top", 5, "logits: how many top next tokens to print")
+
+COMMANDS = ("convert", "logits")
+
+
+def _convert() -> int:
+    from ninfer_jax.artifact.convert import convert
+
+    if not FLAGS.hf_dir or not FLAGS.out:
+        raise app.UsageError("convert needs --hf_dir=DIR and --out=DIR")
+    start = time.perf_counter()
+    path, notes = convert(FLAGS.hf_dir, FLAGS.out, dtype=FLAGS.dtype)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(f"wrote {path} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    print(path)
+    return 0
+
+
+def _logits() -> int:
+    import numpy as np
+
+    from ninfer_jax import load_model
+
+    if not FLAGS.model or not FLAGS.prompt_ids:
+        raise app.UsageError("logits needs --model=DIR and --prompt_ids=1,2,3")
+    try:
+        ids = np.array([[int(t) for t in FLAGS.prompt_ids]], np.int32)
+    except ValueError as e:
+        raise app.UsageError(f"--prompt_ids must be integers: {e}") from e
+    start = time.perf_counter()
+    model = load_model(FLAGS.model, dtype=FLAGS.dtype)
+    logits = model.logits(ids)[0, -1]
+    print(f"loaded and ran in {time.perf_counter() - start:.2f}s", file=sys.stderr)
+    top = np.argsort(-logits)[: FLAGS.top]
+    logp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+    for t in top:
+        print(f"{int(t)}\t{logp[t]:.4f}")
+    return 0
+
+
+def _main(argv: list[str]) -> int:
+    from ninfer_jax.compile_cache import enable_persistent_cache
+    from ninfer_jax.errors import NinferError
+
+    if len(argv) != 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    enable_persistent_cache()
+    try:
+        return {"convert": _convert, "logits": _logits}[_COMMAND]()
+    except NinferError as e:
+        logging.error("%s", e)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+_COMMAND = ""
+
+
+def run() -> None:
+    """Console-script entry: the first argument picks the command."""
+    global _COMMAND
+    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
+        print(f"usage: ninfer <{'|'.join(COMMANDS)}> [--flags]", file=sys.stderr)
+        sys.exit(2)
+    _COMMAND = sys.argv.pop(1)
+    app.run(_main)

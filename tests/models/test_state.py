@@ -1,0 +1,106 @@
+"""Carried state: prefill + decode equals the full forward; chunked GDN equals recurrent GDN."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ninfer_jax.models.qwen3_6 import ContiguousKV, GDNState, forward, step
+from ninfer_jax.models.qwen3_6.gdn import chunked_delta_rule, recurrent_delta_rule
+from tests.models.conftest import jit_static_cfg, loaded, reference, rel_err
+
+_step = jit_static_cfg(step)
+
+
+def _full(model, ids):
+    return model.logits(np.asarray(ids))
+
+
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_prefill_then_decode_equals_full_forward(name):
+    model = loaded(name)
+    cfg, params = model.config, model.params
+    ids = jnp.asarray(reference(name)["token_ids"])
+    b, t1, t2 = ids.shape[0], 13, 11
+    full = _full(model, ids[:, : t1 + t2])
+    out = _step(params, cfg, ids[:, :t1], jnp.zeros((b,), jnp.int32),
+                GDNState.zeros(cfg, b), ContiguousKV.zeros(cfg, b, max_len=64))
+    got = [out.logits]
+    kv = out.kv.advance(jnp.full((b,), t1, jnp.int32))
+    gdn = out.gdn
+    for i in range(t2):
+        pos = jnp.full((b,), t1 + i, jnp.int32)
+        out = _step(params, cfg, ids[:, t1 + i : t1 + i + 1], pos, gdn, kv)
+        got.append(out.logits)
+        gdn, kv = out.gdn, out.kv.advance(jnp.ones((b,), jnp.int32))
+    assert rel_err(np.concatenate(got, axis=1), full) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_padded_chunks_with_ragged_rows_then_decode_match_each_row_alone(name):
+    """Fixed-size chunks, the last one padded per row (num_valid), rows of different lengths."""
+    model = loaded(name)
+    cfg, params = model.config, model.params
+    ids = np.asarray(reference(name)["token_ids"])
+    lens = np.array([13, 7, 20], np.int32)
+    chunk, b = 8, 3
+    gdn, kv = GDNState.zeros(cfg, b), ContiguousKV.zeros(cfg, b, max_len=64)
+    last = [None] * b
+    for c in range(0, int(lens.max()), chunk):
+        num_valid = np.clip(lens - c, 0, chunk).astype(np.int32)
+        out = _step(params, cfg, jnp.asarray(ids[:, c : c + chunk]), kv.lengths, gdn, kv,
+                    jnp.asarray(num_valid))
+        for r in range(b):
+            if num_valid[r] > 0:
+                last[r] = np.asarray(out.logits[r, num_valid[r] - 1])
+        gdn, kv = out.gdn, out.kv.advance(jnp.asarray(num_valid))
+    decoded = []
+    tokens = np.array([ids[r, lens[r]] for r in range(b)], np.int32)[:, None]
+    for _ in range(4):
+        out = _step(params, cfg, jnp.asarray(tokens), kv.lengths, gdn, kv)
+        decoded.append(np.asarray(out.logits[:, 0]))
+        gdn, kv = out.gdn, out.kv.advance(jnp.ones((b,), jnp.int32))
+        tokens = np.asarray(out.logits[:, 0]).argmax(-1).astype(np.int32)[:, None]
+    for r in range(b):
+        seq = list(ids[r, : lens[r] + 1])
+        for d in decoded[:-1]:
+            seq.append(int(d[r].argmax()))
+        alone = _full(model, np.array([seq]))[0]
+        assert rel_err(last[r], alone[lens[r] - 1]) <= 1e-5
+        for j, d in enumerate(decoded):
+            assert rel_err(d[r], alone[lens[r] + j]) <= 1e-5
+
+
+def _random_gdn_inputs(seed, b=2, t=45, h=3, dk=16, dv=24):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, t, h, dk)).astype(np.float32)
+    k = rng.standard_normal((b, t, h, dk)).astype(np.float32)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(dk)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((b, t, h, dv)).astype(np.float32)
+    g = -rng.uniform(0.0, 0.7, (b, t, h)).astype(np.float32)
+    beta = rng.uniform(0.0, 1.0, (b, t, h)).astype(np.float32)
+    s0 = rng.standard_normal((b, h, dk, dv)).astype(np.float32) * 0.3
+    return tuple(map(jnp.asarray, (q, k, v, g, beta, s0)))
+
+
+@pytest.mark.parametrize("seed,chunk", [(0, 16), (1, 8), (2, 64)])
+def test_chunked_delta_rule_equals_recurrent(seed, chunk):
+    q, k, v, g, beta, s0 = _random_gdn_inputs(seed)
+    assert q.shape[1] % chunk != 0
+    out_r, s_r = jax.jit(recurrent_delta_rule)(q, k, v, g, beta, s0)
+    out_c, s_c = jax.jit(chunked_delta_rule, static_argnums=6)(q, k, v, g, beta, s0, chunk)
+    assert rel_err(out_c, out_r) <= 1e-5
+    assert rel_err(s_c, s_r) <= 1e-5
+
+
+def test_chunk_size_does_not_change_the_model():
+    model = loaded("dense")
+    ids = reference("dense")["token_ids"]
+    small = dataclasses.replace(model.config, gdn_chunk_size=8)
+    got = jit_static_cfg(forward)(model.params, small, jnp.asarray(ids))
+    assert rel_err(got, model.logits(ids)) <= 1e-5
