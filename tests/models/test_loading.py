@@ -174,3 +174,26 @@ def test_a_second_process_reuses_compiled_code(tmp_path):
     hits = [int(r.stdout.split("HITS")[1]) for r in runs]
     assert hits[0] == 0 and hits[1] >= 1, hits
     assert any(pathlib.Path(tmp_path / "cache").iterdir())
+
+
+def test_tiny_configs_match_the_fixtures_and_init_params_fits_the_schema():
+    from ninfer_jax.models.qwen3_6.weights import check_param_shapes, init_params
+    from ninfer_jax.testing import tiny_dense, tiny_moe
+
+    for name, cfg in (("dense", tiny_dense()), ("moe", tiny_moe())):
+        fixture = loaded(name).config
+        assert cfg == type(fixture)(**{**fixture.__dict__, "max_position_embeddings": 4096})
+        params = init_params(cfg, jax.random.key(0), num_mtp_layers=1)
+        check_param_shapes(cfg, params)
+
+
+def test_real_presets_are_valid():
+    from configs.models import MEDIUM, QWEN3_6_27B, QWEN3_6_35B_A3B
+
+    assert QWEN3_6_27B.layer_period == 4 and QWEN3_6_27B.num_attention_layers == 16
+    assert QWEN3_6_35B_A3B.conv_dim == 2 * 16 * 128 + 32 * 128
+    from ninfer_jax.models.qwen3_6.weights import param_shapes
+
+    count = sum(int(np.prod(s)) for s in jax.tree.leaves(
+        param_shapes(MEDIUM), is_leaf=lambda x: isinstance(x, tuple)))
+    assert 400e6 <= count <= 600e6, count

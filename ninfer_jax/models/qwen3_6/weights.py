@@ -273,3 +273,33 @@ def check_param_shapes(cfg: ModelConfig, params: dict) -> None:
             raise CheckpointError(f"params have an unexpected leaf {name}")
         if got[path] != want[path]:
             raise CheckpointError(f"params leaf {name} has shape {got[path]}, expected {want[path]}")
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=np.float32, num_mtp_layers: int = 0,
+                std: float = 0.02) -> dict:
+    """Random params of the schema's shapes (training from scratch, benchmarks).
+
+    Matrices ~ N(0, std); zero-centred norms 0 (identity); the GDN gated norm 1; `A_log` and
+    `dt_bias` as transformers initialises them (A ~ U(1, 16), dt_bias 1).
+    """
+    import jax.numpy as jnp
+
+    shapes = param_shapes(cfg, num_mtp_layers)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+        shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(key, len(flat))
+    leaves = []
+    for (path, shape), k in zip(flat, keys):
+        name = jax.tree_util.keystr(path)
+        if name.endswith("['A_log']"):
+            leaf = jnp.log(jax.random.uniform(k, shape, minval=1.0, maxval=16.0))
+        elif name.endswith("['dt_bias']"):
+            leaf = jnp.ones(shape)
+        elif name.endswith("['mixer']['norm']"):
+            leaf = jnp.ones(shape)
+        elif "norm" in name.rsplit("[", 1)[-1]:
+            leaf = jnp.zeros(shape)
+        else:
+            leaf = std * jax.random.normal(k, shape)
+        leaves.append(leaf.astype(dtype))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
