@@ -7,8 +7,8 @@ threads, default 2), and `piped_lower_store` (injected by a pipe: the tier below
 Owns the slab, the CacheBuffer and the job table. With a lower tier it writes through (a dump
 completes only once the tier below holds the block too, so an evicted block stays readable from
 there) and is Prefetchable (see memory_prefetch). Safety rules enforced here (G4): a final
-`commit` or an `unpin` that would leave a block unguarded is refused while a job on that block has
-not been consumed; `commit(True)` publishes only blocks a successful dump wrote (G2).
+`commit` is refused while a dump of the block is unconsumed, and an `unpin` that would leave a
+block unpinned is refused while a load of it is unconsumed; `commit(True)` publishes only blocks a successful dump wrote (G2).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class CacheStore(Store):
         self.slab = np.empty((capacity, self.block_bytes), dtype=np.uint8)
         self.jobs = JobTable("cache")
         self.pool = TransferPool("cache", num_threads)
-        self._busy: dict[BlockId, int] = {}
+        self._busy: dict[tuple[bool, BlockId], int] = {}
         self._written: set[BlockId] = set()
         self._lower_job_ids = itertools.count()
         self._token_facet = _CacheTokenFacet(self)
@@ -182,25 +182,29 @@ class CacheStore(Store):
             facet.commit(ids, ok)
         return ok
 
-    def track(self, job_id: int, ids: Sequence[BlockId],
+    def track(self, job_id: int, ids: Sequence[BlockId], writes: bool,
               on_consumed: Callable[[bool], None] | None = None) -> None:
-        """Accepts a job and counts it busy on `ids` until its completion is consumed."""
+        """Accepts a job and counts it busy on `ids` until its completion is consumed.
+
+        Reads (loads) guard pins; writes (dumps, prefetches) guard reservations.
+        """
+        keys = [(writes, block_id) for block_id in ids]
 
         def release(success: bool) -> None:
             with self.lock:
-                for block_id in ids:
-                    self._busy[block_id] -= 1
-                    if not self._busy[block_id]:
-                        del self._busy[block_id]
+                for key in keys:
+                    self._busy[key] -= 1
+                    if not self._busy[key]:
+                        del self._busy[key]
             if on_consumed is not None:
                 on_consumed(success)
 
         self.jobs.accept(job_id, release)
-        for block_id in ids:
-            self._busy[block_id] = self._busy.get(block_id, 0) + 1
+        for key in keys:
+            self._busy[key] = self._busy.get(key, 0) + 1
 
-    def require_idle(self, ids: Sequence[BlockId], action: str) -> None:
-        busy = [block_id for block_id in ids if self._busy.get(block_id)]
+    def require_idle(self, ids: Sequence[BlockId], writes: bool, action: str) -> None:
+        busy = [block_id for block_id in ids if self._busy.get((writes, block_id))]
         if busy:
             raise InvalidParam(f"cache: {action} of block(s) {ids_hex(busy)} refused: a job on "
                                "them has not been consumed by get_finished/wait yet")
@@ -231,7 +235,7 @@ class _CacheTokenFacet(TokenAddressed):
         s = self._s
         with s.lock:
             last = [b for b in ids if s.buffer.pin_count(b) == 1]
-            s.require_idle(last, "unpin")
+            s.require_idle(last, False, "unpin")
             s.buffer.unpin(ids)
 
     def alloc(self, ids: Sequence[BlockId], ctx: RequestContext | None) -> AddressedToken:
@@ -246,7 +250,7 @@ class _CacheTokenFacet(TokenAddressed):
                 if s.buffer.alloc_refs(block_id) == 0:
                     raise InvalidParam(f"commit: block {block_id.hex()} has no outstanding alloc")
             final = [b for b in ids if s.buffer.alloc_refs(b) == 1]
-            s.require_idle(final, "final commit")
+            s.require_idle(final, True, "final commit")
             # A success vote counts only for data a successful dump actually wrote (G2).
             votes = {b: bool(success) and s.is_written(b) for b in ids}
             s.forget_written(final)
@@ -266,7 +270,7 @@ class _CacheTokenFacet(TokenAddressed):
             if missing:
                 raise InvalidParam(f"cache: load of expired block(s) {ids_hex(missing)}")
             s.check_sizes(job)
-            s.track(job_id, job.block_ids)
+            s.track(job_id, job.block_ids, writes=False)
 
         def work() -> bool:
             s.copy_out(slots, job.payloads)
@@ -284,7 +288,7 @@ class _CacheTokenFacet(TokenAddressed):
                 raise InvalidParam(f"cache: dump of block(s) {ids_hex(missing)} without an "
                                    "outstanding alloc")
             s.check_sizes(job)
-            s.track(job_id, job.block_ids)
+            s.track(job_id, job.block_ids, writes=True)
 
         def work() -> bool:
             ok = s.copy_in(slots, job)

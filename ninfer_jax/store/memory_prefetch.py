@@ -95,7 +95,7 @@ class CachePrefetch(Prefetchable):
                         record.num_failed += 1
 
             try:
-                s.track(job_id, record.ids, consumed)
+                s.track(job_id, record.ids, True, consumed)
             except StoreError:
                 record.running.discard(job_id)
                 raise
