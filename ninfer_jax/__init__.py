@@ -1,9 +1,22 @@
 """ninfer-jax: a JAX/XLA inference engine for the Qwen3.6 model family.
 
 The public API a notebook needs lives here; everything else is importable from its module.
+Names are resolved lazily so that importing a jax-free subpackage (`ninfer_jax.store`,
+`ninfer_jax.engine`, `ninfer_jax.frontend`) does not import jax.
 """
 
-from ninfer_jax.loader import LoadedModel, load_model
+import importlib
 
-__all__ = ["LoadedModel", "load_model"]
+_EXPORTS = {
+    "LoadedModel": "ninfer_jax.loader",
+    "load_model": "ninfer_jax.loader",
+}
+
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'ninfer_jax' has no attribute {name!r}")
