@@ -1,0 +1,137 @@
+"""The Program's pure step functions: `(params, pools, inputs) -> (pools, outputs)`.
+
+Pools are donated by the executable table; every step writes only K/V pages (at positions past
+the committed frontier) and the provisional GDN rows. `commit_step` is the only function that
+changes committed state (GDN slots, penalty counts), for exactly the rows it is told to accept.
+Page ids, slot ids and positions are data; only the batch size and chunk length are shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ninfer_jax.models.qwen3_6 import GDNState, ModelConfig, step
+from ninfer_jax.program.config import ProgramConfig
+from ninfer_jax.program.pools import PagedKV, Pools
+from ninfer_jax.program.sampling import (
+    SamplingArrays, apply_penalties, mark_prompt_tokens, sample,
+)
+
+
+def _register(data, meta=()):
+    return functools.partial(jax.tree_util.register_dataclass, data_fields=list(data),
+                             meta_fields=list(meta))
+
+
+@_register(["token_ids", "start_pos", "num_valid", "page_table", "slot", "reset", "sampling",
+            "step_index"])
+@dataclasses.dataclass(frozen=True)
+class PrefillInputs:
+    token_ids: jax.Array  # [1, C] int32, the chunk (padded past num_valid)
+    start_pos: jax.Array  # [1] int32, absolute position of token_ids[0, 0]
+    num_valid: jax.Array  # [1] int32, real tokens in the chunk
+    page_table: jax.Array  # [1, max_pages_per_seq] int32
+    slot: jax.Array  # [1] int32, the sequence's committed state slot
+    reset: jax.Array  # [1] bool, first chunk from root: start from zero state
+    sampling: SamplingArrays  # [1] per-row sampling settings
+    step_index: jax.Array  # [1] int32, generated tokens committed so far (the RNG stream index)
+
+
+@_register(["token_ids", "positions", "slots", "page_tables", "sampling", "step_index"])
+@dataclasses.dataclass(frozen=True)
+class DecodeInputs:
+    token_ids: jax.Array  # [B] int32, each row's last committed token
+    positions: jax.Array  # [B] int32, its absolute position (= committed frontier)
+    slots: jax.Array  # [B] int32, distinct state slots
+    page_tables: jax.Array  # [B, max_pages_per_seq] int32
+    sampling: SamplingArrays  # [B]
+    step_index: jax.Array  # [B] int32
+
+
+@_register(["slots", "accept", "tokens", "count"])
+@dataclasses.dataclass(frozen=True)
+class CommitInputs:
+    slots: jax.Array  # [B] int32, the pending batch's rows' slots
+    accept: jax.Array  # [B] bool, adopt the row's provisional state
+    tokens: jax.Array  # [B] int32, the row's sampled token
+    count: jax.Array  # [B] bool, the token counts toward penalties (False for mid-prefill)
+
+
+@_register(["tokens", "logprobs"])
+@dataclasses.dataclass(frozen=True)
+class StepOutputs:
+    tokens: jax.Array  # [B] int32 sampled next tokens (provisional until commit)
+    logprobs: jax.Array  # [B] float32 their log-probabilities (after penalties, temperature)
+
+
+def _next_tokens(pools: Pools, slots, logits, sampling, step_index) -> StepOutputs:
+    logits = apply_penalties(logits, sampling, pools.output_counts[slots], pools.prompt_mask[slots])
+    out = sample(logits, sampling, step_index)
+    return StepOutputs(tokens=out.tokens, logprobs=out.logprobs)
+
+
+def _write_provisional(pools: Pools, gdn: GDNState) -> Pools:
+    return dataclasses.replace(
+        pools,
+        prov_conv=jax.lax.dynamic_update_slice_in_dim(pools.prov_conv, gdn.conv, 0, axis=1),
+        prov_rec=jax.lax.dynamic_update_slice_in_dim(pools.prov_rec, gdn.recurrent, 0, axis=1),
+    )
+
+
+def prefill_step(params: dict, pools: Pools, inputs: PrefillInputs, *, cfg: ModelConfig,
+                 pcfg: ProgramConfig) -> tuple[Pools, StepOutputs]:
+    """One staged-prefill chunk of one sequence; samples from the last valid position."""
+    slot = inputs.slot
+    keep = ~inputs.reset[:, None, None, None, None]
+    gdn = GDNState(conv=jnp.where(keep[..., 0], pools.conv[:, slot], 0),
+                   recurrent=jnp.where(keep, pools.rec[:, slot], 0.0))
+    # A sequence from root starts with no generated tokens and this chunk's prompt tokens.
+    fresh = inputs.reset[:, None]
+    counts = jnp.where(fresh, 0, pools.output_counts[slot])
+    chunk_valid = jnp.arange(inputs.token_ids.shape[1])[None, :] < inputs.num_valid[:, None]
+    mask = mark_prompt_tokens(jnp.where(fresh, False, pools.prompt_mask[slot]),
+                              inputs.token_ids, chunk_valid)
+    pools = dataclasses.replace(pools, output_counts=pools.output_counts.at[slot].set(counts),
+                                prompt_mask=pools.prompt_mask.at[slot].set(mask))
+    kv = PagedKV(layers=(pools.k, pools.v), page_tables=inputs.page_table,
+                 lengths=inputs.start_pos, num_valid=inputs.num_valid, impl=pcfg.attention_impl)
+    out = step(params, cfg, inputs.token_ids, inputs.start_pos, gdn, kv, inputs.num_valid)
+    pools = dataclasses.replace(pools, k=out.kv.layers[0], v=out.kv.layers[1])
+    pools = _write_provisional(pools, out.gdn)
+    last = jnp.take_along_axis(out.logits, (inputs.num_valid - 1)[:, None, None], axis=1)[:, 0]
+    return pools, _next_tokens(pools, slot, last, inputs.sampling, inputs.step_index)
+
+
+def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelConfig,
+                pcfg: ProgramConfig) -> tuple[Pools, StepOutputs]:
+    """One token for each of B rows, each at its own position with its own pages and slot."""
+    slots = inputs.slots
+    gdn = GDNState(conv=pools.conv[:, slots], recurrent=pools.rec[:, slots])
+    b = slots.shape[0]
+    kv = PagedKV(layers=(pools.k, pools.v), page_tables=inputs.page_tables,
+                 lengths=inputs.positions, num_valid=jnp.ones((b,), jnp.int32),
+                 impl=pcfg.attention_impl)
+    out = step(params, cfg, inputs.token_ids[:, None], inputs.positions, gdn, kv)
+    pools = dataclasses.replace(pools, k=out.kv.layers[0], v=out.kv.layers[1])
+    pools = _write_provisional(pools, out.gdn)
+    return pools, _next_tokens(pools, slots, out.logits[:, 0], inputs.sampling,
+                               inputs.step_index)
+
+
+def commit_step(pools: Pools, inputs: CommitInputs) -> Pools:
+    """Adopts the provisional GDN rows of accepted rows into their slots; counts their tokens."""
+    b = inputs.slots.shape[0]
+    slots, accept = inputs.slots, inputs.accept
+
+    def adopt(committed, provisional):
+        rows = provisional[:, :b]
+        keep = accept.reshape((1, b) + (1,) * (rows.ndim - 2))
+        return committed.at[:, slots].set(jnp.where(keep, rows, committed[:, slots]))
+
+    counts = pools.output_counts.at[slots, inputs.tokens].add((accept & inputs.count).astype(jnp.int32))
+    return dataclasses.replace(pools, conv=adopt(pools.conv, pools.prov_conv),
+                               rec=adopt(pools.rec, pools.prov_rec), output_counts=counts)
