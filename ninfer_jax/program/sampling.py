@@ -1,0 +1,328 @@
+"""Token sampling inside the decode step: per-row settings as arrays, penalties, seeded draws.
+
+Owns: `SamplingArrays` (one row per batch row, so one executable serves greedy, sampled and
+penalised rows together), the host-side validation that builds it (`SamplingParams`,
+`sampling_arrays`, numpy only), the per-slot penalty state (`output_counts [B, V] int32`,
+`prompt_mask [B, V] bool`) and the pure, jit-friendly device functions the Program's steps call:
+
+    logits = apply_penalties(logits, arrays, output_counts, prompt_mask)
+    out = sample(logits, arrays, step_index)            # out.tokens [B], out.logprobs [B]
+    # ... on commit, with accepted [B] bool:
+    output_counts = count_tokens(output_counts, out.tokens, accepted)
+
+Does not own: which slot a row lives in (the Program gathers and scatters the penalty rows by slot
+id), stop conditions, or how seeds are chosen for requests that gave none (the caller assigns one).
+
+Order of operations (Hugging Face's and vLLM's): penalties on the raw logits, then greedy rows take
+the argmax (ties -> lowest id); sampled rows divide by temperature, keep top-k, then top-p over the
+renormalised top-k distribution, then min-p, and draw from what is left. Every filter is a value
+threshold, so tokens tied with the last kept value are all kept and the kept set does not depend on
+sort order.
+
+Determinism: a row's key is `fold_in(key(seed), step_index)` where `step_index` is the number of
+tokens the request has committed. The same (seed, step, logits row) gives the same token whatever
+rows share the batch, and the stream advances only when the Program commits.
+
+Speculative verify ([B, K, V] logits) fits without change: position k of a row uses
+`step_index + k` and the counts after the draft's first k tokens (`count_tokens` applied
+cumulatively), so `jax.vmap` over K of `apply_penalties` and `sample` (in_axes 1 for logits, step
+and counts, None for the arrays) gives the per-position tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ninfer_jax.errors import NinferError
+
+RNG_IMPL = "threefry2x32"  # fixed, so streams do not depend on jax's default PRNG setting
+MAX_SEED = 2**32 - 1
+MAX_TOP_K = 2**31 - 1
+
+
+class SamplingParamsError(NinferError, ValueError):
+    """A sampling setting is out of range; the message names the row, the field and the range."""
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=[
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "seed",
+    ],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class SamplingArrays:
+    temperature: jax.Array  # [B] float32, 0 = greedy
+    top_k: jax.Array  # [B] int32, 0 = off
+    top_p: jax.Array  # [B] float32 in (0, 1], 1 = off
+    min_p: jax.Array  # [B] float32 in [0, 1], 0 = off
+    presence_penalty: jax.Array  # [B] float32, 0 = off
+    frequency_penalty: jax.Array  # [B] float32, 0 = off
+    repetition_penalty: jax.Array  # [B] float32 > 0, 1 = off
+    seed: jax.Array  # [B] uint32, the request's RNG seed
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["tokens", "logprobs"], meta_fields=[]
+)
+@dataclasses.dataclass(frozen=True)
+class SampleOutput:
+    tokens: jax.Array  # [B] int32
+    logprobs: jax.Array  # [B] float32, log p(token) after penalties and temperature, before filters
+
+
+# ---------------------------------------------------------------- host side (numpy only)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling settings, validated on construction (defaults are OpenAI's)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None  # required when temperature > 0
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "seed" and value is None:
+                continue
+            is_int = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+            if f.name in ("top_k", "seed"):
+                ok = is_int and _INT_RANGES[f.name](int(value))
+            else:
+                ok = (is_int or isinstance(value, (float, np.floating))) and _in_float32_range(
+                    f.name, float(value)
+                )
+            if not ok:
+                raise SamplingParamsError(f"{f.name} must be {_ALLOWED[f.name]}, got {value!r}")
+        if self.temperature > 0 and self.seed is None:
+            raise SamplingParamsError(
+                "seed is required when temperature > 0 (the caller assigns one to requests that "
+                "gave none, so a rerun can reproduce the tokens)"
+            )
+
+
+def _in_float32_range(name: str, value: float) -> bool:
+    """Checks the float32 the device will see: 1e-50 is 0 there, and 1e39 is not finite."""
+    if not (math.isfinite(value) and abs(value) <= _FLOAT32_MAX):
+        return False
+    return _FLOAT_RANGES[name](float(np.float32(value)))
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_FLOAT_RANGES = {
+    "temperature": lambda v: v >= 0,
+    "top_p": lambda v: 0 < v <= 1,
+    "min_p": lambda v: 0 <= v <= 1,
+    "presence_penalty": lambda v: -2 <= v <= 2,
+    "frequency_penalty": lambda v: -2 <= v <= 2,
+    "repetition_penalty": lambda v: v > 0,
+}
+_INT_RANGES = {
+    "top_k": lambda v: 0 <= v <= MAX_TOP_K,
+    "seed": lambda v: 0 <= v <= MAX_SEED,
+}
+_ALLOWED = {
+    "temperature": "a finite number >= 0 (0 = greedy)",
+    "top_k": f"an integer in [0, {MAX_TOP_K}] (0 = off)",
+    "top_p": "a finite number in (0, 1] (1 = off)",
+    "min_p": "a finite number in [0, 1] (0 = off)",
+    "presence_penalty": "a finite number in [-2, 2] (0 = off)",
+    "frequency_penalty": "a finite number in [-2, 2] (0 = off)",
+    "repetition_penalty": "a finite number > 0 (1 = off)",
+    "seed": f"an integer in [0, {MAX_SEED}]",
+}
+_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def _as_params(row: Any) -> SamplingParams:
+    if isinstance(row, SamplingParams):
+        return row
+    if isinstance(row, Mapping):
+        unknown = sorted(set(row) - set(_FIELDS))
+        if unknown:
+            raise SamplingParamsError(
+                f"unknown sampling field(s) {unknown}; known: {list(_FIELDS)}"
+            )
+        return SamplingParams(**row)
+    if dataclasses.is_dataclass(row) and not isinstance(row, type):
+        # A request-level dataclass may carry more (max_tokens, stop, ...): read only our fields.
+        return SamplingParams(**{n: getattr(row, n) for n in _FIELDS if hasattr(row, n)})
+    raise SamplingParamsError(f"a sampling row must be a dict or a dataclass, got {type(row)!r}")
+
+
+def sampling_arrays(rows: Sequence[Mapping[str, Any] | Any]) -> SamplingArrays:
+    """Validates per-row settings (dicts, `SamplingParams` or dataclasses with those field names)
+    and stacks them into numpy-backed `SamplingArrays` of batch len(rows). Greedy rows without a
+    seed get seed 0 (unused). Raises `SamplingParamsError` naming the row and field."""
+    if len(rows) == 0:
+        raise SamplingParamsError("sampling_arrays needs at least one row")
+    params = []
+    for i, row in enumerate(rows):
+        try:
+            params.append(_as_params(row))
+        except (SamplingParamsError, TypeError) as e:
+            raise SamplingParamsError(f"row {i}: {e}") from None
+
+    def column(name: str, dtype: Any) -> np.ndarray:
+        return np.asarray([getattr(p, name) for p in params], dtype=dtype)
+
+    return SamplingArrays(
+        temperature=column("temperature", np.float32),
+        top_k=column("top_k", np.int32),
+        top_p=column("top_p", np.float32),
+        min_p=column("min_p", np.float32),
+        presence_penalty=column("presence_penalty", np.float32),
+        frequency_penalty=column("frequency_penalty", np.float32),
+        repetition_penalty=column("repetition_penalty", np.float32),
+        seed=np.asarray([0 if p.seed is None else p.seed for p in params], dtype=np.uint32),
+    )
+
+
+# ---------------------------------------------------------------- device side (pure jnp)
+
+
+def mark_prompt_tokens(prompt_mask: jax.Array, token_ids: jax.Array, valid: jax.Array) -> jax.Array:
+    """Adds tokens to the prompt mask. prompt_mask [B, V] bool; token_ids [B, T] int32;
+    valid [B, T] bool (padding is False). Fixed T, so a staged-prefill chunk can call it."""
+    num_rows, vocab_size = prompt_mask.shape
+    rows = jnp.broadcast_to(jnp.arange(num_rows)[:, None], token_ids.shape)
+    ids = jnp.where(valid, token_ids, vocab_size)  # out of range: dropped
+    return prompt_mask.at[rows, ids].set(True, mode="drop")
+
+
+def init_penalty_state(
+    prompt_ids: jax.Array, prompt_lens: jax.Array, vocab_size: int
+) -> tuple[jax.Array, jax.Array]:
+    """Fresh penalty state for B sequences: prompt_ids [B, T] int32 (right-padded), prompt_lens
+    [B] int32 -> (output_counts [B, V] int32 zeros, prompt_mask [B, V] bool)."""
+    num_rows, max_len = prompt_ids.shape
+    valid = jnp.arange(max_len)[None, :] < prompt_lens[:, None]
+    prompt_mask = mark_prompt_tokens(jnp.zeros((num_rows, vocab_size), bool), prompt_ids, valid)
+    return jnp.zeros((num_rows, vocab_size), jnp.int32), prompt_mask
+
+
+def count_tokens(output_counts: jax.Array, tokens: jax.Array, accept: jax.Array) -> jax.Array:
+    """Commit: output_counts [B, V] int32 += one-hot(tokens [B]) where accept [B] bool."""
+    rows = jnp.arange(output_counts.shape[0])
+    return output_counts.at[rows, tokens].add(accept.astype(output_counts.dtype))
+
+
+def apply_penalties(
+    logits: jax.Array, arrays: SamplingArrays, output_counts: jax.Array, prompt_mask: jax.Array
+) -> jax.Array:
+    """logits [B, V] float32 -> penalised logits [B, V] float32. Rows whose penalties are off come
+    back bit-identical.
+
+    Repetition (Hugging Face): over prompt ∪ generated tokens, positive logits are divided by the
+    penalty and negative ones multiplied. Then presence and frequency (OpenAI), over generated
+    tokens only: logit -= presence * (count > 0) + frequency * count.
+    """
+    generated = output_counts > 0
+    seen = prompt_mask | generated
+    rep = arrays.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits < 0, logits * rep, logits / rep), logits)
+    return (
+        logits
+        - arrays.frequency_penalty[:, None] * output_counts.astype(logits.dtype)
+        - arrays.presence_penalty[:, None] * generated.astype(logits.dtype)
+    )
+
+
+def _tempered(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+    """(logits - row max) / temperature, with temperature 1 for greedy rows. Shifting first keeps
+    a tiny temperature from overflowing to inf (and inf - inf to NaN); the row max becomes 0."""
+    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    return (logits - jnp.max(logits, axis=-1, keepdims=True)) / t
+
+
+def _sorted_thresholds(scaled: jax.Array, arrays: SamplingArrays) -> jax.Array:
+    """The top-k and top-p value thresholds [B, 1] from one descending sort per row."""
+    vocab_size = scaled.shape[-1]
+    ordered = -jnp.sort(-scaled, axis=-1)  # [B, V] descending
+    k = jnp.clip(arrays.top_k, 1, vocab_size)
+    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
+    thr_k = jnp.where(arrays.top_k[:, None] > 0, kth, -jnp.inf)
+
+    in_top_k = ordered >= thr_k
+    probs = jax.nn.softmax(jnp.where(in_top_k, ordered, -jnp.inf), axis=-1)
+    # Exclusive prefix mass; a function of the sorted values only, so tied tokens fare alike.
+    mass_before = jnp.concatenate(
+        [jnp.zeros_like(probs[:, :1]), jnp.cumsum(probs, axis=-1)[:, :-1]], axis=-1
+    )
+    top_p = arrays.top_p[:, None]
+    keep_p = in_top_k & ((mass_before < top_p) | (top_p >= 1))
+    keep_p = keep_p.at[:, 0].set(True)  # the top token, whatever rounding did to the mass
+    thr_p = jnp.min(jnp.where(keep_p, ordered, jnp.inf), axis=-1, keepdims=True)
+    return jnp.maximum(thr_k, thr_p)
+
+
+def truncation_mask(scaled: jax.Array, arrays: SamplingArrays) -> jax.Array:
+    """The tokens a sampled row may draw: scaled [B, V] float32 (tempered, row max 0) -> [B, V]
+    bool. Every filter is a value threshold on `scaled`.
+
+    top-k keeps values >= the k-th largest; top-p keeps value v when the probability mass of
+    values strictly greater than v (under the renormalised top-k distribution) is < top_p, so the
+    top token always stays; min-p keeps p >= min_p * p_max. The sort (the costly part) runs only
+    when some row sets top-k or top-p; without it every row's threshold is -inf, which keeps the
+    same set as the sorted path does for a row with both off.
+    """
+    needs_sort = jnp.any((arrays.top_k > 0) | (arrays.top_p < 1))
+    threshold = jax.lax.cond(
+        needs_sort,
+        lambda: _sorted_thresholds(scaled, arrays),
+        lambda: jnp.full((scaled.shape[0], 1), -jnp.inf, scaled.dtype),
+    )
+    keep_min_p = jnp.exp(scaled) >= arrays.min_p[:, None]  # p / p_max, as the row max is 0
+    return (scaled >= threshold) & keep_min_p
+
+
+def row_keys(seed: jax.Array, step_index: jax.Array) -> jax.Array:
+    """seed [B] uint32, step_index [B] int32 -> [B] typed keys fold_in(key(seed), step_index)."""
+    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s, impl=RNG_IMPL), i))(
+        seed, step_index
+    )
+
+
+def sample(logits: jax.Array, arrays: SamplingArrays, step_index: jax.Array) -> SampleOutput:
+    """Picks one token per row. logits [B, V] float32 (already penalised); step_index [B] int32,
+    the tokens each request has committed so far. Greedy rows (temperature == 0) take the argmax,
+    ties to the lowest id; the others draw from the truncated tempered distribution.
+    """
+    scaled = _tempered(logits, arrays.temperature)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw() -> jax.Array:
+        allowed = jnp.where(truncation_mask(scaled, arrays), scaled, -jnp.inf)
+        keys = row_keys(arrays.seed, step_index)
+        return jax.vmap(jax.random.categorical)(keys, allowed).astype(jnp.int32)
+
+    # An all-greedy batch skips the filters and the draw at run time (same executable).
+    sampled = arrays.temperature > 0
+    drawn = jax.lax.cond(jnp.any(sampled), draw, lambda: greedy)
+    tokens = jnp.where(sampled, drawn, greedy)
+    picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
+    logprobs = picked - jax.nn.logsumexp(scaled, axis=-1)
+    return SampleOutput(tokens=tokens, logprobs=logprobs)
