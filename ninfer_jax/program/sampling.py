@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,15 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ninfer_jax.errors import NinferError
+from ninfer_jax.sampling_params import SamplingParamsError, as_sampling_params
 
 RNG_IMPL = "threefry2x32"  # fixed, so streams do not depend on jax's default PRNG setting
-MAX_SEED = 2**32 - 1
-MAX_TOP_K = 2**31 - 1
-
-
-class SamplingParamsError(NinferError, ValueError):
-    """A sampling setting is out of range; the message names the row, the field and the range."""
 
 
 @functools.partial(
@@ -90,89 +83,6 @@ class SampleOutput:
 # ---------------------------------------------------------------- host side (numpy only)
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """One request's sampling settings, validated on construction (defaults are OpenAI's)."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None  # required when temperature > 0
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name == "seed" and value is None:
-                continue
-            is_int = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-            if f.name in ("top_k", "seed"):
-                ok = is_int and _INT_RANGES[f.name](int(value))
-            else:
-                ok = (is_int or isinstance(value, (float, np.floating))) and _in_float32_range(
-                    f.name, float(value)
-                )
-            if not ok:
-                raise SamplingParamsError(f"{f.name} must be {_ALLOWED[f.name]}, got {value!r}")
-        if self.temperature > 0 and self.seed is None:
-            raise SamplingParamsError(
-                "seed is required when temperature > 0 (the caller assigns one to requests that "
-                "gave none, so a rerun can reproduce the tokens)"
-            )
-
-
-def _in_float32_range(name: str, value: float) -> bool:
-    """Checks the float32 the device will see: 1e-50 is 0 there, and 1e39 is not finite."""
-    if not (math.isfinite(value) and abs(value) <= _FLOAT32_MAX):
-        return False
-    return _FLOAT_RANGES[name](float(np.float32(value)))
-
-
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
-_FLOAT_RANGES = {
-    "temperature": lambda v: v >= 0,
-    "top_p": lambda v: 0 < v <= 1,
-    "min_p": lambda v: 0 <= v <= 1,
-    "presence_penalty": lambda v: -2 <= v <= 2,
-    "frequency_penalty": lambda v: -2 <= v <= 2,
-    "repetition_penalty": lambda v: v > 0,
-}
-_INT_RANGES = {
-    "top_k": lambda v: 0 <= v <= MAX_TOP_K,
-    "seed": lambda v: 0 <= v <= MAX_SEED,
-}
-_ALLOWED = {
-    "temperature": "a finite number >= 0 (0 = greedy)",
-    "top_k": f"an integer in [0, {MAX_TOP_K}] (0 = off)",
-    "top_p": "a finite number in (0, 1] (1 = off)",
-    "min_p": "a finite number in [0, 1] (0 = off)",
-    "presence_penalty": "a finite number in [-2, 2] (0 = off)",
-    "frequency_penalty": "a finite number in [-2, 2] (0 = off)",
-    "repetition_penalty": "a finite number > 0 (1 = off)",
-    "seed": f"an integer in [0, {MAX_SEED}]",
-}
-_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-
-
-def _as_params(row: Any) -> SamplingParams:
-    if isinstance(row, SamplingParams):
-        return row
-    if isinstance(row, Mapping):
-        unknown = sorted(set(row) - set(_FIELDS))
-        if unknown:
-            raise SamplingParamsError(
-                f"unknown sampling field(s) {unknown}; known: {list(_FIELDS)}"
-            )
-        return SamplingParams(**row)
-    if dataclasses.is_dataclass(row) and not isinstance(row, type):
-        # A request-level dataclass may carry more (max_tokens, stop, ...): read only our fields.
-        return SamplingParams(**{n: getattr(row, n) for n in _FIELDS if hasattr(row, n)})
-    raise SamplingParamsError(f"a sampling row must be a dict or a dataclass, got {type(row)!r}")
-
-
 def sampling_arrays(rows: Sequence[Mapping[str, Any] | Any]) -> SamplingArrays:
     """Validates per-row settings (dicts, `SamplingParams` or dataclasses with those field names)
     and stacks them into numpy-backed `SamplingArrays` of batch len(rows). Greedy rows without a
@@ -182,9 +92,13 @@ def sampling_arrays(rows: Sequence[Mapping[str, Any] | Any]) -> SamplingArrays:
     params = []
     for i, row in enumerate(rows):
         try:
-            params.append(_as_params(row))
+            params.append(as_sampling_params(row))
         except (SamplingParamsError, TypeError) as e:
             raise SamplingParamsError(f"row {i}: {e}") from None
+        if params[-1].temperature > 0 and params[-1].seed is None:
+            raise SamplingParamsError(
+                f"row {i}: seed is required when temperature > 0 (the Engine assigns one to "
+                "requests that gave none, so a rerun can reproduce the tokens)")
 
     def column(name: str, dtype: Any) -> np.ndarray:
         return np.asarray([getattr(p, name) for p in params], dtype=dtype)

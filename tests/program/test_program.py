@@ -15,7 +15,7 @@ from ninfer_jax.program.errors import (
     InfeasibleError, MissingExecutableError, PendingBatchError, ResourceError, StalePlanError,
 )
 from ninfer_jax.program.executables import StepKey, StepKind
-from ninfer_jax.program.sampling import SamplingParams
+from ninfer_jax.sampling_params import SamplingParams
 from tests.models.conftest import reference
 from tests.program.conftest import PCFG, program, reference_greedy, run_to_completion
 

@@ -15,8 +15,6 @@ from hypothesis import strategies as st
 
 from ninfer_jax.program.sampling import (
     SamplingArrays,
-    SamplingParams,
-    SamplingParamsError,
     apply_penalties,
     count_tokens,
     init_penalty_state,
@@ -25,6 +23,7 @@ from ninfer_jax.program.sampling import (
     sampling_arrays,
     truncation_mask,
 )
+from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError
 
 V = 64  # vocab of the small tests; one shape, so each jitted function compiles once per B
 

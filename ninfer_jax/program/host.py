@@ -1,0 +1,297 @@
+"""The Program's host-side bookkeeping, shared by the device Program and its test double.
+
+Owns (DESIGN §2, §10) the sequences and their committed frontiers, the page and slot allocators,
+admission plans sealed against `resource_revision`, growth reservations, and the rule that one
+PendingBatch at a time is consumed exactly once. Subclasses supply only the model execution
+(`_run_prefill`, `_run_decode`, `_run_commit`), so the real Program and
+`ninfer_jax.testing.FakeProgram` keep identical resource accounting. Imports no jax.
+
+Lifecycle of a sequence: `plan_admission` (pure, may refuse with numbers) -> `materialize`
+(slot + complete growth reservation) -> `prefill` chunk by chunk (the last chunk returns a
+PendingBatch with the first token) -> `decode` rounds (PendingBatch) -> `commit` / `abort_pending`
+-> `release` (pages and slot back, reservation returned).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+import itertools
+from typing import Sequence
+
+import numpy as np
+
+from ninfer_jax.program.allocator import PageAllocator, SlotAllocator
+from ninfer_jax.program.errors import (
+    InfeasibleError, PendingBatchError, ResourceError, StalePlanError,
+)
+from ninfer_jax.program.pending import BatchKind, PendingBatch, SequenceHandle
+from ninfer_jax.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class SeqState(enum.Enum):
+    PREFILL = "prefill"  # consuming its prompt in chunks
+    ACTIVE = "active"  # decode-ready: its last token is committed output not yet in the state
+
+
+@dataclasses.dataclass(frozen=True)
+class ResourcePlan:
+    """A sealed admission plan: valid only while resource_revision is unchanged."""
+
+    revision: int
+    prompt_len: int
+    max_new_tokens: int
+    num_pages: int  # the complete growth reservation
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramLimits:
+    """Static limits, safe to read from any thread (they never change after start-up)."""
+
+    max_seq_len: int
+    page_size: int
+    total_pages: int
+    total_slots: int
+    max_concurrency: int
+    prefill_chunk: int
+    vocab_size: int
+
+
+@dataclasses.dataclass
+class SeqRecord:
+    handle: SequenceHandle
+    slot: int
+    tokens: list[int]  # committed tokens: prompt, then generated
+    prompt_len: int
+    max_new_tokens: int
+    sampling: SamplingParams
+    reserved: int  # pages still reserved (not yet allocated) for this sequence
+    pages: list[int] = dataclasses.field(default_factory=list)
+    frontier: int = 0  # positions whose K/V and GDN effect are committed
+    state: SeqState = SeqState.PREFILL
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramStats:
+    total_pages: int
+    free_pages: int
+    reserved_pages: int
+    available_pages: int
+    total_slots: int
+    free_slots: int
+    num_sequences: int
+    resource_revision: int
+
+
+class HostProgram(abc.ABC):
+    """Sequences, allocators, plans and PendingBatch rules; execution left to subclasses."""
+
+    def __init__(self, limits: ProgramLimits):
+        self.limits = limits
+        self.pages = PageAllocator(limits.total_pages)
+        self.slots = SlotAllocator(limits.total_slots)
+        self.resource_revision = 0
+        self._seqs: dict[int, SeqRecord] = {}
+        self._ids = itertools.count()
+        self._batch_ids = itertools.count()
+        self._pending: PendingBatch | None = None
+
+    # Execution supplied by subclasses --------------------------------------------------------
+    @abc.abstractmethod
+    def _run_prefill(self, seq: SeqRecord, start: int, chunk: list[int]) -> int:
+        """Runs one chunk at positions start.. of seq; returns the token sampled after it."""
+
+    @abc.abstractmethod
+    def _run_decode(self, seqs: list[SeqRecord]) -> np.ndarray:
+        """Runs one token per row; returns the sampled tokens [B]."""
+
+    @abc.abstractmethod
+    def _run_commit(self, seqs: list[SeqRecord], accept: np.ndarray, tokens: np.ndarray,
+                    count: bool) -> None:
+        """Adopts the provisional state of accepted rows (tokens count toward penalties)."""
+
+    # Feasibility and admission -------------------------------------------------------------
+    def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        return -(-(prompt_len + max_new_tokens) // self.limits.page_size)
+
+    def check_admissible(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Raises InfeasibleError (with the numbers) for what could never run, even from root
+        with everything free. Reads only static limits, so any thread may call it."""
+        lim = self.limits
+        if prompt_len < 1:
+            raise InfeasibleError(f"prompt_len must be >= 1, got {prompt_len}")
+        if max_new_tokens < 1:
+            raise InfeasibleError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        total = prompt_len + max_new_tokens
+        if total > lim.max_seq_len:
+            raise InfeasibleError(
+                f"prompt_len {prompt_len} + max_new_tokens {max_new_tokens} = {total} exceeds "
+                f"max_seq_len {lim.max_seq_len}")
+        need = self.pages_needed(prompt_len, max_new_tokens)
+        if need > lim.total_pages:
+            raise InfeasibleError(
+                f"prompt_len {prompt_len} + max_new_tokens {max_new_tokens} needs {need} pages "
+                f"of {lim.page_size}; the pool has {lim.total_pages} in total")
+
+    def plan_admission(self, prompt_len: int, max_new_tokens: int) -> ResourcePlan:
+        """Seals a plan for a new sequence from root; refuses what can never run."""
+        self.check_admissible(prompt_len, max_new_tokens)
+        return ResourcePlan(self.resource_revision, prompt_len, max_new_tokens,
+                            self.pages_needed(prompt_len, max_new_tokens))
+
+    def can_start(self, plan: ResourcePlan) -> bool:
+        """Whether `plan` can be materialized now (fresh, a free slot, enough unpromised pages)."""
+        return (plan.revision == self.resource_revision and self.slots.num_free > 0
+                and self.pages.num_available >= plan.num_pages)
+
+    def materialize(self, plan: ResourcePlan, prompt_ids: Sequence[int],
+                    sampling: SamplingParams = GREEDY) -> SequenceHandle:
+        """Creates a sequence from root holding its complete growth reservation."""
+        if plan.revision != self.resource_revision:
+            raise StalePlanError(
+                f"plan sealed at revision {plan.revision}, Program is at {self.resource_revision}")
+        if len(prompt_ids) != plan.prompt_len:
+            raise ResourceError(f"plan is for {plan.prompt_len} prompt tokens, got {len(prompt_ids)}")
+        ids = [int(t) for t in prompt_ids]
+        if min(ids) < 0 or max(ids) >= self.limits.vocab_size:
+            raise InfeasibleError(f"prompt token ids must be in [0, {self.limits.vocab_size})")
+        if not isinstance(sampling, SamplingParams):
+            raise InfeasibleError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if sampling.temperature > 0 and sampling.seed is None:
+            raise InfeasibleError("sampling.seed is required when temperature > 0")
+        if not self.can_start(plan):
+            raise ResourceError(
+                f"plan cannot start now: {self.slots.num_free} free slots, "
+                f"{self.pages.num_available} available pages, {plan.num_pages} needed")
+        slot = self.slots.allocate()
+        self.pages.reserve(plan.num_pages)
+        handle = SequenceHandle(next(self._ids), self.resource_revision)
+        self._seqs[handle.seq_id] = SeqRecord(
+            handle=handle, slot=slot, tokens=ids, prompt_len=len(ids),
+            max_new_tokens=plan.max_new_tokens, sampling=sampling, reserved=plan.num_pages)
+        self.resource_revision += 1
+        return handle
+
+    def release(self, handle: SequenceHandle) -> None:
+        """Returns a sequence's pages, unused reservation and slot. Not while it is pending."""
+        seq = self._seq(handle)
+        if self._pending is not None and handle in self._pending.handles:
+            raise PendingBatchError(f"release of {handle} while its PendingBatch is unconsumed")
+        for page in seq.pages:
+            self.pages.decref(page)
+        self.pages.unreserve(seq.reserved)
+        self.slots.release(seq.slot)
+        del self._seqs[handle.seq_id]
+        self.resource_revision += 1
+
+    # Execution -----------------------------------------------------------------------------
+    def prefill(self, handle: SequenceHandle) -> PendingBatch | None:
+        """Runs the next prefill chunk; the last one returns the PendingBatch of the first token."""
+        self._check_idle()
+        seq = self._seq(handle)
+        if seq.state is not SeqState.PREFILL:
+            raise ResourceError(f"{handle} is not prefilling")
+        start = seq.frontier
+        chunk = seq.tokens[start : start + self.limits.prefill_chunk]
+        self._grow(seq, start + len(chunk))
+        token = self._run_prefill(seq, start, chunk)
+        if start + len(chunk) < seq.prompt_len:  # not the last chunk: adopt its state now
+            self._run_commit([seq], np.array([True]), np.zeros(1, np.int32), count=False)
+            seq.frontier = start + len(chunk)
+            return None
+        tokens = np.array([[token]], np.int32)
+        self._pending = PendingBatch(BatchKind.PREFILL, (handle,), tokens, next(self._batch_ids))
+        return self._pending
+
+    def decode(self, handles: Sequence[SequenceHandle]) -> PendingBatch:
+        """One token for each of the B decode-ready sequences (exact B, no padding)."""
+        self._check_idle()
+        seqs = [self._seq(h) for h in handles]
+        if not seqs or len({s.handle.seq_id for s in seqs}) != len(seqs):
+            raise PendingBatchError(f"decode needs distinct sequences, got {list(handles)}")
+        if len(seqs) > self.limits.max_concurrency:
+            raise PendingBatchError(
+                f"decode of {len(seqs)} rows exceeds max_concurrency {self.limits.max_concurrency}")
+        for s in seqs:
+            if s.state is not SeqState.ACTIVE:
+                raise ResourceError(f"{s.handle} is not decode-ready")
+            if s.generated >= s.max_new_tokens:
+                raise ResourceError(f"{s.handle} already generated its {s.max_new_tokens} tokens")
+            self._grow(s, s.frontier + 1)
+        tokens = np.asarray(self._run_decode(seqs), np.int32)[:, None]
+        self._pending = PendingBatch(BatchKind.DECODE, tuple(handles), tokens,
+                                     next(self._batch_ids))
+        return self._pending
+
+    def commit(self, batch: PendingBatch, accepted: Sequence[int]) -> None:
+        """Adopts each row's accepted prefix of its provisional tokens (0 = cancelled row)."""
+        if batch is not self._pending:
+            raise PendingBatchError(f"{batch!r} is not the Program's pending batch")
+        acc = batch.check_decisions(accepted)
+        batch.consume()
+        self._pending = None
+        seqs = [self._seq(h) for h in batch.handles]
+        self._run_commit(seqs, acc > 0, batch.tokens[:, 0], count=True)
+        for seq, a, toks in zip(seqs, acc, batch.tokens):
+            if a == 0:
+                continue
+            seq.frontier = seq.prompt_len if batch.kind is BatchKind.PREFILL else seq.frontier + 1
+            seq.tokens.extend(int(t) for t in toks[:a])
+            seq.state = SeqState.ACTIVE
+
+    def abort_pending(self, batch: PendingBatch) -> None:
+        """Drops the batch: committed state stays exactly as before the step."""
+        if batch is not self._pending:
+            raise PendingBatchError(f"{batch!r} is not the Program's pending batch")
+        batch.consume()
+        self._pending = None
+
+    # Queries -------------------------------------------------------------------------------
+    def tokens(self, handle: SequenceHandle) -> list[int]:
+        return list(self._seq(handle).tokens)
+
+    def num_generated(self, handle: SequenceHandle) -> int:
+        return self._seq(handle).generated
+
+    def is_prefilling(self, handle: SequenceHandle) -> bool:
+        return self._seq(handle).state is SeqState.PREFILL
+
+    @property
+    def pending(self) -> PendingBatch | None:
+        return self._pending
+
+    def handles(self) -> list[SequenceHandle]:
+        return [s.handle for s in self._seqs.values()]
+
+    def stats(self) -> ProgramStats:
+        return ProgramStats(
+            total_pages=self.pages.num_pages, free_pages=self.pages.num_free,
+            reserved_pages=self.pages.num_reserved, available_pages=self.pages.num_available,
+            total_slots=self.slots.num_slots, free_slots=self.slots.num_free,
+            num_sequences=len(self._seqs), resource_revision=self.resource_revision)
+
+    # Internals -----------------------------------------------------------------------------
+    def _seq(self, handle: SequenceHandle) -> SeqRecord:
+        seq = self._seqs.get(handle.seq_id)
+        if seq is None or seq.handle != handle:
+            raise ResourceError(f"unknown or stale sequence handle {handle}")
+        return seq
+
+    def _check_idle(self) -> None:
+        if self._pending is not None:
+            raise PendingBatchError(f"{self._pending!r} must be committed or aborted first")
+
+    def _grow(self, seq: SeqRecord, num_positions: int) -> None:
+        """Draws pages from the sequence's reservation until `num_positions` fit."""
+        while len(seq.pages) * self.limits.page_size < num_positions:
+            if seq.reserved == 0:
+                raise ResourceError(f"{seq.handle} outgrew its reservation")
+            seq.pages.append(self.pages.allocate_reserved())
+            seq.reserved -= 1
