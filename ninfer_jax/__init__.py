@@ -8,7 +8,13 @@ Names are resolved lazily so that importing a jax-free subpackage (`ninfer_jax.s
 import importlib
 
 _EXPORTS = {
+    "Engine": "ninfer_jax.api",
+    "EngineStats": "ninfer_jax.engine",
+    "FinishReason": "ninfer_jax.engine",
+    "GenerationResult": "ninfer_jax.engine",
     "LoadedModel": "ninfer_jax.loader",
+    "RejectedError": "ninfer_jax.engine",
+    "SamplingParams": "ninfer_jax.sampling_params",
     "load_model": "ninfer_jax.loader",
 }
 

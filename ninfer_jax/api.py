@@ -1,0 +1,111 @@
+"""The public Engine: `Engine.open(model=None, ...)` builds Frontend + Program + EngineCore.
+
+Owns turning a model path and keyword settings into a running Engine, and the notebook-facing
+calls (submit, asubmit, generate, stats). Order, lifecycle and publication stay in `engine/`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ninfer_jax.engine import (
+    AsyncRequestHandle, EngineCore, EngineCoreConfig, EngineStats, GenerationResult,
+    RejectedError, RequestHandle,
+)
+from ninfer_jax.frontend import Frontend, PromptError
+from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError
+
+_PROGRAM_KEYS = ("page_size", "num_pages", "max_seq_len", "prefill_chunk", "attention_impl",
+                 "dtype")
+_CORE_KEYS = ("max_queue", "queue_timeout_s")
+
+
+class Engine:
+    """A running generation Engine. Use as a context manager, or call `close()`."""
+
+    def __init__(self, core: EngineCore, frontend: Frontend, model_path: pathlib.Path | None):
+        self.core, self.frontend, self.model_path = core, frontend, model_path
+
+    @classmethod
+    def open(cls, model: str | pathlib.Path | None = None, *, max_concurrency: int = 4,
+             **config: Any) -> "Engine":
+        """Loads `model` (artifact or HF checkpoint directory; None = the embedded default) and
+        compiles every step before returning. Settings: max_seq_len, page_size, num_pages,
+        prefill_chunk, attention_impl, dtype (Program); max_queue, queue_timeout_s (Engine)."""
+        from ninfer_jax.loader import load_model
+        from ninfer_jax.program.config import ProgramConfig
+        from ninfer_jax.program.program import Program
+
+        unknown = sorted(set(config) - set(_PROGRAM_KEYS) - set(_CORE_KEYS))
+        if unknown:
+            raise TypeError(f"unknown Engine setting(s) {unknown}; known: "
+                            f"{sorted(_PROGRAM_KEYS + _CORE_KEYS)}")
+        pkw = {k: config[k] for k in _PROGRAM_KEYS if k in config}
+        pkw.setdefault("max_seq_len", 2048)
+        pkw.setdefault("page_size", 16)
+        pkw.setdefault("num_pages",
+                       max_concurrency * -(-pkw["max_seq_len"] // pkw["page_size"]))
+        pcfg = ProgramConfig(max_concurrency=max_concurrency, **pkw)
+        loaded = load_model(model, dtype=pcfg.dtype)
+        frontend = Frontend.load(loaded.path)
+        program = Program(loaded.config, loaded.params, pcfg)
+        core = EngineCore(program, frontend,
+                          EngineCoreConfig(**{k: config[k] for k in _CORE_KEYS if k in config}))
+        return cls(core, frontend, loaded.path)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.core.close()
+
+    def _prepare(self, prompt, messages, prompt_token_ids, enable_thinking):
+        try:
+            return self.frontend.prepare(prompt=prompt, messages=messages,
+                                         prompt_token_ids=prompt_token_ids,
+                                         enable_thinking=enable_thinking)
+        except PromptError as e:
+            raise RejectedError("invalid", str(e)) from None
+
+    def submit(self, prompt: str | None = None, *,
+               messages: Sequence[Mapping[str, Any]] | None = None,
+               prompt_token_ids: Sequence[int] | None = None,
+               sampling: SamplingParams | None = None, session: str | None = None,
+               enable_thinking: bool | None = None, deadline_s: float | None = None,
+               queue_timeout_s: float | None = None, _loop=None) -> RequestHandle:
+        """Queues one request; returns its handle. Bad input raises RejectedError at once."""
+        prepared = self._prepare(prompt, messages, prompt_token_ids, enable_thinking)
+        return self.core.submit(prepared, _sampling(sampling), session_key=session,
+                                deadline_s=deadline_s, queue_timeout_s=queue_timeout_s,
+                                loop=_loop)
+
+    async def asubmit(self, prompt: str | None = None, **kwargs: Any) -> AsyncRequestHandle:
+        """`submit` for asyncio code: the handle supports `async for` and `await aresult()`."""
+        return self.submit(prompt, _loop=asyncio.get_running_loop(), **kwargs)
+
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerationResult:
+        """Blocking one-liner: submit and wait for the result."""
+        return self.submit(prompt, **kwargs).result()
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+
+def _sampling(sampling: SamplingParams | None) -> SamplingParams:
+    if sampling is None:
+        return SamplingParams()
+    if isinstance(sampling, Mapping):
+        try:
+            return SamplingParams(**sampling)
+        except (TypeError, SamplingParamsError) as e:
+            raise RejectedError("invalid", f"sampling: {e}") from None
+    if not isinstance(sampling, SamplingParams):
+        raise RejectedError("invalid", f"sampling must be a SamplingParams, got "
+                            f"{type(sampling).__name__}")
+    return sampling

@@ -1,0 +1,18 @@
+"""The Engine control plane (DESIGN §2-§8): pure Python, imports no jax.
+
+Owns order, lifecycle and publication: the worker thread, FIFO and Scheduler, lanes, request
+records and their events. It drives any object with the HostProgram interface.
+"""
+
+from ninfer_jax.engine.core import EngineCore, EngineCoreConfig, EngineStats
+from ninfer_jax.engine.events import (
+    Channel, Delta, EngineError, EngineFailedError, Finished, FinishReason, GenerationResult,
+    GenerationStart, RejectedError, Usage,
+)
+from ninfer_jax.engine.handle import AsyncRequestHandle, RequestHandle
+
+__all__ = [
+    "AsyncRequestHandle", "Channel", "Delta", "EngineCore", "EngineCoreConfig", "EngineError",
+    "EngineFailedError", "EngineStats", "Finished", "FinishReason", "GenerationResult",
+    "GenerationStart", "RejectedError", "RequestHandle", "Usage",
+]

@@ -1,0 +1,382 @@
+"""EngineCore: the worker thread that alone drives records, Scheduler, ResourceManager and Program.
+
+Owns the boundary order of DESIGN §4, the commit-then-publish order of §6 and the cancellation
+and failure rules of §8. Other threads reach it only through `submit` (a queue), a request's
+cancellation flag, and the events it publishes. Imports no jax: the Program comes in as an
+object with the HostProgram interface (the real one, or `ninfer_jax.testing.FakeProgram`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+from ninfer_jax.engine.events import (
+    Channel, Delta, Finished, FinishReason, GenerationStart, RejectedError, Usage,
+)
+from ninfer_jax.engine.handle import AsyncRequestHandle, CapacityToken, EventSink, RequestHandle
+from ninfer_jax.engine.request import InvariantError, RequestRecord, RequestState
+from ninfer_jax.engine.resources import LaneState, ResourceManager
+from ninfer_jax.engine.scheduler import DecodeUnit, PrefillUnit, Scheduler
+from ninfer_jax.frontend.output_session import FinishReason as TextFinish
+from ninfer_jax.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+S = RequestState
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineCoreConfig:
+    max_queue: int = 64  # outstanding requests (waiting + running + unconsumed) before overload
+    queue_timeout_s: float | None = None  # default time a request may wait for admission
+    idle_wait_s: float = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """The worker's published summary (replaced whole after every iteration)."""
+
+    available: bool
+    waiting: int
+    active: int
+    outstanding: int
+    capacity: int
+    free_lanes: int
+    total_lanes: int
+    free_pages: int
+    total_pages: int
+    reserved_pages: int
+    free_slots: int
+    total_slots: int
+    generated_tokens: int
+    finished_requests: int
+
+
+class EngineCore:
+    def __init__(self, program: Any, frontend: Any, config: EngineCoreConfig = EngineCoreConfig()):
+        self.program, self.frontend, self.config = program, frontend, config
+        self.limits = program.limits
+        self.scheduler = Scheduler()
+        self.resources = ResourceManager(self.limits.max_concurrency)
+        self._inbox: queue.SimpleQueue[RequestRecord] = queue.SimpleQueue()
+        self._sinks: dict[int, EventSink] = {}
+        self._capacity: dict[int, CapacityToken] = {}
+        self._active: list[RequestRecord] = []  # admitted, not yet Finished
+        self._ids = itertools.count()
+        self._order = itertools.count()
+        self._lock = threading.Lock()  # guards outstanding / available for submitters
+        self._outstanding = 0
+        self._available = True
+        self._failure: str | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._generated = 0
+        self._finished = 0
+        self._publish_stats()
+        self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
+        self._thread.start()
+
+    # Submission (any thread) -----------------------------------------------------------------
+    def submit(self, prompt: Any, sampling: SamplingParams, *, session_key: str | None = None,
+               deadline_s: float | None = None, queue_timeout_s: float | None = None,
+               loop=None) -> RequestHandle:
+        """Accepts a prepared prompt or raises RejectedError before anything is mutated."""
+        self._check_submittable(prompt, sampling)
+        if sampling.temperature > 0 and sampling.seed is None:
+            sampling = dataclasses.replace(sampling, seed=int.from_bytes(os.urandom(4), "little"))
+        session = self.frontend.open_session(prompt, stop=sampling.stop)
+        now = time.monotonic()
+        qt = queue_timeout_s if queue_timeout_s is not None else self.config.queue_timeout_s
+        sink = EventSink(loop)
+        capacity = CapacityToken(self._release_capacity)
+        with self._lock:
+            if not self._available:
+                raise RejectedError("unavailable", f"the Engine is not available: {self._failure}")
+            if self._outstanding >= self.config.max_queue:
+                raise RejectedError(
+                    "overload", f"queue full: {self._outstanding} outstanding requests, "
+                    f"max_queue is {self.config.max_queue}")
+            self._outstanding += 1
+            record = RequestRecord(
+                request_id=next(self._ids), prompt=prompt, sampling=sampling, session=session,
+                submitted_at=now, queue_deadline=None if qt is None else now + qt,
+                deadline=None if deadline_s is None else now + deadline_s,
+                publication_order=next(self._order), session_key=session_key)
+            self._sinks[record.request_id] = sink
+            self._capacity[record.request_id] = capacity
+            self._inbox.put(record)
+        cls = AsyncRequestHandle if loop is not None else RequestHandle
+        handle = cls(record.request_id, sink, record.cancel_requested, capacity, self.wake,
+                     sampling.seed)
+        self.wake()
+        return handle
+
+    def _check_submittable(self, prompt: Any, sampling: SamplingParams) -> None:
+        if not isinstance(sampling, SamplingParams):
+            raise RejectedError("invalid", f"sampling must be a SamplingParams, got "
+                                f"{type(sampling).__name__}")
+        n, lim = len(prompt.token_ids), self.limits
+        if n + 1 > lim.max_seq_len:
+            raise RejectedError("too_long", f"prompt has {n} tokens; the context limit "
+                                f"max_seq_len is {lim.max_seq_len} (prompt + at least 1 new token)")
+        try:
+            self.program.check_admissible(n, sampling.max_new_tokens)
+        except ValueError as e:
+            raise RejectedError("too_long", f"max_new_tokens: {e}") from None
+
+    def _release_capacity(self) -> None:
+        with self._lock:
+            self._outstanding -= 1
+        self.wake()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # Life ------------------------------------------------------------------------------------
+    def close(self, timeout: float = 10.0) -> None:
+        """Stops the worker; unfinished requests end with an error."""
+        self._stop.set()
+        self.wake()
+        self._thread.join(timeout)
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    @property
+    def available(self) -> bool:
+        return self._available
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self._iterate():
+                    self._wake.wait(self.config.idle_wait_s)
+                    self._wake.clear()
+            self._fail("the Engine was closed", closing=True)
+        except Exception as e:  # an internal invariant broke: fail the Engine (DESIGN §8)
+            log.exception("Engine failure")
+            self._fail(f"{type(e).__name__}: {e}")
+
+    # One worker iteration (DESIGN §4) ---------------------------------------------------------
+    def _iterate(self) -> bool:
+        now = time.monotonic()
+        progressed = self._take_inbox()
+        progressed |= self._expire_waiting(now)  # 1
+        progressed |= self._advance_transitions()  # 2
+        progressed |= self._settle_terminal()  # 3
+        progressed |= self._freeze_cancellations(now)  # 4
+        progressed |= self._try_admission()  # 5
+        unit = self.scheduler.next_unit(self._active)  # 6
+        if unit is not None:
+            self._run_unit(unit)  # 7, 8, 9
+            progressed = True
+        self._publish_stats()
+        return progressed
+
+    def _take_inbox(self) -> bool:
+        took = False
+        while True:
+            try:
+                self.scheduler.enqueue(self._inbox.get_nowait())
+                took = True
+            except queue.Empty:
+                return took
+
+    def _expire_waiting(self, now: float) -> bool:
+        changed = False
+        for r in list(self.scheduler.waiting):
+            if r.cancel_requested.is_set():
+                self.scheduler.remove(r)
+                self._finish(r, FinishReason.CANCELLED)
+                changed = True
+            elif r.queue_deadline is not None and now >= r.queue_deadline:
+                self.scheduler.remove(r)
+                self._finish(r, FinishReason.ERROR, "queue_timeout: not admitted within the "
+                             "request's queue timeout")
+                changed = True
+        return changed
+
+    def _advance_transitions(self) -> bool:
+        changed = False
+        for r in [r for r in self._active if r.state is S.MATERIALIZING]:
+            if r.cancel_requested.is_set():  # abort the transition; adopt its complete end state
+                self.program.release(r.seq)
+                r.seq = None
+                self.resources.move(r.lane, LaneState.FREE, r.request_id)
+                self._active.remove(r)
+                self._finish(r, FinishReason.CANCELLED)
+            else:
+                r.move(S.PREFILL)
+                self.resources.move(r.lane, LaneState.ACTIVE, r.request_id)
+                self._publish(r, GenerationStart(r.request_id, r.prompt_tokens, 0))
+            changed = True
+        return changed
+
+    def _settle_terminal(self) -> bool:
+        settled = [r for r in self._active if r.state is S.TERMINAL_PENDING]
+        for r in settled:
+            self.program.release(r.seq)  # retention (checkpoints) joins with prefix reuse
+            r.seq = None
+            self.resources.move(r.lane, LaneState.FREE, r.request_id)
+            self._active.remove(r)
+            self._finish(r, r.finish_reason, r.error)
+        return bool(settled)
+
+    def _freeze_cancellations(self, now: float) -> bool:
+        changed = False
+        for r in self._active:
+            if r.state not in (S.PREFILL, S.DECODE_READY):
+                continue
+            if r.cancel_requested.is_set():
+                self._terminal(r, FinishReason.CANCELLED)
+                changed = True
+            elif r.deadline is not None and now >= r.deadline:
+                self._terminal(r, FinishReason.DEADLINE)
+                changed = True
+        return changed
+
+    def _try_admission(self) -> bool:
+        head = self.scheduler.head()
+        if head is None or not Scheduler.prefill_gate_open(self._active):
+            return False
+        lane = self.resources.free_lane()
+        if lane is None:
+            return False
+        plan = self.program.plan_admission(head.prompt_tokens, head.sampling.max_new_tokens)
+        if not self.program.can_start(plan):
+            return False  # blocked by incumbents; they always finish (they hold reservations)
+        self.scheduler.remove(head)
+        self.resources.move(lane, LaneState.MATERIALIZING, head.request_id)
+        head.lane = lane
+        head.seq = self.program.materialize(plan, head.prompt.token_ids, head.sampling)
+        head.move(S.MATERIALIZING)
+        self._active.append(head)
+        return True
+
+    def _run_unit(self, unit: PrefillUnit | DecodeUnit) -> None:
+        if isinstance(unit, PrefillUnit):
+            r = unit.record
+            batch = self.program.prefill(r.seq)
+            if batch is None:
+                return  # a middle chunk: the Program adopted it; nothing to publish
+            records = [r]
+        else:
+            records = list(unit.records)
+            batch = self.program.decode([r.seq for r in records])
+        self._commit_and_publish(batch, records)
+
+    def _commit_and_publish(self, batch: Any, records: list[RequestRecord]) -> None:
+        if [r.seq for r in records] != list(batch.handles):
+            raise InvariantError(f"PendingBatch membership {batch.handles} != round {records}")
+        previews, accepted = [], []
+        for r, tokens in zip(records, batch.tokens):
+            if r.cancel_requested.is_set():  # seen while the batch was pending: accept nothing
+                previews.append(None)
+                accepted.append(0)
+                continue
+            budget_ends = r.completion_tokens + len(tokens) >= r.sampling.max_new_tokens
+            preview = r.session.preview([int(t) for t in tokens], budget_ends=budget_ends)
+            if preview.num_accepted < 1:
+                raise InvariantError(f"request {r.request_id}: a preview accepted no token")
+            previews.append(preview)
+            accepted.append(preview.num_accepted)
+        self.program.commit(batch, accepted)  # Program state first; a failure publishes nothing
+        for r, preview, n in zip(records, previews, accepted):
+            if preview is None:
+                self._terminal(r, FinishReason.CANCELLED)
+                continue
+            r.completion_tokens += n
+            self._generated += n
+            r.session.commit(preview)
+            self._publish_deltas(r, preview)
+            if preview.finish_reason is not None:
+                reason = FinishReason.STOP if preview.finish_reason is TextFinish.STOP \
+                    else FinishReason.LENGTH
+                self._terminal(r, reason)
+            else:
+                r.move(S.DECODE_READY)
+
+    def _publish_deltas(self, r: RequestRecord, preview: Any) -> None:
+        ids = tuple(preview.token_ids)
+        if not preview.deltas:
+            self._publish(r, Delta(r.request_id, "", ids, Channel(r.session.channel.value)))
+        for i, d in enumerate(preview.deltas):
+            self._publish(r, Delta(r.request_id, d.text, ids if i == 0 else (),
+                                   Channel(d.channel.value)))
+
+    # Endings ---------------------------------------------------------------------------------
+    def _terminal(self, r: RequestRecord, reason: FinishReason, error: str | None = None) -> None:
+        r.move(S.TERMINAL_PENDING)
+        r.finish_reason, r.error = reason, error
+        self.resources.move(r.lane, LaneState.TERMINAL_PENDING, r.request_id)
+
+    def _finish(self, r: RequestRecord, reason: FinishReason, error: str | None = None, *,
+                force: bool = False) -> None:
+        if force:  # failure cleanup: every lifecycle ends here, whatever state it was in
+            r.state = S.FINISHED
+        else:
+            r.move(S.FINISHED)
+        self._finished += 1
+        usage = Usage(r.prompt_tokens, r.completion_tokens, 0)
+        self._publish(r, Finished(r.request_id, reason, usage, error))
+        self._sinks.pop(r.request_id, None)
+        self._capacity.pop(r.request_id).response_done()
+
+    def _publish(self, r: RequestRecord, event: Any) -> None:
+        sink = self._sinks.get(r.request_id)
+        if sink is not None:
+            sink.put(event)
+
+    def _fail(self, message: str, closing: bool = False) -> None:
+        """Ends everything (DESIGN §8): Program's pending work, active state, RM, responses."""
+        with self._lock:  # after this no submit can reach the inbox
+            self._available = False
+            self._failure = message
+        pending = self.program.pending
+        if pending is not None and not pending.consumed:
+            _best_effort(self.program.abort_pending, pending)
+        for handle in self.program.handles():
+            _best_effort(self.program.release, handle)
+        self.resources.clear()
+        error = message if closing else f"engine_failed: {message}"
+        for r in self._active + list(self.scheduler.waiting) + self._drain_inbox():
+            if r.state is not S.FINISHED:
+                self._finish(r, FinishReason.ERROR, error, force=True)
+        self._active.clear()
+        self.scheduler.waiting.clear()
+        self._publish_stats()
+
+    def _drain_inbox(self) -> list[RequestRecord]:
+        out = []
+        while True:
+            try:
+                out.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _publish_stats(self) -> None:
+        ps = self.program.stats()
+        with self._lock:
+            outstanding, available = self._outstanding, self._available
+        self._stats = EngineStats(
+            available=available, waiting=len(self.scheduler.waiting), active=len(self._active),
+            outstanding=outstanding, capacity=self.config.max_queue,
+            free_lanes=self.resources.num_free(), total_lanes=len(self.resources.lanes),
+            free_pages=ps.free_pages, total_pages=ps.total_pages,
+            reserved_pages=ps.reserved_pages, free_slots=ps.free_slots,
+            total_slots=ps.total_slots, generated_tokens=self._generated,
+            finished_requests=self._finished)
+
+
+def _best_effort(fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception:  # cleanup after a failure must reach every request
+        log.exception("cleanup step %s failed", getattr(fn, "__name__", fn))
+

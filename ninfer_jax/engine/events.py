@@ -1,0 +1,90 @@
+"""What a request's consumer sees: events, the final result, usage, and the Engine's errors.
+
+Owns the public event vocabulary (DESIGN §3): one `GenerationStart` after admission, `Delta`s of
+committed output, exactly one `Finished`. Pure data; no behaviour.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from ninfer_jax.errors import NinferError
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_new_tokens reached
+    CANCELLED = "cancelled"  # the consumer cancelled or dropped the handle
+    DEADLINE = "deadline"  # the request's deadline passed while it was running
+    ERROR = "error"  # rejected, or the Engine failed; see Finished.error
+
+
+class Channel(enum.Enum):
+    CONTENT = "content"
+    THINKING = "thinking"
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationStart:
+    """Published once after admission, before any delta."""
+
+    request_id: int
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """Committed output of one model step for one request (text may be empty while held)."""
+
+    request_id: int
+    text: str
+    token_ids: tuple[int, ...]
+    channel: Channel
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    request_id: int
+    finish_reason: FinishReason
+    usage: Usage
+    error: str | None = None  # set when finish_reason is ERROR
+
+
+Event = GenerationStart | Delta | Finished
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    request_id: int
+    text: str
+    reasoning_text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    usage: Usage
+    seed: int | None  # the seed used for sampling (drawn by the Engine when none was given)
+    error: str | None = None
+
+
+class EngineError(NinferError):
+    """Base of errors raised to the submitting caller."""
+
+
+class RejectedError(EngineError):
+    """A request was refused before any Program mutation (reason in `.reason`, field named)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason  # "overload" | "invalid" | "too_long" | "unavailable"
+
+
+class EngineFailedError(EngineError):
+    """The Engine failed (an internal invariant broke); it accepts no more requests."""

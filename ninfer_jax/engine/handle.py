@@ -1,0 +1,173 @@
+"""The consumer side of a request: a handle that iterates events, cancels, and returns a result.
+
+Owns the capacity rule of DESIGN §3: capacity taken at submit is released exactly once, when both
+`response_done` (the worker formed the final event) and `consumer_released` (the consumer
+finished waiting, or dropped the handle) hold, in either order. Dropping a handle sets the
+cancellation flag and releases the consumer; it never calls the Program.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
+
+from ninfer_jax.engine.events import (
+    Channel, Delta, Event, Finished, GenerationResult, GenerationStart,
+)
+
+
+class CapacityToken:
+    """One request's claim on the Engine's outstanding capacity; released exactly once."""
+
+    def __init__(self, on_release: Callable[[], None]):
+        self._lock = threading.Lock()
+        self._response_done = False
+        self._consumer_released = False
+        self._released = False
+        self._on_release = on_release
+
+    def _maybe_release(self) -> None:
+        if self._response_done and self._consumer_released and not self._released:
+            self._released = True
+            self._on_release()
+
+    def response_done(self) -> None:
+        with self._lock:
+            self._response_done = True
+            self._maybe_release()
+
+    def consumer_released(self) -> None:
+        with self._lock:
+            self._consumer_released = True
+            self._maybe_release()
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+
+class EventSink:
+    """Where the worker puts a request's events (thread-safe); sync or asyncio consumers."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None):
+        self._loop = loop
+        self._sync: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._async: asyncio.Queue[Event] | None = asyncio.Queue() if loop else None
+
+    def put(self, event: Event) -> None:
+        if self._loop is None:
+            self._sync.put(event)
+        else:
+            try:
+                self._loop.call_soon_threadsafe(self._async.put_nowait, event)
+            except RuntimeError:  # the consumer's loop is closed: nobody will read it
+                pass
+
+    def get(self, timeout: float | None) -> Event:
+        return self._sync.get(timeout=timeout)
+
+    async def aget(self) -> Event:
+        return await self._async.get()
+
+
+def _drop(cancel: threading.Event, capacity: CapacityToken, wake: Callable[[], None]) -> None:
+    cancel.set()
+    capacity.consumer_released()
+    wake()
+
+
+class _Collector:
+    """Folds events into the final result."""
+
+    def __init__(self, request_id: int, seed: int | None):
+        self.request_id, self.seed = request_id, seed
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.token_ids: list[int] = []
+        self.start: GenerationStart | None = None
+        self.finished: Finished | None = None
+
+    def add(self, event: Event) -> None:
+        if isinstance(event, GenerationStart):
+            self.start = event
+        elif isinstance(event, Delta):
+            (self.reasoning if event.channel is Channel.THINKING else self.text).append(event.text)
+            self.token_ids.extend(event.token_ids)
+        else:
+            self.finished = event
+
+    def result(self) -> GenerationResult:
+        f = self.finished
+        return GenerationResult(
+            request_id=self.request_id, text="".join(self.text),
+            reasoning_text="".join(self.reasoning), token_ids=tuple(self.token_ids),
+            finish_reason=f.finish_reason, usage=f.usage, seed=self.seed, error=f.error)
+
+
+class RequestHandle:
+    """Iterate for events (GenerationStart, Delta..., Finished); `.result()` for the whole answer;
+    `.cancel()` to stop it. Use it from one consumer thread (or one asyncio task)."""
+
+    def __init__(self, request_id: int, sink: EventSink, cancel: threading.Event,
+                 capacity: CapacityToken, wake: Callable[[], None], seed: int | None):
+        self.request_id = request_id
+        self._sink = sink
+        self._cancel_flag = cancel
+        self._capacity = capacity
+        self._wake = wake
+        self._collector = _Collector(request_id, seed)
+        self._finalizer = weakref.finalize(self, _drop, cancel, capacity, wake)
+
+    def cancel(self) -> None:
+        """Asks the Engine to stop this request; its Finished event (reason cancelled) follows."""
+        self._cancel_flag.set()
+        self._wake()
+
+    @property
+    def done(self) -> bool:
+        return self._collector.finished is not None
+
+    def _take(self, event: Event) -> Event:
+        self._collector.add(event)
+        if isinstance(event, Finished):
+            self._finalizer.detach()
+            self._capacity.consumer_released()
+        return event
+
+    def next_event(self, timeout: float | None = None) -> Event:
+        """The next event; raises queue.Empty after `timeout` seconds, StopIteration when done."""
+        if self.done:
+            raise StopIteration
+        return self._take(self._sink.get(timeout))
+
+    def __iter__(self) -> Iterator[Event]:
+        while not self.done:
+            yield self.next_event()
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """Waits for the end and returns the committed output (any unread events are folded in)."""
+        while not self.done:
+            self.next_event(timeout)
+        return self._collector.result()
+
+    def release(self) -> None:
+        """Stops listening without waiting: cancels if still running, releases capacity."""
+        if self._finalizer.detach() is not None:
+            _drop(self._cancel_flag, self._capacity, self._wake)
+
+
+class AsyncRequestHandle(RequestHandle):
+    """The asyncio flavour: `async for event in handle`, `await handle.aresult()`."""
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        while not self.done:
+            yield self._take(await self._sink.aget())
+
+    async def aresult(self) -> GenerationResult:
+        while not self.done:
+            self._take(await self._sink.aget())
+        return self._collector.result()
+

@@ -1,0 +1,54 @@
+"""Scheduler (DESIGN §5): the FIFO of waiting requests and the choice of the next model unit.
+
+Owns order: which single waiting request may try admission (the FIFO head), the staged-prefill
+gate (at most one request materializing or prefilling), and whether the next unit is a prefill
+chunk or a compact decode round of exactly the decode-ready rows. Decode is never starved: a
+prefill chunk and a decode round alternate while both have work. It never picks pages or lanes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from ninfer_jax.engine.request import RequestRecord, RequestState
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillUnit:
+    record: RequestRecord
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeUnit:
+    records: tuple[RequestRecord, ...]
+
+
+class Scheduler:
+    def __init__(self) -> None:
+        self.waiting: collections.deque[RequestRecord] = collections.deque()
+        self._last_was_prefill = False
+
+    def enqueue(self, record: RequestRecord) -> None:
+        self.waiting.append(record)
+
+    def head(self) -> RequestRecord | None:
+        return self.waiting[0] if self.waiting else None
+
+    def remove(self, record: RequestRecord) -> None:
+        self.waiting.remove(record)
+
+    @staticmethod
+    def prefill_gate_open(active: list[RequestRecord]) -> bool:
+        """One staged prefill at a time: no request is materializing or prefilling."""
+        return not any(r.state in (RequestState.MATERIALIZING, RequestState.PREFILL)
+                       for r in active)
+
+    def next_unit(self, active: list[RequestRecord]) -> PrefillUnit | DecodeUnit | None:
+        prefilling = [r for r in active if r.state is RequestState.PREFILL]
+        ready = tuple(r for r in active if r.state is RequestState.DECODE_READY)
+        if prefilling and (not ready or not self._last_was_prefill):
+            self._last_was_prefill = True
+            return PrefillUnit(prefilling[0])
+        self._last_was_prefill = False
+        return DecodeUnit(ready) if ready else None

@@ -1,0 +1,143 @@
+"""A hypothesis state machine over the Engine with FakeProgram: random submits, cancels at random
+moments, deadlines and dropped handles. Every accepted request ends exactly once, nothing follows
+its ending, and after draining every lane, page and slot is free and capacity is full."""
+
+from __future__ import annotations
+
+import gc
+import queue
+import time
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from ninfer_jax.engine import EngineCore, EngineCoreConfig, Finished, FinishReason, RejectedError
+from ninfer_jax.sampling_params import SamplingParams
+from ninfer_jax.testing.fake_program import FakeProgram, expected_tokens
+from tests.engine.conftest import EOS, FRONTEND, TOKENIZER, limits
+
+WORDS = st.text(alphabet="abcdefgh xyz", min_size=1, max_size=30)
+
+
+class EngineMachine(RuleBasedStateMachine):
+    max_concurrency = 3
+
+    def __init__(self):
+        super().__init__()
+        self.program = FakeProgram(limits(self.max_concurrency), eos_id=EOS, step_seconds=0.0002)
+        self.core = EngineCore(self.program, FRONTEND, EngineCoreConfig(max_queue=12,
+                                                                        idle_wait_s=0.005))
+        self.live = []  # (handle, prompt ids, sampling, cancelled?)
+        self.dropped = 0
+        self.accepted = 0
+
+    @rule(text=WORDS, budget=st.integers(1, 24), seeded=st.booleans(), seed=st.integers(0, 99),
+          deadline=st.sampled_from([None, None, None, 0.002, 0.05]))
+    def submit(self, text, budget, seeded, seed, deadline):
+        sp = SamplingParams(temperature=0.7 if seeded else 0.0, seed=seed, max_new_tokens=budget)
+        p = FRONTEND.prepare(prompt=text)
+        try:
+            h = self.core.submit(p, sp, deadline_s=deadline)
+        except RejectedError as e:
+            assert e.reason == "overload" and "max_queue is 12" in str(e)
+            return
+        self.accepted += 1
+        self.live.append([h, list(p.token_ids), sp, False, deadline])
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 10**6), pause=st.sampled_from([0, 0, 0.001, 0.003]))
+    def cancel(self, i, pause):
+        time.sleep(pause)
+        entry = self.live[i % len(self.live)]
+        entry[0].cancel()
+        entry[3] = True
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 10**6))
+    def drop(self, i):
+        self.live.pop(i % len(self.live))
+        self.dropped += 1
+        gc.collect()
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 10**6))
+    def finish_one(self, i):
+        self._check(self.live.pop(i % len(self.live)))
+
+    @rule(pause=st.sampled_from([0.0005, 0.002]))
+    def let_it_run(self, pause):
+        time.sleep(pause)
+
+    @invariant()
+    def capacity_never_exceeded(self):
+        s = self.core.stats()
+        assert s.outstanding <= s.capacity and s.free_lanes <= s.total_lanes
+
+    def _check(self, entry):
+        handle, ids, sp, cancelled, deadline = entry
+        events = list(handle)  # ends with Finished (a bounded wait: the worker always finishes)
+        finished = [e for e in events if isinstance(e, Finished)]
+        assert len(finished) == 1 and events[-1] is finished[0]
+        with_text = "".join(getattr(e, "text", "") for e in events)
+        got = [t for e in events for t in getattr(e, "token_ids", ())]
+        want = expected_tokens(ids, sp.max_new_tokens, seed=sp.seed or 0,
+                               vocab_size=TOKENIZER.vocab_size, eos_id=EOS)
+        reason = finished[0].finish_reason
+        assert got == want[: len(got)]  # a prefix of the single-request output, always
+        if reason in (FinishReason.STOP, FinishReason.LENGTH):
+            assert got == want
+        else:
+            assert reason in (FinishReason.CANCELLED, FinishReason.DEADLINE)
+            assert cancelled or deadline is not None
+        assert finished[0].usage.completion_tokens == len(got)
+        assert "\ufffd" not in with_text
+        try:
+            extra = handle._sink.get(timeout=0.01)
+        except queue.Empty:
+            extra = None
+        assert extra is None, f"event after Finished: {extra}"
+
+    def teardown(self):
+        try:
+            for entry in self.live:
+                self._check(entry)
+            self.live.clear()
+            gc.collect()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                s, p = self.core.stats(), self.program.stats()
+                if s.outstanding == 0 and s.active == 0 and s.waiting == 0:
+                    break
+                time.sleep(0.005)
+            s, p = self.core.stats(), self.program.stats()
+            assert s.available and s.outstanding == 0 and s.active == 0 and s.waiting == 0, s
+            assert s.free_lanes == s.total_lanes
+            assert p.free_pages == p.total_pages and p.reserved_pages == 0
+            assert p.free_slots == p.total_slots and p.num_sequences == 0
+        finally:
+            self.core.close()
+
+
+SETTINGS = settings(max_examples=70, stateful_step_count=20, deadline=None,
+                    suppress_health_check=list(HealthCheck))
+
+
+class OneLane(EngineMachine):
+    max_concurrency = 1
+
+
+class ThreeLanes(EngineMachine):
+    max_concurrency = 3
+
+
+class EightLanes(EngineMachine):
+    max_concurrency = 8
+
+
+TestOneLane = OneLane.TestCase
+TestOneLane.settings = SETTINGS
+TestThreeLanes = ThreeLanes.TestCase
+TestThreeLanes.settings = SETTINGS
+TestEightLanes = EightLanes.TestCase
+TestEightLanes.settings = SETTINGS
