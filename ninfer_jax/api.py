@@ -15,6 +15,7 @@ from ninfer_jax.engine import (
     AsyncRequestHandle, EngineCore, EngineCoreConfig, EngineStats, GenerationResult,
     RejectedError, RequestHandle,
 )
+from ninfer_jax.errors import CheckpointError
 from ninfer_jax.frontend import Frontend, PromptError
 from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError
 
@@ -50,7 +51,10 @@ class Engine:
                        max_concurrency * -(-pkw["max_seq_len"] // pkw["page_size"]))
         pcfg = ProgramConfig(max_concurrency=max_concurrency, **pkw)
         loaded = load_model(model, dtype=pcfg.dtype)
-        frontend = Frontend.load(loaded.path)
+        try:
+            frontend = Frontend.load(loaded.path)
+        except FileNotFoundError as e:
+            raise CheckpointError(f"cannot serve {loaded.path}: {e}") from None
         program = Program(loaded.config, loaded.params, pcfg)
         core = EngineCore(program, frontend,
                           EngineCoreConfig(**{k: config[k] for k in _CORE_KEYS if k in config}))

@@ -1,7 +1,8 @@
 """The `ninfer` command line (absl flags): `ninfer <command> --flag=value ...`.
 
 Owns flags, exit codes and what goes to stdout (answers) versus stderr (progress, timing).
-Commands: convert (HF checkpoint -> artifact), logits (next-token predictions of a model).
+Commands: convert (HF checkpoint -> artifact), logits (next-token predictions of a model),
+generate and chat (the Generation purpose, `gateway/generate.py`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import time
 
 from absl import app, flags, logging
 
+from ninfer_jax.gateway import generate
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("hf_dir", None, "convert: the HF checkpoint directory to read")
 flags.DEFINE_string("out", None, "convert: the artifact directory to write")
@@ -19,7 +22,7 @@ flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights/activati
 flags.DEFINE_list("prompt_ids", None, "logits: comma-separated prompt token ids")
 flags.DEFINE_integer("top", 5, "logits: how many top next tokens to print")
 
-COMMANDS = ("convert", "logits")
+COMMANDS = ("convert", "logits", "generate", "chat")
 
 
 def _convert() -> int:
@@ -65,10 +68,11 @@ def _main(argv: list[str]) -> int:
     if len(argv) != 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     enable_persistent_cache()
+    logging.set_verbosity(logging.WARNING)
     try:
-        return {"convert": _convert, "logits": _logits}[_COMMAND]()
+        return {"convert": _convert, "logits": _logits, "generate": generate.run_generate,
+                "chat": generate.run_chat}[_COMMAND]()
     except NinferError as e:
-        logging.error("%s", e)
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -20,8 +20,11 @@ def next_token(last: int, position: int, seed: int, vocab_size: int, eos_id: int
 
     position is the absolute position of the token being produced.
     """
-    h = (last * 31 + position * 17 + seed * 7 + 3) % 101
-    if eos_id is not None and h == 0:
+    x = (last * 1_000_003 + position * 7_919 + seed * 104_729 + 12_345) & 0xFFFFFFFF
+    x ^= x >> 13
+    x = (x * 0x5BD1E995) & 0xFFFFFFFF
+    h = (x ^ (x >> 15)) % 997
+    if eos_id is not None and h < 4:
         return eos_id
     if h % 6 == 0:
         return min(32, vocab_size - 1)
