@@ -2,7 +2,8 @@
 
 Owns flags, exit codes and what goes to stdout (answers) versus stderr (progress, timing).
 Commands: convert (HF checkpoint -> artifact), logits (next-token predictions of a model),
-generate and chat (the Generation purpose, `gateway/generate.py`).
+generate and chat (the Generation purpose, `gateway/generate.py`), serve (the HTTP server,
+`gateway/server.py`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,12 @@ flags.DEFINE_string("model", None, "artifact or HF checkpoint directory")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights/activations dtype")
 flags.DEFINE_list("prompt_ids", None, "logits: comma-separated prompt token ids")
 flags.DEFINE_integer("top", 5, "logits: how many top next tokens to print")
+flags.DEFINE_string("host", "127.0.0.1", "serve: the address to listen on")
+flags.DEFINE_integer("port", 8000, "serve: the TCP port to listen on")
+flags.DEFINE_string("api_key", None,
+                    "serve: when set, requests need `Authorization: Bearer KEY` or `x-api-key`")
 
-COMMANDS = ("convert", "logits", "generate", "chat")
+COMMANDS = ("convert", "logits", "generate", "chat", "serve")
 
 
 def _convert() -> int:
@@ -61,6 +66,14 @@ def _logits() -> int:
     return 0
 
 
+def _serve() -> int:
+    from ninfer_jax.gateway.server import run_serve
+
+    return run_serve(model=FLAGS.model, host=FLAGS.host, port=FLAGS.port,
+                     api_key=FLAGS.api_key, max_concurrency=FLAGS.max_concurrency,
+                     max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype)
+
+
 def _main(argv: list[str]) -> int:
     from ninfer_jax.compile_cache import enable_persistent_cache
     from ninfer_jax.errors import NinferError
@@ -71,7 +84,7 @@ def _main(argv: list[str]) -> int:
     logging.set_verbosity(logging.WARNING)
     try:
         return {"convert": _convert, "logits": _logits, "generate": generate.run_generate,
-                "chat": generate.run_chat}[_COMMAND]()
+                "chat": generate.run_chat, "serve": _serve}[_COMMAND]()
     except NinferError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,112 @@
+"""Anthropic Messages answers: the `message` object and its SSE event sequence.
+
+Owns the Messages response schema (content blocks `thinking` then `text`, `stop_reason`
+end_turn/max_tokens, usage with `cache_read_input_tokens`) and the streaming order:
+`message_start`, then per block `content_block_start`, `content_block_delta`...,
+`content_block_stop`, then `message_delta` (stop reason, final usage) and `message_stop`.
+A failure after the stream started is an `error` event.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ninfer_jax.engine import Delta, Finished, FinishReason
+from ninfer_jax.engine.events import Channel, Usage
+from ninfer_jax.gateway.http.errors import Api, from_failure
+from ninfer_jax.gateway.http.generation import EventStream, Generation, start, until_disconnect
+from ninfer_jax.gateway.http.requests import GenerationRequest
+from ninfer_jax.gateway.http.state import ServerState
+
+# EOS and stop strings both end as STOP at the Engine, which does not say which one matched, so
+# a stop sequence is reported as end_turn with stop_sequence null.
+_STOP_REASON = {FinishReason.STOP: "end_turn", FinishReason.LENGTH: "max_tokens"}
+
+
+def _usage(usage: Usage | None, prompt_tokens: int) -> dict[str, Any]:
+    if usage is None:
+        return {"input_tokens": prompt_tokens, "output_tokens": 0,
+                "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens,
+            "output_tokens": usage.completion_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": usage.cached_tokens}
+
+
+def _event(name: str, body: dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps({'type': name, **body})}\n\n"
+
+
+def _block(channel: Channel) -> tuple[dict[str, Any], str, str]:
+    """(empty content block, delta type, delta field) for a channel."""
+    if channel is Channel.THINKING:
+        return {"type": "thinking", "thinking": "", "signature": ""}, "thinking_delta", "thinking"
+    return {"type": "text", "text": ""}, "text_delta", "text"
+
+
+def _message(state: ServerState, msg_id: str, content: list[dict[str, Any]],
+             stop_reason: str | None, usage: dict[str, Any]) -> dict[str, Any]:
+    return {"id": msg_id, "type": "message", "role": "assistant", "model": state.model_name,
+            "content": content, "stop_reason": stop_reason, "stop_sequence": None,
+            "usage": usage}
+
+
+async def _stream(state: ServerState, gen: Generation,
+                  msg_id: str) -> AsyncGenerator[str, None]:
+    yield _event("message_start", {"message": _message(
+        state, msg_id, [], None, _usage(None, gen.prompt_tokens))})
+    index, channel = -1, None
+    async for event in gen.events():
+        if isinstance(event, Delta) and event.text:
+            block, delta_type, key = _block(event.channel)
+            if event.channel is not channel:
+                if channel is not None:
+                    yield _event("content_block_stop", {"index": index})
+                index, channel = index + 1, event.channel
+                yield _event("content_block_start", {"index": index, "content_block": block})
+            yield _event("content_block_delta", {
+                "index": index, "delta": {"type": delta_type, key: event.text}})
+        elif isinstance(event, Finished):
+            if event.finish_reason not in _STOP_REASON:
+                error = from_failure(event.error, state.engine_available)
+                yield _event("error", {"error": error.body(Api.ANTHROPIC)["error"]})
+                return
+            if channel is None:  # the answer is empty: still one (empty) text block
+                index, channel = 0, Channel.CONTENT
+                yield _event("content_block_start", {"index": 0,
+                                                     "content_block": _block(channel)[0]})
+            yield _event("content_block_stop", {"index": index})
+            yield _event("message_delta", {
+                "delta": {"stop_reason": _STOP_REASON[event.finish_reason],
+                          "stop_sequence": None},
+                "usage": _usage(event.usage, gen.prompt_tokens)})
+            yield _event("message_stop", {})
+
+
+async def create_message(state: ServerState, request: Request, req: GenerationRequest,
+                         received_at: float) -> Response:
+    """Serves one `POST /v1/messages`, streaming or not."""
+    gen = await start(state.engine, req, state.metrics, received_at)
+    msg_id = f"msg_{uuid.uuid4().hex}"
+    if req.stream:
+        return EventStream(_stream(state, gen, msg_id), gen.close)
+    result = None
+    try:
+        result = await until_disconnect(request, gen.result)
+    finally:
+        gen.close(result is None)
+    if result is None:  # the client left; nobody reads this
+        return Response(status_code=499)
+    if result.finish_reason not in _STOP_REASON:
+        return from_failure(result.error, state.engine_available).response(Api.ANTHROPIC)
+    content = []
+    if result.reasoning_text:
+        content.append({"type": "thinking", "thinking": result.reasoning_text, "signature": ""})
+    content.append({"type": "text", "text": result.text})
+    return JSONResponse(_message(state, msg_id, content, _STOP_REASON[result.finish_reason],
+                                 _usage(result.usage, gen.prompt_tokens)))

@@ -1,0 +1,185 @@
+"""One HTTP generation request's life at the Engine: prepare, submit, observe, release.
+
+Owns the connection-to-request coupling of DESIGN §8 from the gateway's side: a request is
+released (`handle.release()`, which cancels it if still running) exactly when its HTTP exchange
+ends, whether the answer was complete or the client went away; a client disconnect is watched
+for while the Engine works, streaming or not. Also owns the per-request metrics observations.
+Order, admission and resources stay with the Engine.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from ninfer_jax.engine import Delta, Finished, GenerationStart, RejectedError
+from ninfer_jax.engine.events import Event, GenerationResult
+from ninfer_jax.frontend import ChatTemplateError, PromptError
+from ninfer_jax.gateway.http.errors import ApiError, from_rejected
+from ninfer_jax.gateway.http.metrics import Metrics
+from ninfer_jax.gateway.http.requests import GenerationRequest
+from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError
+
+T = TypeVar("T")
+_FIELD = re.compile(r"^([A-Za-z_]\w*)([\w.\[\]]*?)(?::\s*|\s+)(.*)$", re.DOTALL)
+
+
+def _renamed(message: str, names: dict[str, str]) -> tuple[str, str]:
+    """(API field path, rest of the message) for an Engine/Frontend error message that starts
+    with its field path (`max_new_tokens must be ...`, `prompt_token_ids[3]: ...`)."""
+    match = _FIELD.match(message)
+    if match is None:
+        return "body", message
+    base, path, rest = match.groups()
+    return names.get(base, base) + path, rest
+
+
+class Generation:
+    """A submitted request: its handle, its prompt size, and the timing of its tokens."""
+
+    def __init__(self, handle: Any, prompt_tokens: int, metrics: Metrics, received_at: float,
+                 api: str):
+        self.handle, self.prompt_tokens, self.metrics = handle, prompt_tokens, metrics
+        self.received_at, self.api = received_at, api
+        self._last_token_at: float | None = None
+        self._closed = False
+        self.finished: Finished | None = None
+
+    async def events(self) -> AsyncIterator[Event]:
+        async for event in self.handle:
+            self._observe(event)
+            yield event
+
+    async def result(self) -> GenerationResult:
+        async for _ in self.events():
+            pass
+        return await self.handle.aresult()
+
+    def _observe(self, event: Event) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        if isinstance(event, GenerationStart):
+            m.prompt_tokens.inc(event.prompt_tokens)
+            if event.cached_tokens:
+                m.prefix_hits.inc()
+                m.cached_tokens.inc(event.cached_tokens)
+        elif isinstance(event, Delta) and event.token_ids:
+            n = len(event.token_ids)
+            m.rate.add(n, now)
+            if self._last_token_at is None:
+                m.ttft.observe(now - self.received_at)
+            else:
+                m.itl.observe((now - self._last_token_at) / n)
+            self._last_token_at = now
+        elif isinstance(event, Finished):
+            self.finished = event
+
+    def close(self, disconnected: bool) -> None:
+        """Ends the request's hold on the Engine (cancelling it if it still runs); once."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.finished is not None:
+            outcome = self.finished.finish_reason.value
+        else:
+            outcome = "disconnected" if disconnected else "abandoned"
+            if disconnected:
+                self.metrics.disconnects.inc()
+        self.metrics.requests.labels(self.api, outcome).inc()
+        self.handle.release()
+
+
+async def start(engine: Any, req: GenerationRequest, metrics: Metrics,
+                received_at: float) -> Generation:
+    """Prepares the prompt (to learn its length for the default budget) and submits it.
+    Bad input raises a 400 naming the field; a refusal maps to 400/429/503."""
+    names = req.field_names
+    try:
+        prepared = engine.frontend.prepare(
+            prompt=req.prompt, messages=req.messages, prompt_token_ids=req.prompt_token_ids,
+            enable_thinking=req.enable_thinking)
+    except PromptError as e:
+        raise ApiError.invalid(*_renamed(str(e), names)) from None
+    except ChatTemplateError as e:
+        raise ApiError.invalid(req.prompt_field, str(e)) from None
+    n = prepared.num_tokens
+    budget = req.max_tokens
+    if budget is None:  # OpenAI's default: whatever the context has left
+        budget = max(1, engine.core.limits.max_seq_len - n)
+    try:
+        sampling = SamplingParams(max_new_tokens=budget, **req.sampling)
+    except SamplingParamsError as e:
+        raise ApiError.invalid(*_renamed(str(e), names)) from None
+    try:
+        handle = await engine.asubmit(prompt_token_ids=prepared.token_ids, sampling=sampling,
+                                      session=req.session)
+    except RejectedError as e:
+        raise from_rejected(e, prompt_field=req.prompt_field,
+                            budget_field=names.get("max_new_tokens", "max_tokens")) from None
+    return Generation(handle, n, metrics, received_at, req.api.value)
+
+
+async def until_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> T | None:
+    """Runs `work()` while watching the connection; None when the client left first."""
+    result: list[T] = []
+    async with anyio.create_task_group() as tg:
+        async def run() -> None:
+            result.append(await work())
+            tg.cancel_scope.cancel()
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(run)
+        tg.start_soon(watch)
+    return result[0] if result else None
+
+
+class EventStream(Response):
+    """A Server-Sent Events response that stops as soon as the client disconnects and then
+    calls `on_close(disconnected)` exactly once, whatever ended the stream."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks: AsyncGenerator[str, None], on_close: Callable[[bool], None]):
+        self.status_code, self.background = 200, None
+        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
+        self.chunks, self.on_close = chunks, on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        disconnected = False
+
+        async def stream(tg: anyio.abc.TaskGroup) -> None:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk.encode(),
+                            "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            tg.cancel_scope.cancel()
+
+        async def watch(tg: anyio.abc.TaskGroup) -> None:
+            nonlocal disconnected
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            disconnected = True
+            tg.cancel_scope.cancel()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(stream, tg)
+                tg.start_soon(watch, tg)
+        except* OSError:  # the transport broke while sending
+            disconnected = True
+        finally:
+            self.on_close(disconnected)
+            await self.chunks.aclose()

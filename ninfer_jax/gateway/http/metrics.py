@@ -1,0 +1,107 @@
+"""`GET /metrics`: the server's Prometheus metrics, one registry per app.
+
+Owns what the gateway observes itself (time to first token, inter-token latency, request
+outcomes, rejections by reason, prompt and prefix-cached tokens, client disconnects, recent
+tokens/s) and a collector that reads the Engine's published `EngineStats` at scrape time (queue
+depth, active requests, pages, slots, generated tokens). It keeps no copy of Engine state.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0)
+
+
+class TokenRate:
+    """Generated tokens per second over the last `window_s` seconds (event-loop thread only)."""
+
+    def __init__(self, window_s: float = 10.0):
+        self.window_s = window_s
+        self._events: collections.deque[tuple[float, int]] = collections.deque()
+
+    def add(self, num_tokens: int, now: float) -> None:
+        self._events.append((now, num_tokens))
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._events.popleft()
+
+    def rate(self, now: float) -> float:
+        self._trim(now)
+        return sum(n for _, n in self._events) / self.window_s
+
+
+class _EngineCollector:
+    """Reads `engine.stats()` at each scrape."""
+
+    def __init__(self, engine: Any, rate: TokenRate):
+        self._engine, self._rate = engine, rate
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._engine.stats()
+        gauges = {
+            "available": ("1 while the Engine accepts requests", int(s.available)),
+            "queue_depth": ("requests waiting for admission", s.waiting),
+            "active_requests": ("requests admitted and not yet finished", s.active),
+            "outstanding_requests": (
+                "requests holding capacity (waiting, running or unconsumed)", s.outstanding),
+            "max_outstanding_requests": ("outstanding requests before overload (429)",
+                                         s.capacity),
+            "free_lanes": ("free request lanes", s.free_lanes),
+            "free_pages": ("free KV pages", s.free_pages),
+            "total_pages": ("KV pages in the pool", s.total_pages),
+            "reserved_pages": ("KV pages reserved for admitted requests' growth",
+                               s.reserved_pages),
+            "free_slots": ("free GDN state slots", s.free_slots),
+            "total_slots": ("GDN state slots in the pool", s.total_slots),
+            "generation_tokens_per_second": (
+                f"tokens streamed per second over the last {self._rate.window_s:g} s",
+                self._rate.rate(time.monotonic())),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(f"ninfer_{name}", doc, value=value)
+        yield CounterMetricFamily("ninfer_generated_tokens", "tokens committed by the Engine",
+                                  value=s.generated_tokens)
+        yield CounterMetricFamily("ninfer_engine_finished_requests",
+                                  "requests the Engine finished", value=s.finished_requests)
+
+
+class Metrics:
+    """The gateway's observations plus the Engine collector, in one registry."""
+
+    def __init__(self, engine: Any):
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("ninfer_time_to_first_token_seconds",
+                              "from the request's arrival to its first output token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("ninfer_inter_token_latency_seconds",
+                             "between consecutive output tokens of one request",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("ninfer_requests", "finished HTTP generation requests",
+                                ["api", "outcome"], registry=r)
+        self.rejections = Counter("ninfer_rejected_requests",
+                                  "requests refused before generation, by reason",
+                                  ["reason"], registry=r)
+        self.prompt_tokens = Counter("ninfer_prompt_tokens", "prompt tokens of admitted requests",
+                                     registry=r)
+        self.prefix_hits = Counter("ninfer_prefix_hits",
+                                   "admitted requests that reused a cached prefix", registry=r)
+        self.cached_tokens = Counter("ninfer_prefix_cached_tokens",
+                                     "prompt tokens served from a cached prefix", registry=r)
+        self.disconnects = Counter("ninfer_client_disconnects",
+                                   "requests cancelled because the client went away",
+                                   registry=r)
+        self.rate = TokenRate()
+        r.register(_EngineCollector(engine, self.rate))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

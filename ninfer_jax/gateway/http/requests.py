@@ -1,0 +1,215 @@
+"""Turns the three request bodies (OpenAI chat and completions, Anthropic Messages) into one
+`GenerationRequest`, the Engine's public input plus the transport choices (stream, usage chunk).
+
+Owns which fields each API accepts, which it refuses as unsupported (naming the field), and the
+mapping of API names onto SamplingParams (`max_tokens` -> `max_new_tokens`, `stop_sequences` ->
+`stop`, ...). It does not tokenize, and it checks no limit that needs the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ninfer_jax.gateway.http.errors import Api, ApiError
+from ninfer_jax.gateway.http.fields import Fields, check_text
+
+_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
+               "assistant": "assistant"}
+# OpenAI sampling fields read as numbers / integers (top_k, min_p, repetition_penalty are the
+# common extensions of OpenAI-compatible servers).
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """One request's public input. Exactly one of messages / prompt / prompt_token_ids is set.
+
+    sampling: SamplingParams keyword arguments except `max_new_tokens`.
+    max_tokens: the budget the client asked for (None: up to the context limit).
+    field_names: SamplingParams / Engine field -> the name this API uses for it (for errors).
+    """
+
+    api: Api
+    model: str | None
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling: dict[str, Any] = dataclasses.field(default_factory=dict)
+    max_tokens: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    enable_thinking: bool | None = None
+    session: str | None = None
+    field_names: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def prompt_field(self) -> str:
+        return "prompt" if self.messages is None else "messages"
+
+
+def _refuse_unsupported(body: Fields, *, flags: tuple[str, ...] = (),
+                        lists: tuple[str, ...] = ()) -> None:
+    """Fields that would change the answer in ways not served yet: refused, never ignored."""
+    for key in flags:
+        if body.data.get(key) not in (None, False, 0):
+            raise ApiError.invalid(key, "not supported yet", code="unsupported_parameter")
+    for key in lists:
+        if body.data.get(key) not in (None, [], {}):
+            raise ApiError.invalid(key, "not supported yet", code="unsupported_parameter")
+
+
+def _n(body: Fields) -> None:
+    n = body.integer("n")
+    if n is not None and n != 1:
+        raise ApiError.invalid("n", f"only n = 1 is supported, got {n}",
+                               code="unsupported_parameter")
+
+
+def _openai_sampling(body: Fields) -> dict[str, Any]:
+    sampling: dict[str, Any] = {}
+    for key in _FLOAT_FIELDS:
+        value = body.number(key)
+        if value is not None:
+            sampling[key] = value
+    for key in ("top_k", "seed"):
+        value = body.integer(key)
+        if value is not None:
+            sampling[key] = 0 if key == "top_k" and value == -1 else value  # -1 = off, as vLLM
+    sampling["stop"] = body.stop("stop")
+    return sampling
+
+
+def _stream_options(body: Fields, stream: bool) -> bool:
+    options = body.obj("stream_options")
+    if options is None:
+        return False
+    include = options.boolean("include_usage")
+    if include and not stream:
+        raise ApiError.invalid("stream_options", "only allowed when stream is true")
+    return bool(include)
+
+
+def _session(body: Fields, header: str | None, key: str = "user") -> str | None:
+    return check_text(header, "x-session-id") if header else body.string(key)
+
+
+def parse_chat(obj: Any, session_header: str | None) -> GenerationRequest:
+    """`POST /v1/chat/completions`."""
+    body = Fields(obj)
+    _n(body)
+    _refuse_unsupported(body, flags=("logprobs", "top_logprobs"),
+                        lists=("tools", "functions", "logit_bias"))
+    fmt = body.obj("response_format")
+    if fmt is not None and fmt.string("type") not in (None, "text"):
+        raise ApiError.invalid("response_format", "only type 'text' is supported yet",
+                               code="unsupported_parameter")
+    messages = []
+    for i, raw in enumerate(body.array("messages", required=True)):
+        m = Fields(raw, f"messages[{i}]")
+        role = m.string("role", required=True)
+        if role not in _CHAT_ROLES:
+            raise ApiError.invalid(m.name("role"), f"must be one of {sorted(_CHAT_ROLES)}, "
+                                   f"got {role!r:.40}")
+        if m.array("tool_calls"):
+            raise ApiError.invalid(m.name("tool_calls"), "not supported yet",
+                                   code="unsupported_parameter")
+        message = {"role": _CHAT_ROLES[role], "content": m.text_content("content")}
+        reasoning = m.string("reasoning_content")
+        if reasoning is not None and role == "assistant":
+            message["reasoning_content"] = reasoning
+        messages.append(message)
+    if not messages:
+        raise ApiError.invalid("messages", "must not be empty")
+    budget_key = "max_completion_tokens" if body.has("max_completion_tokens") else "max_tokens"
+    stream = bool(body.boolean("stream"))
+    thinking = body.boolean("enable_thinking")
+    kwargs = body.obj("chat_template_kwargs")
+    if thinking is None and kwargs is not None:
+        thinking = kwargs.boolean("enable_thinking")
+    return GenerationRequest(
+        api=Api.OPENAI, model=body.string("model"), messages=messages,
+        sampling=_openai_sampling(body), max_tokens=body.integer(budget_key), stream=stream,
+        include_usage=_stream_options(body, stream), enable_thinking=thinking,
+        session=_session(body, session_header), field_names={"max_new_tokens": budget_key})
+
+
+def parse_completion(obj: Any, session_header: str | None) -> GenerationRequest:
+    """`POST /v1/completions`: one prompt (a string or token ids); `echo` and `logprobs` wait
+    for the scoring path."""
+    body = Fields(obj)
+    _n(body)
+    best_of = body.integer("best_of")
+    if best_of is not None and best_of != 1:
+        raise ApiError.invalid("best_of", f"only best_of = 1 is supported, got {best_of}",
+                               code="unsupported_parameter")
+    _refuse_unsupported(body, flags=("echo", "logprobs"), lists=("logit_bias",))
+    if body.string("suffix"):
+        raise ApiError.invalid("suffix", "not supported yet", code="unsupported_parameter")
+    prompt = body.required("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    text, ids = None, None
+    if isinstance(prompt, str):
+        text = check_text(prompt, "prompt")
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                          for t in prompt):
+        ids = prompt
+    else:
+        raise ApiError.invalid("prompt", "expected a string or an array of token ids "
+                               "(one prompt per request)", code="invalid_type")
+    stream = bool(body.boolean("stream"))
+    return GenerationRequest(
+        api=Api.OPENAI, model=body.string("model"), prompt=text, prompt_token_ids=ids,
+        sampling=_openai_sampling(body), max_tokens=body.integer("max_tokens"), stream=stream,
+        include_usage=_stream_options(body, stream),
+        enable_thinking=body.boolean("enable_thinking"), session=_session(body, session_header),
+        field_names={"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"})
+
+
+def parse_messages(obj: Any, session_header: str | None) -> GenerationRequest:
+    """`POST /v1/messages` (Anthropic Messages)."""
+    body = Fields(obj)
+    messages: list[dict[str, Any]] = []
+    system = body.get("system")
+    if isinstance(system, (str, list)):
+        messages.append({"role": "system", "content": body.text_content("system")})
+    elif body.has("system"):
+        raise ApiError.invalid("system", "expected a string or an array of text blocks",
+                               code="invalid_type")
+    for i, raw in enumerate(body.array("messages", required=True)):
+        m = Fields(raw, f"messages[{i}]")
+        role = m.string("role", required=True)
+        if role not in ("user", "assistant"):
+            raise ApiError.invalid(m.name("role"), f"must be 'user' or 'assistant', "
+                                   f"got {role!r:.40}")
+        messages.append({"role": role, "content": m.text_content("content")})
+    if len(messages) == (1 if messages and messages[0]["role"] == "system" else 0):
+        raise ApiError.invalid("messages", "must not be empty")
+    _refuse_unsupported(body, lists=("tools",))
+    sampling: dict[str, Any] = {}
+    for key in ("temperature", "top_p"):
+        value = body.number(key)
+        if value is not None:
+            sampling[key] = value
+    top_k = body.integer("top_k")
+    if top_k is not None:
+        sampling["top_k"] = top_k
+    sampling["stop"] = body.stop("stop_sequences")
+    thinking = None
+    config = body.obj("thinking")
+    if config is not None:
+        kind = config.string("type", required=True)
+        if kind not in ("enabled", "disabled", "adaptive"):
+            raise ApiError.invalid("thinking.type", f"must be 'enabled', 'adaptive' or "
+                                   f"'disabled', got {kind!r:.40}")
+        thinking = kind != "disabled"
+    metadata = body.obj("metadata")
+    session = _session(metadata, session_header, "user_id") if metadata is not None \
+        else (check_text(session_header, "x-session-id") if session_header else None)
+    max_tokens = body.integer("max_tokens", required=True)
+    return GenerationRequest(
+        api=Api.ANTHROPIC, model=body.string("model"), messages=messages, sampling=sampling,
+        max_tokens=max_tokens, stream=bool(body.boolean("stream")), enable_thinking=thinking,
+        session=session, field_names={"max_new_tokens": "max_tokens", "stop": "stop_sequences"})

@@ -1,0 +1,23 @@
+"""What every endpoint of one server shares: the Engine, the served model's id, limits, metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from ninfer_jax.gateway.http.metrics import Metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerState:
+    engine: Any  # ninfer_jax.api.Engine (or anything with its frontend/core/asubmit/stats)
+    model_name: str
+    metrics: Metrics
+    api_key: str | None
+    max_body_bytes: int
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @property
+    def engine_available(self) -> bool:
+        return self.engine.stats().available

@@ -1,0 +1,235 @@
+"""`ninfer serve`: the HTTP gateway, an OpenAI- and Anthropic-compatible Starlette app on uvicorn.
+
+Owns the routes, authentication (`Authorization: Bearer` or `x-api-key`), the body size limit,
+the served model's id, and running the app (`serve` blocks; `ServerThread` runs it in the
+background for tests, benchmarks and notebooks). Protocol details live in `gateway/http/`;
+order, cache and physical state stay with the Engine (DESIGN §2).
+
+Endpoints: `GET /health`, `GET /ready`, `GET /metrics`, `GET /v1/models[/{id}]`,
+`POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/messages`.
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import logging
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Self
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ninfer_jax.gateway.http import anthropic_api, openai_api
+from ninfer_jax.gateway.http.errors import Api, ApiError
+from ninfer_jax.gateway.http.fields import decode_json
+from ninfer_jax.gateway.http.metrics import Metrics
+from ninfer_jax.gateway.http.requests import (
+    GenerationRequest,
+    parse_chat,
+    parse_completion,
+    parse_messages,
+)
+from ninfer_jax.gateway.http.state import ServerState
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 4 << 20
+_REJECTION = {400: "invalid", 401: "unauthorized", 404: "unknown_model", 413: "too_large",
+              429: "overload", 503: "unavailable"}
+
+Handler = Callable[[ServerState, Request, GenerationRequest, float], Awaitable[Response]]
+
+
+def _api(path: str) -> Api:
+    return Api.ANTHROPIC if path.startswith("/v1/messages") else Api.OPENAI
+
+
+def _authorize(request: Request, api_key: str | None) -> None:
+    if api_key is None:
+        return
+    given = request.headers.get("x-api-key")
+    auth = request.headers.get("authorization", "")
+    if given is None and auth[:7].lower() == "bearer ":
+        given = auth[7:].strip()
+    if given is None or not hmac.compare_digest(given.encode(), api_key.encode()):
+        raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY or x-api-key)",
+                       code="invalid_api_key")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    too_large = ApiError(413, f"request body over the {limit}-byte limit",
+                         code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _generation_endpoint(state: ServerState, api: Api,
+                         parse: Callable[[Any, str | None], GenerationRequest],
+                         handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        received_at = time.monotonic()
+        try:
+            _authorize(request, state.api_key)
+            req = parse(decode_json(await _read_body(request, state.max_body_bytes)),
+                        request.headers.get("x-session-id"))
+            if req.model is not None and req.model != state.model_name:
+                raise ApiError(404, f"model {req.model!r:.80} not found; this server serves "
+                               f"{state.model_name!r}", param="model", code="model_not_found")
+            return await handler(state, request, req, received_at)
+        except ApiError as e:
+            reason = "too_long" if e.code == "context_length_exceeded" else \
+                _REJECTION.get(e.status, "error")
+            state.metrics.rejections.labels(reason).inc()
+            return e.response(api)
+        except Exception:  # a bug, never bad input: answer in the API's schema, keep serving
+            log.exception("internal error serving %s", request.url.path)
+            return ApiError(500, "internal server error", code="internal_error").response(api)
+
+    return endpoint
+
+
+def create_app(engine: Any, *, model_name: str | None = None, api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+    """The ASGI app over a running `Engine`. `model_name` is the id clients send as `model`
+    (default: the model directory's name, or "ninfer")."""
+    if model_name is None:
+        path = getattr(engine, "model_path", None)
+        model_name = path.name if path is not None else "ninfer"
+    state = ServerState(engine, model_name, Metrics(engine), api_key, max_body_bytes)
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        if state.engine_available:
+            return JSONResponse({"status": "ready"})
+        return ApiError(503, "the Engine is not available", code="unavailable").response(
+            Api.OPENAI)
+
+    async def metrics(request: Request) -> Response:
+        return Response(state.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def model_card() -> dict[str, Any]:
+        return {"id": state.model_name, "object": "model", "created": state.created,
+                "owned_by": "ninfer"}
+
+    async def list_models(request: Request) -> Response:
+        try:
+            _authorize(request, state.api_key)
+        except ApiError as e:
+            return e.response(Api.OPENAI)
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def get_model(request: Request) -> Response:
+        try:
+            _authorize(request, state.api_key)
+        except ApiError as e:
+            return e.response(Api.OPENAI)
+        if request.path_params["model"] != state.model_name:
+            return ApiError(404, f"model {request.path_params['model']!r:.80} not found",
+                            param="model", code="model_not_found").response(Api.OPENAI)
+        return JSONResponse(model_card())
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        return ApiError(status, f"{request.method} {request.url.path}: "
+                        f"{getattr(exc, 'detail', 'error')}").response(_api(request.url.path))
+
+    routes = [
+        Route("/health", health),
+        Route("/ready", ready),
+        Route("/metrics", metrics),
+        Route("/v1/models", list_models),
+        Route("/v1/models/{model:path}", get_model),
+        Route("/v1/chat/completions", _generation_endpoint(
+            state, Api.OPENAI, parse_chat, functools.partial(openai_api.complete, chat=True)),
+              methods=["POST"]),
+        Route("/v1/completions",
+              _generation_endpoint(state, Api.OPENAI, parse_completion,
+                                   functools.partial(openai_api.complete, chat=False)),
+              methods=["POST"]),
+        Route("/v1/messages", _generation_endpoint(state, Api.ANTHROPIC, parse_messages,
+                                                   anthropic_api.create_message),
+              methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    app.state.server = state
+    return app
+
+
+def _config(app: Starlette, host: str, port: int) -> uvicorn.Config:
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
+                          timeout_graceful_shutdown=5, access_log=False)
+
+
+class ServerThread:
+    """Runs an app on uvicorn in a background thread: `with ServerThread(app) as s: s.url`.
+    Port 0 picks a free port."""
+
+    def __init__(self, app: Starlette, host: str = "127.0.0.1", port: int = 0,
+                 start_timeout_s: float = 30.0):
+        self.server = uvicorn.Server(_config(app, host, port))
+        self.host, self.start_timeout_s = host, start_timeout_s
+        self._thread = threading.Thread(target=self.server.run, name="ninfer-http", daemon=True)
+        self.port = port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP server did not start on {self.host}")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self._thread.join(self.start_timeout_s)
+
+
+def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000,
+          api_key: str | None = None, model_name: str | None = None) -> None:
+    """Serves `engine` until interrupted (SIGINT/SIGTERM)."""
+    app = create_app(engine, model_name=model_name, api_key=api_key)
+    name = app.state.server.model_name
+    print(f"[ninfer] serving {name!r} on http://{host}:{port} "
+          f"(auth {'on' if api_key else 'off'})", file=sys.stderr)
+    uvicorn.Server(_config(app, host, port)).run()
+
+
+def run_serve(*, model: str | None, host: str, port: int, api_key: str | None,
+              max_concurrency: int, max_seq_len: int, dtype: str) -> int:
+    """`ninfer serve`: opens the Engine, serves until interrupted, closes the Engine."""
+    from ninfer_jax.api import Engine
+
+    start = time.perf_counter()
+    engine = Engine.open(model, max_concurrency=max_concurrency, max_seq_len=max_seq_len,
+                         dtype=dtype)
+    print(f"[ninfer] model {engine.model_path} ready in {time.perf_counter() - start:.1f}s "
+          f"(max_concurrency={max_concurrency})", file=sys.stderr)
+    try:
+        serve(engine, host=host, port=port, api_key=api_key)
+    finally:
+        engine.close()
+    return 0
