@@ -3,7 +3,7 @@
 Owns flags, exit codes and what goes to stdout (answers) versus stderr (progress, timing).
 Commands: convert (HF checkpoint -> artifact), logits (next-token predictions of a model),
 generate and chat (the Generation purpose, `gateway/generate.py`), serve (the HTTP server,
-`gateway/server.py`).
+`gateway/server.py`), export-hf (a model -> HF checkpoint).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from ninfer_jax.gateway import generate
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("hf_dir", None, "convert: the HF checkpoint directory to read")
-flags.DEFINE_string("out", None, "convert: the artifact directory to write")
+flags.DEFINE_string("out", None, "convert: the artifact directory to write; export-hf: the HF "
+                    "checkpoint directory to write")
 flags.DEFINE_string("model", None, "artifact or HF checkpoint directory")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights/activations dtype")
 flags.DEFINE_list("prompt_ids", None, "logits: comma-separated prompt token ids")
@@ -27,7 +28,7 @@ flags.DEFINE_integer("port", 8000, "serve: the TCP port to listen on")
 flags.DEFINE_string("api_key", None,
                     "serve: when set, requests need `Authorization: Bearer KEY` or `x-api-key`")
 
-COMMANDS = ("convert", "logits", "generate", "chat", "serve")
+COMMANDS = ("convert", "logits", "generate", "chat", "serve", "export-hf")
 
 
 def _convert() -> int:
@@ -74,6 +75,20 @@ def _serve() -> int:
                      max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype)
 
 
+def _export_hf() -> int:
+    from ninfer_jax import load_model
+    from ninfer_jax.artifact.export import export_hf
+
+    if not FLAGS.out:
+        raise app.UsageError("export-hf needs --out=DIR (--model=DIR defaults to the demo model)")
+    start = time.perf_counter()
+    model = load_model(FLAGS.model, dtype=FLAGS.dtype)
+    path = export_hf(model.config, model.params, FLAGS.out, frontend_dir=model.path)
+    print(f"wrote {path} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    print(path)
+    return 0
+
+
 def _main(argv: list[str]) -> int:
     from ninfer_jax.compile_cache import enable_persistent_cache
     from ninfer_jax.errors import NinferError
@@ -84,7 +99,8 @@ def _main(argv: list[str]) -> int:
     logging.set_verbosity(logging.WARNING)
     try:
         return {"convert": _convert, "logits": _logits, "generate": generate.run_generate,
-                "chat": generate.run_chat, "serve": _serve}[_COMMAND]()
+                "chat": generate.run_chat, "serve": _serve,
+                "export-hf": _export_hf}[_COMMAND]()
     except NinferError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,54 @@
+"""The multi-token-prediction (MTP) head of DESIGN §14: draft logits one token further ahead.
+
+Owns the head's forward pass over the params' `"mtp"` subtree (`fc [2H, H]`, `embed_norm`,
+`hidden_norm`, `final_norm`, and a stack of full-attention decoder layers). For input position t
+it combines the main model's final-normed hidden state `h_t` with the embedding of the next token
+`tok_{t+1}` and predicts `tok_{t+2}`:
+
+    logits_t = lm_head(final_norm(layers(fc(concat[embed_norm(embed(tok_{t+1})),
+                                                    hidden_norm(h_t)]))))
+
+The concat order (embedding first) is transformers' generic `MtpModel` default. Row t is rotated
+with position t, the position of `h_t`. The head's attention layers keep their own K/V through a
+`KVAccess` whose `layers` has a leading [num MTP layers] axis; the embedding and `lm_head` are
+the main model's. It reuses the family's attention, MLP and norm code.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ninfer_jax.models.qwen3_6.attention import KVAccess, attention_mixer
+from ninfer_jax.models.qwen3_6.config import ModelConfig
+from ninfer_jax.models.qwen3_6.layers import dense, mlp, rms_norm, rope_cos_sin
+from ninfer_jax.models.qwen3_6.model import lm_head
+
+
+def mtp_step(params: dict, cfg: ModelConfig, hidden: jax.Array, next_token_ids: jax.Array,
+             start_pos: jax.Array, kv: KVAccess) -> tuple[jax.Array, KVAccess]:
+    """Draft logits for T positions.
+
+    hidden [B, T, H]: the main model's final-normed hidden states at positions
+    start_pos[b] + 0..T-1; next_token_ids [B, T] int32: the token after each of those positions;
+    start_pos [B] int32. Returns (logits [B, T, vocab] fp32 predicting the token two ahead of
+    each position, kv after this call's writes).
+    """
+    p = params["mtp"]
+    eps = cfg.rms_norm_eps
+    positions = start_pos[:, None] + jnp.arange(hidden.shape[1], dtype=jnp.int32)[None, :]
+    cos, sin = rope_cos_sin(positions, cfg)
+    emb = rms_norm(params["embed"][next_token_ids], p["embed_norm"], eps)
+    h = dense(jnp.concatenate([emb, rms_norm(hidden, p["hidden_norm"], eps)], axis=-1), p["fc"])
+
+    def layer_fn(h, xs):
+        lp, layer_kv = xs
+        y, layer_kv = attention_mixer(lp["mixer"], rms_norm(h, lp["input_norm"], eps), cos, sin,
+                                      kv, layer_kv, cfg)
+        h = h + y
+        h = h + mlp(lp["mlp"], rms_norm(h, lp["post_norm"], eps), cfg)
+        return h, layer_kv
+
+    h, kv_layers = jax.lax.scan(layer_fn, h, (p["layers"], kv.layers))
+    logits = lm_head(params, cfg, rms_norm(h, p["final_norm"], eps))
+    return logits, kv.with_layers(kv_layers)
