@@ -20,8 +20,8 @@ from ninfer_jax.frontend import Frontend, PromptError
 from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError
 
 _PROGRAM_KEYS = ("page_size", "num_pages", "max_seq_len", "prefill_chunk", "attention_impl",
-                 "dtype")
-_CORE_KEYS = ("max_queue", "queue_timeout_s")
+                 "dtype", "num_checkpoint_slots")
+_CORE_KEYS = ("max_queue", "queue_timeout_s", "prefix_reuse")
 
 
 class Engine:
@@ -35,7 +35,8 @@ class Engine:
              **config: Any) -> "Engine":
         """Loads `model` (artifact or HF checkpoint directory; None = the embedded default) and
         compiles every step before returning. Settings: max_seq_len, page_size, num_pages,
-        prefill_chunk, attention_impl, dtype (Program); max_queue, queue_timeout_s (Engine)."""
+        prefill_chunk, attention_impl, dtype, num_checkpoint_slots (Program); max_queue,
+        queue_timeout_s, prefix_reuse (Engine; on by default)."""
         from ninfer_jax.loader import load_model
         from ninfer_jax.program.config import ProgramConfig
         from ninfer_jax.program.program import Program
@@ -47,8 +48,10 @@ class Engine:
         pkw = {k: config[k] for k in _PROGRAM_KEYS if k in config}
         pkw.setdefault("max_seq_len", 2048)
         pkw.setdefault("page_size", 16)
-        pkw.setdefault("num_pages",
-                       max_concurrency * -(-pkw["max_seq_len"] // pkw["page_size"]))
+        pages_per_seq = -(-pkw["max_seq_len"] // pkw["page_size"])
+        pkw.setdefault("num_pages", 2 * max_concurrency * pages_per_seq)
+        pkw.setdefault("num_checkpoint_slots",
+                       4 * max_concurrency if config.get("prefix_reuse", True) else 0)
         pcfg = ProgramConfig(max_concurrency=max_concurrency, **pkw)
         loaded = load_model(model, dtype=pcfg.dtype)
         try:

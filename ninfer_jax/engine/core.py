@@ -20,11 +20,13 @@ from typing import Any
 from ninfer_jax.engine.events import (
     Channel, Delta, Finished, FinishReason, GenerationStart, RejectedError, Usage,
 )
+from ninfer_jax.engine.catalog import CatalogEntry, CatalogStats, CheckpointCatalog
 from ninfer_jax.engine.handle import AsyncRequestHandle, CapacityToken, EventSink, RequestHandle
 from ninfer_jax.engine.request import InvariantError, RequestRecord, RequestState
 from ninfer_jax.engine.resources import LaneState, ResourceManager
 from ninfer_jax.engine.scheduler import DecodeUnit, PrefillUnit, Scheduler
 from ninfer_jax.frontend.output_session import FinishReason as TextFinish
+from ninfer_jax.program.pending import BatchKind
 from ninfer_jax.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,8 @@ class EngineCoreConfig:
     max_queue: int = 64  # outstanding requests (waiting + running + unconsumed) before overload
     queue_timeout_s: float | None = None  # default time a request may wait for admission
     idle_wait_s: float = 0.05
+    prefix_reuse: bool = True  # checkpoint prompts and turns; reuse the longest exact prefix
+    backfill_window: int = 8  # waiting requests behind a blocked head that may borrow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +60,8 @@ class EngineStats:
     total_slots: int
     generated_tokens: int
     finished_requests: int
+    backfilled: int  # requests admitted ahead of a blocked head by the backfill proof
+    prefix: CatalogStats
 
 
 class EngineCore:
@@ -64,6 +70,9 @@ class EngineCore:
         self.limits = program.limits
         self.scheduler = Scheduler()
         self.resources = ResourceManager(self.limits.max_concurrency)
+        self.catalog = CheckpointCatalog()
+        self.reuse = config.prefix_reuse and self.limits.total_checkpoint_slots > 0
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox: queue.SimpleQueue[RequestRecord] = queue.SimpleQueue()
         self._sinks: dict[int, EventSink] = {}
         self._capacity: dict[int, CapacityToken] = {}
@@ -78,6 +87,7 @@ class EngineCore:
         self._wake = threading.Event()
         self._generated = 0
         self._finished = 0
+        self._backfilled = 0
         self._publish_stats()
         self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
         self._thread.start()
@@ -138,6 +148,20 @@ class EngineCore:
     def wake(self) -> None:
         self._wake.set()
 
+    def clear_prefix_cache(self, timeout: float = 30.0) -> None:
+        """Releases every inactive checkpoint (on the worker thread); waits until done."""
+        done = threading.Event()
+
+        def clear() -> None:
+            for entry in self.catalog.entries():
+                self._drop_checkpoint(entry, evicted=False)
+            done.set()
+
+        self._commands.put(clear)
+        self.wake()
+        if not done.wait(timeout):
+            raise TimeoutError("the Engine did not clear its prefix cache in time")
+
     # Life ------------------------------------------------------------------------------------
     def close(self, timeout: float = 10.0) -> None:
         """Stops the worker; unfinished requests end with an error."""
@@ -166,7 +190,8 @@ class EngineCore:
     # One worker iteration (DESIGN §4) ---------------------------------------------------------
     def _iterate(self) -> bool:
         now = time.monotonic()
-        progressed = self._take_inbox()
+        progressed = self._run_commands()
+        progressed |= self._take_inbox()
         progressed |= self._expire_waiting(now)  # 1
         progressed |= self._advance_transitions()  # 2
         progressed |= self._settle_terminal()  # 3
@@ -178,6 +203,16 @@ class EngineCore:
             progressed = True
         self._publish_stats()
         return progressed
+
+    def _run_commands(self) -> bool:
+        ran = False
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return ran
+            command()
+            ran = True
 
     def _take_inbox(self) -> bool:
         took = False
@@ -214,14 +249,18 @@ class EngineCore:
             else:
                 r.move(S.PREFILL)
                 self.resources.move(r.lane, LaneState.ACTIVE, r.request_id)
-                self._publish(r, GenerationStart(r.request_id, r.prompt_tokens, 0))
+                self._publish(r, GenerationStart(r.request_id, r.prompt_tokens, r.cached_tokens))
             changed = True
         return changed
 
     def _settle_terminal(self) -> bool:
         settled = [r for r in self._active if r.state is S.TERMINAL_PENDING]
         for r in settled:
-            self.program.release(r.seq)  # retention (checkpoints) joins with prefix reuse
+            if r.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                entry = self._retain(r)  # the turn's frontier; release when it cannot be kept
+                if entry is not None and r.session_key is not None:
+                    self.catalog.bind_session(r.session_key, entry, r.publication_order)
+            self.program.release(r.seq)
             r.seq = None
             self.resources.move(r.lane, LaneState.FREE, r.request_id)
             self._active.remove(r)
@@ -242,22 +281,85 @@ class EngineCore:
         return changed
 
     def _try_admission(self) -> bool:
+        """Admits the FIFO head, evicting inactive checkpoints if it needs room; when the head is
+        blocked by incumbents, lets one later request borrow if the backfill proof holds."""
         head = self.scheduler.head()
         if head is None or not Scheduler.prefill_gate_open(self._active):
             return False
+        if self._admit(head, may_evict=True):
+            self.scheduler.unprotect()
+            return True
+        self.scheduler.protect(head, {r.request_id for r in self._active})
+        for r in self.scheduler.backfill_candidates(self.config.backfill_window):
+            if self._backfill_proven(head, r) and self._admit(r, may_evict=False):
+                self.scheduler.borrowers.add(r.request_id)
+                self._backfilled += 1
+                return True
+        return False
+
+    def _backfill_proven(self, head: RequestRecord, r: RequestRecord) -> bool:
+        """DESIGN §5: with `r` holding its full reservation, once the donors finish the head
+        still enters from root with all inactive cache released."""
+        if not any(x.request_id in self.scheduler.donors for x in self._active):
+            return False  # nobody to wait for: the head goes next
+        borrowers = [x for x in self._active if x.request_id in self.scheduler.borrowers]
+
+        def need(x: RequestRecord) -> int:
+            return self.program.pages_needed(x.prompt_tokens, x.sampling.max_new_tokens)
+
+        pages = need(head) + need(r) + sum(need(b) for b in borrowers)
+        return (pages <= self.limits.total_pages
+                and len(borrowers) + 2 <= min(len(self.resources.lanes), self.limits.total_slots))
+
+    def _admit(self, r: RequestRecord, may_evict: bool) -> bool:
         lane = self.resources.free_lane()
         if lane is None:
             return False
-        plan = self.program.plan_admission(head.prompt_tokens, head.sampling.max_new_tokens)
-        if not self.program.can_start(plan):
+        source = self.catalog.lookup(r.prompt.token_ids, r.session_key) if self.reuse else None
+
+        def plan():
+            return self.program.plan_admission(r.prompt_tokens, r.sampling.max_new_tokens,
+                                               None if source is None else source.ckpt)
+
+        sealed = plan()
+        if not self.program.can_start(sealed) and may_evict:
+            for victim in self.catalog.eviction_order(keep=source):
+                self._drop_checkpoint(victim, evicted=True)
+                sealed = plan()  # the revision changed: re-plan
+                if self.program.can_start(sealed):
+                    break
+        if not self.program.can_start(sealed):
             return False  # blocked by incumbents; they always finish (they hold reservations)
-        self.scheduler.remove(head)
-        self.resources.move(lane, LaneState.MATERIALIZING, head.request_id)
-        head.lane = lane
-        head.seq = self.program.materialize(plan, head.prompt.token_ids, head.sampling)
-        head.move(S.MATERIALIZING)
-        self._active.append(head)
+        self.scheduler.remove(r)
+        self.resources.move(lane, LaneState.MATERIALIZING, r.request_id)
+        r.lane = lane
+        r.seq = self.program.materialize(sealed, r.prompt.token_ids, r.sampling)
+        r.cached_tokens = sealed.cached_tokens
+        if self.reuse:
+            self.catalog.record_use(source)
+        r.move(S.MATERIALIZING)
+        self._active.append(r)
         return True
+
+    def _retain(self, r: RequestRecord) -> CatalogEntry | None:
+        """Checkpoints a sequence at its committed frontier unless that prefix is cataloged;
+        evicts the least recently used checkpoint for a slot. None when nothing is kept."""
+        if not self.reuse:
+            return None
+        tokens = tuple(self.program.tokens(r.seq)[:-1])  # the last token is not in the state
+        existing = self.catalog.get(tokens)
+        if existing is not None:
+            return existing
+        if not self.program.can_capture():
+            victims = self.catalog.eviction_order()
+            if not victims:
+                return None
+            self._drop_checkpoint(victims[0], evicted=True)
+        return self.catalog.add(self.program.capture(r.seq), tokens)
+
+    def _drop_checkpoint(self, entry: CatalogEntry, evicted: bool) -> None:
+        self.program.release_checkpoint(entry.ckpt)
+        self.catalog.remove(entry, evicted)
 
     def _run_unit(self, unit: PrefillUnit | DecodeUnit) -> None:
         if isinstance(unit, PrefillUnit):
@@ -287,6 +389,8 @@ class EngineCore:
             previews.append(preview)
             accepted.append(preview.num_accepted)
         self.program.commit(batch, accepted)  # Program state first; a failure publishes nothing
+        if batch.kind is BatchKind.PREFILL and accepted[0] > 0:
+            self._retain(records[0])  # the prompt's frontier
         for r, preview, n in zip(records, previews, accepted):
             if preview is None:
                 self._terminal(r, FinishReason.CANCELLED)
@@ -323,7 +427,7 @@ class EngineCore:
         else:
             r.move(S.FINISHED)
         self._finished += 1
-        usage = Usage(r.prompt_tokens, r.completion_tokens, 0)
+        usage = Usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens)
         self._publish(r, Finished(r.request_id, reason, usage, error))
         self._sinks.pop(r.request_id, None)
         self._capacity.pop(r.request_id).response_done()
@@ -343,6 +447,8 @@ class EngineCore:
             _best_effort(self.program.abort_pending, pending)
         for handle in self.program.handles():
             _best_effort(self.program.release, handle)
+        for entry in self.catalog.entries():
+            _best_effort(self._drop_checkpoint, entry, False)
         self.resources.clear()
         error = message if closing else f"engine_failed: {message}"
         for r in self._active + list(self.scheduler.waiting) + self._drain_inbox():
@@ -371,7 +477,8 @@ class EngineCore:
             free_pages=ps.free_pages, total_pages=ps.total_pages,
             reserved_pages=ps.reserved_pages, free_slots=ps.free_slots,
             total_slots=ps.total_slots, generated_tokens=self._generated,
-            finished_requests=self._finished)
+            finished_requests=self._finished, backfilled=self._backfilled,
+            prefix=self.catalog.stats())
 
 
 def _best_effort(fn, *args) -> None:

@@ -56,6 +56,7 @@ class RequestRecord:
     plan: Any = None  # the sealed ResourcePlan while Materializing
     lane: int | None = None
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from a checkpoint
     finish_reason: FinishReason | None = None
     error: str | None = None
     cancel_requested: threading.Event = dataclasses.field(default_factory=threading.Event)

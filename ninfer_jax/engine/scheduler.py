@@ -28,6 +28,11 @@ class Scheduler:
     def __init__(self) -> None:
         self.waiting: collections.deque[RequestRecord] = collections.deque()
         self._last_was_prefill = False
+        # Backfill (DESIGN §5): the blocked head, the incumbents it waits for, and the later
+        # requests admitted ahead of it while it waits.
+        self.protected: RequestRecord | None = None
+        self.donors: set[int] = set()
+        self.borrowers: set[int] = set()
 
     def enqueue(self, record: RequestRecord) -> None:
         self.waiting.append(record)
@@ -37,6 +42,17 @@ class Scheduler:
 
     def remove(self, record: RequestRecord) -> None:
         self.waiting.remove(record)
+
+    def protect(self, head: RequestRecord, donors: set[int]) -> None:
+        if self.protected is not head:
+            self.protected, self.donors, self.borrowers = head, donors, set()
+
+    def unprotect(self) -> None:
+        self.protected, self.donors, self.borrowers = None, set(), set()
+
+    def backfill_candidates(self, window: int) -> list[RequestRecord]:
+        return [r for r in list(self.waiting)[1 : 1 + window]
+                if not r.cancel_requested.is_set()]
 
     @staticmethod
     def prefill_gate_open(active: list[RequestRecord]) -> bool:

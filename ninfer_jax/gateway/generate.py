@@ -36,6 +36,7 @@ flags.DEFINE_multi_string("stop", [], "stop string (repeat the flag for several)
 flags.DEFINE_integer("max_concurrency", 4, "requests decoding together")
 flags.DEFINE_integer("max_seq_len", 2048, "prompt + generated tokens per request")
 flags.DEFINE_enum("enable_thinking", None, ["true", "false"], "chat template thinking switch")
+flags.DEFINE_bool("prefix_reuse", True, "reuse prefix checkpoints (--noprefix_reuse: recompute)")
 
 
 def _sampling() -> SamplingParams:
@@ -58,7 +59,8 @@ def _open_engine():
 
     start = time.perf_counter()
     engine = Engine.open(FLAGS.model, max_concurrency=FLAGS.max_concurrency,
-                         max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype)
+                         max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype,
+                         prefix_reuse=FLAGS.prefix_reuse)
     print(f"[ninfer] model {engine.model_path} ready in {time.perf_counter() - start:.1f}s "
           f"(max_concurrency={FLAGS.max_concurrency})", file=sys.stderr)
     return engine

@@ -21,6 +21,7 @@ class ProgramConfig:
     prefill_chunk: int = 64  # tokens per staged-prefill step (the last chunk padded, masked)
     attention_impl: str = "reference"  # "reference" (jnp) or "pallas"
     dtype: str = "float32"  # weights, activations and KV pages
+    num_checkpoint_slots: int = 0  # GDN state images of prefix checkpoints (0 = no reuse)
 
     def __post_init__(self):
         checks = {
@@ -31,11 +32,13 @@ class ProgramConfig:
             "prefill_chunk": self.prefill_chunk >= 1,
             "attention_impl": self.attention_impl in ATTENTION_IMPLS,
             "dtype": self.dtype in DTYPES,
+            "num_checkpoint_slots": self.num_checkpoint_slots >= 0,
         }
         limits = {
             "max_concurrency": "in 1..64", "page_size": "a power of two",
             "num_pages": ">= 1", "max_seq_len": ">= 2", "prefill_chunk": ">= 1",
             "attention_impl": f"one of {ATTENTION_IMPLS}", "dtype": f"one of {DTYPES}",
+            "num_checkpoint_slots": ">= 0",
         }
         for name, ok in checks.items():
             if not ok:

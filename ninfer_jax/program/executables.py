@@ -22,6 +22,8 @@ class StepKind(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     COMMIT = "commit"
+    CAPTURE = "capture"
+    RESTORE = "restore"
 
 
 @dataclasses.dataclass(frozen=True)

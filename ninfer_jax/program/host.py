@@ -38,13 +38,35 @@ class SeqState(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointId:
+    ckpt_id: int
+
+
+@dataclasses.dataclass(frozen=True)
 class ResourcePlan:
     """A sealed admission plan: valid only while resource_revision is unchanged."""
 
     revision: int
     prompt_len: int
     max_new_tokens: int
-    num_pages: int  # the complete growth reservation
+    num_pages: int  # the complete growth reservation (pages not shared with the source)
+    source: CheckpointId | None = None  # materialize from this checkpoint, else from root
+    cached_tokens: int = 0  # the source's frontier: positions not prefilled again
+
+
+@dataclasses.dataclass
+class CheckpointRecord:
+    """An immutable image of a sequence at frontier F: the GDN state (in a checkpoint slot) and
+    shared references to the KV pages holding positions [0, F)."""
+
+    ckpt: CheckpointId
+    tokens: tuple[int, ...]  # the F tokens whose effect the image holds
+    slot: int  # checkpoint state slot
+    pages: list[int]  # ceil(F / page_size) pages, one reference each
+
+    @property
+    def frontier(self) -> int:
+        return len(self.tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +80,7 @@ class ProgramLimits:
     max_concurrency: int
     prefill_chunk: int
     vocab_size: int
+    total_checkpoint_slots: int = 0
 
 
 @dataclasses.dataclass
@@ -88,6 +111,8 @@ class ProgramStats:
     free_slots: int
     num_sequences: int
     resource_revision: int
+    num_checkpoints: int = 0
+    free_checkpoint_slots: int = 0
 
 
 class HostProgram(abc.ABC):
@@ -97,6 +122,8 @@ class HostProgram(abc.ABC):
         self.limits = limits
         self.pages = PageAllocator(limits.total_pages)
         self.slots = SlotAllocator(limits.total_slots)
+        self.ckpt_slots = SlotAllocator(max(limits.total_checkpoint_slots, 1))
+        self._ckpts: dict[int, CheckpointRecord] = {}
         self.resource_revision = 0
         self._seqs: dict[int, SeqRecord] = {}
         self._ids = itertools.count()
@@ -116,6 +143,16 @@ class HostProgram(abc.ABC):
     def _run_commit(self, seqs: list[SeqRecord], accept: np.ndarray, tokens: np.ndarray,
                     count: bool) -> None:
         """Adopts the provisional state of accepted rows (tokens count toward penalties)."""
+
+    @abc.abstractmethod
+    def _run_capture(self, seq: SeqRecord, ckpt_slot: int) -> None:
+        """Copies the sequence's committed state into checkpoint slot `ckpt_slot`."""
+
+    @abc.abstractmethod
+    def _run_restore(self, ckpt: CheckpointRecord, seq: SeqRecord,
+                     copy_page: tuple[int, int] | None) -> None:
+        """Loads `ckpt`'s state into the sequence's slot (fresh penalty state, the checkpoint's
+        tokens marked as prompt) and copies page copy_page[0] to copy_page[1] when given."""
 
     # Feasibility and admission -------------------------------------------------------------
     def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
@@ -140,11 +177,21 @@ class HostProgram(abc.ABC):
                 f"prompt_len {prompt_len} + max_new_tokens {max_new_tokens} needs {need} pages "
                 f"of {lim.page_size}; the pool has {lim.total_pages} in total")
 
-    def plan_admission(self, prompt_len: int, max_new_tokens: int) -> ResourcePlan:
-        """Seals a plan for a new sequence from root; refuses what can never run."""
+    def plan_admission(self, prompt_len: int, max_new_tokens: int,
+                       source: CheckpointId | None = None) -> ResourcePlan:
+        """Seals a plan for a new sequence, from root or from checkpoint `source` (whose
+        frontier must be below prompt_len: the last prompt token is always prefilled)."""
         self.check_admissible(prompt_len, max_new_tokens)
-        return ResourcePlan(self.resource_revision, prompt_len, max_new_tokens,
-                            self.pages_needed(prompt_len, max_new_tokens))
+        need = self.pages_needed(prompt_len, max_new_tokens)
+        if source is None:
+            return ResourcePlan(self.resource_revision, prompt_len, max_new_tokens, need)
+        ckpt = self._ckpt(source)
+        if not 1 <= ckpt.frontier < prompt_len:
+            raise ResourceError(
+                f"checkpoint frontier {ckpt.frontier} must be in [1, prompt_len={prompt_len})")
+        shared = ckpt.frontier // self.limits.page_size  # full pages, shared by reference
+        return ResourcePlan(self.resource_revision, prompt_len, max_new_tokens, need - shared,
+                            source, ckpt.frontier)
 
     def can_start(self, plan: ResourcePlan) -> bool:
         """Whether `plan` can be materialized now (fresh, a free slot, enough unpromised pages)."""
@@ -170,14 +217,74 @@ class HostProgram(abc.ABC):
             raise ResourceError(
                 f"plan cannot start now: {self.slots.num_free} free slots, "
                 f"{self.pages.num_available} available pages, {plan.num_pages} needed")
+        ckpt = None if plan.source is None else self._ckpt(plan.source)
+        if ckpt is not None and tuple(ids[: ckpt.frontier]) != ckpt.tokens:
+            raise ResourceError(f"prompt does not start with the tokens of {plan.source}")
         slot = self.slots.allocate()
         self.pages.reserve(plan.num_pages)
         handle = SequenceHandle(next(self._ids), self.resource_revision)
-        self._seqs[handle.seq_id] = SeqRecord(
-            handle=handle, slot=slot, tokens=ids, prompt_len=len(ids),
-            max_new_tokens=plan.max_new_tokens, sampling=sampling, reserved=plan.num_pages)
+        seq = SeqRecord(handle=handle, slot=slot, tokens=ids, prompt_len=len(ids),
+                        max_new_tokens=plan.max_new_tokens, sampling=sampling,
+                        reserved=plan.num_pages)
+        self._seqs[handle.seq_id] = seq
+        if ckpt is not None:
+            shared = ckpt.frontier // self.limits.page_size
+            for page in ckpt.pages[:shared]:
+                self.pages.incref(page)
+            seq.pages = list(ckpt.pages[:shared])
+            copy_page = None
+            if ckpt.frontier % self.limits.page_size:  # the partial page is copied on write
+                self._grow(seq, ckpt.frontier)
+                copy_page = (ckpt.pages[shared], seq.pages[-1])
+            seq.frontier = ckpt.frontier
+            self._run_restore(ckpt, seq, copy_page)
         self.resource_revision += 1
         return handle
+
+    # Checkpoints -----------------------------------------------------------------------------
+    def can_capture(self) -> bool:
+        return self.limits.total_checkpoint_slots > 0 and self.ckpt_slots.num_free > 0
+
+    def capture(self, handle: SequenceHandle) -> CheckpointId:
+        """Checkpoints a sequence at its committed frontier (its tokens minus the last one
+        sampled, whose effect is not yet in the state). Needs a free checkpoint slot."""
+        seq = self._seq(handle)
+        if self._pending is not None and handle in self._pending.handles:
+            raise PendingBatchError(f"capture of {handle} while its PendingBatch is unconsumed")
+        if seq.state is not SeqState.ACTIVE or seq.frontier < 1:
+            raise ResourceError(f"{handle} has no committed frontier to capture")
+        if not self.can_capture():
+            raise ResourceError("no free checkpoint slot")
+        n = -(-seq.frontier // self.limits.page_size)
+        pages = seq.pages[:n]
+        for page in pages:
+            self.pages.incref(page)
+        ckpt = CheckpointRecord(CheckpointId(next(self._ids)), tuple(seq.tokens[: seq.frontier]),
+                                self.ckpt_slots.allocate(), list(pages))
+        self._run_capture(seq, ckpt.slot)
+        self._ckpts[ckpt.ckpt.ckpt_id] = ckpt
+        self.resource_revision += 1
+        return ckpt.ckpt
+
+    def release_checkpoint(self, ckpt_id: CheckpointId) -> None:
+        ckpt = self._ckpt(ckpt_id)
+        for page in ckpt.pages:
+            self.pages.decref(page)
+        self.ckpt_slots.release(ckpt.slot)
+        del self._ckpts[ckpt_id.ckpt_id]
+        self.resource_revision += 1
+
+    def checkpoint_tokens(self, ckpt_id: CheckpointId) -> tuple[int, ...]:
+        return self._ckpt(ckpt_id).tokens
+
+    def checkpoint_pages(self, ckpt_id: CheckpointId) -> tuple[int, ...]:
+        return tuple(self._ckpt(ckpt_id).pages)
+
+    def _ckpt(self, ckpt_id: CheckpointId) -> CheckpointRecord:
+        ckpt = self._ckpts.get(ckpt_id.ckpt_id)
+        if ckpt is None:
+            raise ResourceError(f"unknown checkpoint {ckpt_id}")
+        return ckpt
 
     def release(self, handle: SequenceHandle) -> None:
         """Returns a sequence's pages, unused reservation and slot. Not while it is pending."""
@@ -275,7 +382,10 @@ class HostProgram(abc.ABC):
             total_pages=self.pages.num_pages, free_pages=self.pages.num_free,
             reserved_pages=self.pages.num_reserved, available_pages=self.pages.num_available,
             total_slots=self.slots.num_slots, free_slots=self.slots.num_free,
-            num_sequences=len(self._seqs), resource_revision=self.resource_revision)
+            num_sequences=len(self._seqs), resource_revision=self.resource_revision,
+            num_checkpoints=len(self._ckpts),
+            free_checkpoint_slots=self.ckpt_slots.num_free if self.limits.total_checkpoint_slots
+            else 0)
 
     # Internals -----------------------------------------------------------------------------
     def _seq(self, handle: SequenceHandle) -> SeqRecord:

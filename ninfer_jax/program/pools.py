@@ -3,7 +3,8 @@
 Owns the physical layout (DESIGN §10): attention K/V in pages `[layers, pages, page_size,
 kv_heads, head_dim]`; GDN state in committed slots (conv in the activation dtype, recurrent in
 fp32) plus provisional rows that the step in flight writes and `commit` copies into slots, so an
-abort leaves committed state untouched; per-slot penalty state for sampling. At run time only
+abort leaves committed state untouched; checkpoint slots holding the GDN part of prefix
+checkpoints (their K/V stay in shared pages); per-slot penalty state for sampling. At run time only
 the contents change, never the shapes.
 """
 
@@ -22,7 +23,8 @@ from pallas_kernels.paged_attention import paged_attention_decode, paged_prefill
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["k", "v", "conv", "rec", "prov_conv", "prov_rec", "output_counts", "prompt_mask"],
+    data_fields=["k", "v", "conv", "rec", "prov_conv", "prov_rec", "ck_conv", "ck_rec",
+                 "output_counts", "prompt_mask"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +35,8 @@ class Pools:
     rec: jax.Array  # [Ll, S, Hv, dk, dv] float32, committed GDN recurrent state per slot
     prov_conv: jax.Array  # [Ll, Bmax, conv_dim, K-1] provisional rows of the step in flight
     prov_rec: jax.Array  # [Ll, Bmax, Hv, dk, dv] float32
+    ck_conv: jax.Array  # [Ll, C, conv_dim, K-1] checkpoint images' conv state
+    ck_rec: jax.Array  # [Ll, C, Hv, dk, dv] float32 checkpoint images' recurrent state
     output_counts: jax.Array  # [S, V] int32, committed generated-token counts per slot
     prompt_mask: jax.Array  # [S, V] bool, tokens of each slot's prompt
 
@@ -49,6 +53,8 @@ class Pools:
             conv=jnp.zeros((ll, s, *conv), dtype), rec=jnp.zeros((ll, s, *rec), jnp.float32),
             prov_conv=jnp.zeros((ll, b, *conv), dtype),
             prov_rec=jnp.zeros((ll, b, *rec), jnp.float32),
+            ck_conv=jnp.zeros((ll, pcfg.num_checkpoint_slots, *conv), dtype),
+            ck_rec=jnp.zeros((ll, pcfg.num_checkpoint_slots, *rec), jnp.float32),
             output_counts=jnp.zeros((s, cfg.vocab_size), jnp.int32),
             prompt_mask=jnp.zeros((s, cfg.vocab_size), bool),
         )

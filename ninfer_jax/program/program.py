@@ -14,11 +14,14 @@ from ninfer_jax.models.qwen3_6 import ModelConfig
 from ninfer_jax.program.config import ProgramConfig
 from ninfer_jax.program.errors import InfeasibleError
 from ninfer_jax.program.executables import ExecutableTable, StepKey, StepKind, bind
-from ninfer_jax.program.host import GREEDY, HostProgram, ProgramLimits, SeqRecord
+from ninfer_jax.program.host import (
+    GREEDY, CheckpointRecord, HostProgram, ProgramLimits, SeqRecord,
+)
 from ninfer_jax.program.pools import Pools
 from ninfer_jax.program.sampling import sampling_arrays
 from ninfer_jax.program.steps import (
-    CommitInputs, DecodeInputs, PrefillInputs, commit_step, decode_step, prefill_step,
+    CaptureInputs, CommitInputs, DecodeInputs, PrefillInputs, RestoreInputs, capture_step,
+    commit_step, decode_step, prefill_step, restore_step,
 )
 
 
@@ -33,7 +36,8 @@ class Program(HostProgram):
         super().__init__(ProgramLimits(
             max_seq_len=pcfg.max_seq_len, page_size=pcfg.page_size, total_pages=pcfg.num_pages,
             total_slots=pcfg.num_slots, max_concurrency=pcfg.max_concurrency,
-            prefill_chunk=pcfg.prefill_chunk, vocab_size=cfg.vocab_size))
+            prefill_chunk=pcfg.prefill_chunk, vocab_size=cfg.vocab_size,
+            total_checkpoint_slots=pcfg.num_checkpoint_slots))
         self.cfg, self.pcfg = cfg, pcfg
         self.params = jax.tree.map(lambda a: jax.numpy.asarray(a, pcfg.dtype), params)
         self.pools = Pools.allocate(cfg, pcfg)
@@ -63,6 +67,15 @@ class Program(HostProgram):
                                             np.zeros(b, np.int32), False)
             self.executables.compile(StepKey(StepKind.COMMIT, b), commit_step, self.pools,
                                      commit_example)
+        if pcfg.num_checkpoint_slots:
+            one = np.zeros(1, np.int32)
+            self.executables.compile(StepKey(StepKind.CAPTURE, 1), capture_step, self.pools,
+                                     CaptureInputs(slot=one, ckpt_slot=one))
+            self.executables.compile(
+                StepKey(StepKind.RESTORE, 1), restore_step, self.pools,
+                RestoreInputs(ckpt_slot=one, slot=one,
+                              prefix_ids=np.zeros((1, pcfg.max_seq_len), np.int32),
+                              prefix_len=one, copy_src=one, copy_dst=one))
 
     def _run_prefill(self, seq: SeqRecord, start: int, chunk: list[int]) -> int:
         c, n = self.pcfg.prefill_chunk, len(chunk)
@@ -93,6 +106,22 @@ class Program(HostProgram):
         inputs = _commit_inputs(np.array([s.slot for s in seqs], np.int32), accept,
                                 tokens.astype(np.int32), count)
         self.pools = self.executables(StepKey(StepKind.COMMIT, len(seqs)), self.pools, inputs)
+
+    def _run_capture(self, seq: SeqRecord, ckpt_slot: int) -> None:
+        inputs = CaptureInputs(slot=np.array([seq.slot], np.int32),
+                               ckpt_slot=np.array([ckpt_slot], np.int32))
+        self.pools = self.executables(StepKey(StepKind.CAPTURE, 1), self.pools, inputs)
+
+    def _run_restore(self, ckpt: CheckpointRecord, seq: SeqRecord,
+                     copy_page: tuple[int, int] | None) -> None:
+        prefix = np.zeros((1, self.pcfg.max_seq_len), np.int32)
+        prefix[0, : ckpt.frontier] = ckpt.tokens
+        src, dst = copy_page or (seq.pages[0], seq.pages[0])
+        inputs = RestoreInputs(
+            ckpt_slot=np.array([ckpt.slot], np.int32), slot=np.array([seq.slot], np.int32),
+            prefix_ids=prefix, prefix_len=np.array([ckpt.frontier], np.int32),
+            copy_src=np.array([src], np.int32), copy_dst=np.array([dst], np.int32))
+        self.pools = self.executables(StepKey(StepKind.RESTORE, 1), self.pools, inputs)
 
     def _page_table(self, seqs: list[SeqRecord]) -> np.ndarray:
         table = np.zeros((len(seqs), self.pcfg.max_pages_per_seq), np.int32)

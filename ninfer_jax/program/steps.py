@@ -61,6 +61,24 @@ class CommitInputs:
     count: jax.Array  # [B] bool, the token counts toward penalties (False for mid-prefill)
 
 
+@_register(["slot", "ckpt_slot"])
+@dataclasses.dataclass(frozen=True)
+class CaptureInputs:
+    slot: jax.Array  # [1] int32, the sequence's committed state slot
+    ckpt_slot: jax.Array  # [1] int32, the checkpoint slot to fill
+
+
+@_register(["ckpt_slot", "slot", "prefix_ids", "prefix_len", "copy_src", "copy_dst"])
+@dataclasses.dataclass(frozen=True)
+class RestoreInputs:
+    ckpt_slot: jax.Array  # [1] int32
+    slot: jax.Array  # [1] int32, the new sequence's state slot
+    prefix_ids: jax.Array  # [1, max_seq_len] int32, the checkpoint's tokens (padded)
+    prefix_len: jax.Array  # [1] int32, its frontier
+    copy_src: jax.Array  # [1] int32, the shared partial page (or == copy_dst: no copy)
+    copy_dst: jax.Array  # [1] int32, the sequence's own copy of it
+
+
 @_register(["tokens", "logprobs"])
 @dataclasses.dataclass(frozen=True)
 class StepOutputs:
@@ -135,3 +153,27 @@ def commit_step(pools: Pools, inputs: CommitInputs) -> Pools:
     counts = pools.output_counts.at[slots, inputs.tokens].add((accept & inputs.count).astype(jnp.int32))
     return dataclasses.replace(pools, conv=adopt(pools.conv, pools.prov_conv),
                                rec=adopt(pools.rec, pools.prov_rec), output_counts=counts)
+
+
+def capture_step(pools: Pools, inputs: CaptureInputs) -> Pools:
+    """Copies a sequence's committed GDN state into a checkpoint slot (its K/V pages are shared)."""
+    return dataclasses.replace(
+        pools, ck_conv=pools.ck_conv.at[:, inputs.ckpt_slot].set(pools.conv[:, inputs.slot]),
+        ck_rec=pools.ck_rec.at[:, inputs.ckpt_slot].set(pools.rec[:, inputs.slot]))
+
+
+def restore_step(pools: Pools, inputs: RestoreInputs) -> Pools:
+    """Starts a sequence from a checkpoint: its GDN state, fresh penalty state with the prefix
+    marked as prompt, and its own copy of the checkpoint's partial last page."""
+    slot, ck = inputs.slot, inputs.ckpt_slot
+    valid = jnp.arange(inputs.prefix_ids.shape[1])[None, :] < inputs.prefix_len[:, None]
+    mask = mark_prompt_tokens(jnp.zeros_like(pools.prompt_mask[slot]), inputs.prefix_ids, valid)
+    src, dst = inputs.copy_src, inputs.copy_dst
+    return dataclasses.replace(
+        pools,
+        conv=pools.conv.at[:, slot].set(pools.ck_conv[:, ck]),
+        rec=pools.rec.at[:, slot].set(pools.ck_rec[:, ck]),
+        output_counts=pools.output_counts.at[slot].set(0),
+        prompt_mask=pools.prompt_mask.at[slot].set(mask),
+        k=pools.k.at[:, dst].set(pools.k[:, src]),
+        v=pools.v.at[:, dst].set(pools.v[:, src]))

@@ -19,10 +19,10 @@ def _run(prompts, samplings, order, max_queue=32):
         handles = {i: core.submit(Frontend(TOKENIZER).prepare(prompt_token_ids=prompts[i]),
                                   samplings[i]) for i in order}
         results = {i: h.result(timeout=120) for i, h in handles.items()}
-        stats = program().stats()
+        _run.last_prefix_stats = core.stats().prefix
     finally:
-        core.close()
-    return results, stats
+        core.close()  # releases the Engine's checkpoints too
+    return results, program().stats()
 
 
 def test_outputs_do_not_depend_on_concurrency_or_arrival_order():
@@ -32,6 +32,7 @@ def test_outputs_do_not_depend_on_concurrency_or_arrival_order():
                                 max_new_tokens=6 + i % 4) for i in range(10)]
     concurrent, stats = _run(prompts, samplings, order=[9, 3, 0, 7, 1, 5, 2, 8, 6, 4])
     assert stats.free_pages == stats.total_pages and stats.num_sequences == 0
+    assert _run.last_prefix_stats.hits >= 1  # later prompts extend earlier ones
     for i in range(10):
         single, _ = _run([prompts[i]], [samplings[i]], order=[0])
         got = list(concurrent[i].token_ids)
@@ -42,3 +43,23 @@ def test_outputs_do_not_depend_on_concurrency_or_arrival_order():
             assert got[-1] in TOKENIZER.eos_ids
         else:
             assert len(got) == samplings[i].max_new_tokens
+
+
+def test_multi_turn_reuse_on_the_real_model_equals_recompute():
+    ids = reference("dense")["token_ids"][0].tolist()
+    core = EngineCore(program(), Frontend(TOKENIZER), EngineCoreConfig())
+    try:
+        history = ids[:10]
+        for extension in (ids[10:11], ids[11:14], ids[14:25]):
+            sp = SamplingParams(temperature=0.0, max_new_tokens=5, stop=())
+            first = core.submit(Frontend(TOKENIZER).prepare(prompt_token_ids=history), sp,
+                                session_key="s").result(timeout=120)
+            history = history + list(first.token_ids) + extension
+            r = core.submit(Frontend(TOKENIZER).prepare(prompt_token_ids=history), sp,
+                            session_key="s").result(timeout=120)
+            if first.finish_reason is FinishReason.LENGTH:
+                assert r.usage.cached_tokens == len(history) - len(extension) - 1
+            assert list(r.token_ids) == reference_greedy("dense", history, len(r.token_ids))
+            history = history + list(r.token_ids)
+    finally:
+        core.close()

@@ -14,7 +14,7 @@ from ninfer_jax.program.program import Program
 from tests.models.conftest import loaded
 
 PCFG = ProgramConfig(max_concurrency=8, page_size=4, num_pages=96, max_seq_len=64,
-                     prefill_chunk=8)
+                     prefill_chunk=8, num_checkpoint_slots=4)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,121 @@
+"""The checkpoint catalog, its prefix index and the SessionIndex (DESIGN §7): ResourceManager's
+logical view of the prefix checkpoints the Program holds.
+
+Owns which checkpoints exist logically, which token prefix each proves, their recency, and
+session bindings. Lookup is the longest exact token-prefix match over checkpoint frontiers
+(digests narrow the candidates, a token comparison confirms). A session key is a hint, never an
+owner: a binding is replaced only by a result with a later publication order. Physical facts
+(pages, slots, refcounts) stay with the Program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+from typing import Any
+
+import numpy as np
+
+
+def prefix_digest(tokens) -> str:
+    return hashlib.blake2b(np.asarray(tokens, np.int32).tobytes(), digest_size=16).hexdigest()
+
+
+@dataclasses.dataclass
+class CatalogEntry:
+    ckpt: Any  # the Program's CheckpointId
+    tokens: tuple[int, ...]
+    digest: str
+    last_used: int
+
+    @property
+    def frontier(self) -> int:
+        return len(self.tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class CatalogStats:
+    checkpoints: int
+    hits: int
+    misses: int
+    captured: int
+    evictions: int
+    cached_tokens: int  # prefill tokens saved by hits
+
+
+class CheckpointCatalog:
+    def __init__(self) -> None:
+        self._entries: dict[str, CatalogEntry] = {}  # digest -> entry (one per token prefix)
+        self._lengths: dict[int, int] = {}  # frontier length -> number of entries
+        self._sessions: dict[str, tuple[str, int]] = {}  # key -> (digest, publication_order)
+        self._clock = itertools.count()
+        self.hits = self.misses = self.captured = self.evictions = self.cached_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, tokens) -> CatalogEntry | None:
+        """The checkpoint of exactly this prefix, if cataloged."""
+        entry = self._entries.get(prefix_digest(tokens))
+        return entry if entry is not None and entry.tokens == tuple(tokens) else None
+
+    def add(self, ckpt: Any, tokens: tuple[int, ...]) -> CatalogEntry:
+        entry = CatalogEntry(ckpt, tuple(tokens), prefix_digest(tokens), next(self._clock))
+        if entry.digest in self._entries:
+            raise ValueError("a checkpoint of this exact prefix is already cataloged")
+        self._entries[entry.digest] = entry
+        self._lengths[entry.frontier] = self._lengths.get(entry.frontier, 0) + 1
+        self.captured += 1
+        return entry
+
+    def remove(self, entry: CatalogEntry, evicted: bool) -> None:
+        del self._entries[entry.digest]
+        self._lengths[entry.frontier] -= 1
+        if not self._lengths[entry.frontier]:
+            del self._lengths[entry.frontier]
+        self.evictions += evicted
+
+    def lookup(self, tokens, session_key: str | None = None) -> CatalogEntry | None:
+        """The checkpoint with the longest frontier F < len(tokens) whose tokens equal
+        tokens[:F] (the session's binding is tried first)."""
+        tokens = tuple(tokens)
+        candidates = []
+        bound = self._sessions.get(session_key) if session_key is not None else None
+        if bound is not None and bound[0] in self._entries:
+            candidates.append(self._entries[bound[0]])
+        for length in sorted(self._lengths, reverse=True):
+            if length < len(tokens):
+                entry = self._entries.get(prefix_digest(tokens[:length]))
+                if entry is not None:
+                    candidates.append(entry)
+                    break
+        best = max((e for e in candidates
+                    if e.frontier < len(tokens) and tokens[: e.frontier] == e.tokens),
+                   key=lambda e: e.frontier, default=None)
+        return best
+
+    def record_use(self, entry: CatalogEntry | None) -> None:
+        if entry is None:
+            self.misses += 1
+            return
+        self.hits += 1
+        self.cached_tokens += entry.frontier
+        entry.last_used = next(self._clock)
+
+    def bind_session(self, key: str, entry: CatalogEntry, publication_order: int) -> None:
+        current = self._sessions.get(key)
+        if current is None or publication_order > current[1]:
+            self._sessions[key] = (entry.digest, publication_order)
+
+    def eviction_order(self, keep: CatalogEntry | None = None) -> list[CatalogEntry]:
+        """Inactive checkpoints, least recently used first (`keep` excluded)."""
+        return sorted((e for e in self._entries.values() if e is not keep),
+                      key=lambda e: e.last_used)
+
+    def entries(self) -> list[CatalogEntry]:
+        return list(self._entries.values())
+
+    def stats(self) -> CatalogStats:
+        return CatalogStats(len(self._entries), self.hits, self.misses, self.captured,
+                            self.evictions, self.cached_tokens)
