@@ -15,6 +15,7 @@ _EXPORTS = {
     "LoadedModel": "ninfer_jax.loader",
     "RejectedError": "ninfer_jax.engine",
     "SamplingParams": "ninfer_jax.sampling_params",
+    "Scorer": "ninfer_jax.scoring",
     "load_model": "ninfer_jax.loader",
 }
 

@@ -1,0 +1,14 @@
+"""The CausalScoring purpose (DESIGN §9): per-token log-probs, sums, greedy flags, perplexity.
+
+`Scorer` is the notebook API; `CausalScoreCore` runs the compiled scoring windows;
+`rolling_windows` is the window plan (lm-evaluation-harness `loglikelihood_rolling` semantics).
+"""
+
+from ninfer_jax.scoring.core import (
+    CausalScoreCore, ScoreInputError, ScoreRequest, ScoringConfig, TokenScores, WindowKey,
+)
+from ninfer_jax.scoring.scorer import ScoreResult, Scorer
+from ninfer_jax.scoring.windows import Window, rolling_windows
+
+__all__ = ["CausalScoreCore", "ScoreInputError", "ScoreRequest", "ScoreResult", "Scorer",
+           "ScoringConfig", "TokenScores", "Window", "WindowKey", "rolling_windows"]
