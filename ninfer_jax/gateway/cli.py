@@ -13,7 +13,7 @@ import time
 
 from absl import app, flags, logging
 
-from ninfer_jax.gateway import generate
+from ninfer_jax.gateway import generate, score
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("hf_dir", None, "convert: the HF checkpoint directory to read")
@@ -28,7 +28,7 @@ flags.DEFINE_integer("port", 8000, "serve: the TCP port to listen on")
 flags.DEFINE_string("api_key", None,
                     "serve: when set, requests need `Authorization: Bearer KEY` or `x-api-key`")
 
-COMMANDS = ("convert", "logits", "generate", "chat", "serve", "export-hf")
+COMMANDS = ("convert", "logits", "generate", "chat", "serve", "export-hf", "score")
 
 
 def _convert() -> int:
@@ -99,7 +99,7 @@ def _main(argv: list[str]) -> int:
     logging.set_verbosity(logging.WARNING)
     try:
         return {"convert": _convert, "logits": _logits, "generate": generate.run_generate,
-                "chat": generate.run_chat, "serve": _serve,
+                "chat": generate.run_chat, "serve": _serve, "score": score.run_score,
                 "export-hf": _export_hf}[_COMMAND]()
     except NinferError as e:
         print(f"error: {e}", file=sys.stderr)
