@@ -11,6 +11,7 @@ is a function of `--seed` (data order, initialisation), so a rerun reproduces th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -31,7 +32,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import train_tokenizer  # noqa: E402
 from ninfer_jax.artifact.format import write_artifact  # noqa: E402
 from ninfer_jax.frontend import load_tokenizer  # noqa: E402
-from ninfer_jax.models.qwen3_6 import CausalKV, ModelConfig, forward, step  # noqa: E402
+from ninfer_jax.models.qwen3_6 import (  # noqa: E402
+    CausalKV, ContiguousKV, ModelConfig, forward, step)
 from ninfer_jax.models.qwen3_6.gdn import GDNState  # noqa: E402
 from ninfer_jax.models.qwen3_6.mtp import mtp_step  # noqa: E402
 from ninfer_jax.models.qwen3_6.weights import init_params  # noqa: E402
@@ -42,14 +44,21 @@ flags.DEFINE_string("log", None, "JSON-lines log of losses (default: stdout only
 flags.DEFINE_integer("seed", 0, "seed of initialisation and data order")
 flags.DEFINE_integer("hidden", 192, "hidden size")
 flags.DEFINE_integer("groups", 1, "number of (3 GDN + 1 attention) layer groups")
-flags.DEFINE_integer("steps", 420, "main-model optimiser steps")
-flags.DEFINE_integer("mtp_steps", 150, "MTP-head optimiser steps")
-flags.DEFINE_integer("batch", 16, "sequences per step")
+flags.DEFINE_integer("steps", 380, "main-model optimiser steps")
+flags.DEFINE_integer("mtp_steps", 100, "MTP-head optimiser steps")
+flags.DEFINE_integer("batch", 8, "sequences per step")
 flags.DEFINE_integer("seq_len", 256, "tokens per training window")
 flags.DEFINE_float("lr", 3e-3, "peak learning rate")
 flags.DEFINE_float("chat_share", 0.25, "share of stories formatted as chat turns")
 flags.DEFINE_integer("eval_every", 50, "steps between validation-loss logs")
 flags.DEFINE_integer("eval_windows", 32, "validation windows for the periodic logs")
+flags.DEFINE_integer("valid_windows", 400, "validation windows for the final loss and MTP accuracy")
+flags.DEFINE_string("sample_from", None, "skip training: print greedy and sampled continuations "
+                    "of --prompts from this artifact")
+flags.DEFINE_list("prompts", ["Once upon a time", "One day, a little girl named Lily",
+                              "Tom and his dog went to the park."], "prompts for --sample_from")
+flags.DEFINE_integer("max_new_tokens", 120, "continuation length for --sample_from")
+flags.DEFINE_float("temperature", 0.8, "sampling temperature for --sample_from (top-k 40)")
 
 
 def demo_config(hidden: int, groups: int, vocab_size: int, eos_ids: tuple[int, ...]) -> ModelConfig:
@@ -172,6 +181,55 @@ def mtp_accuracy(params: dict, cfg: ModelConfig, data: np.ndarray, batch: int) -
     return {"mtp_top1": hits / total, "mtp_agrees_with_greedy": agree / total, "tokens": total}
 
 
+# Sampling ------------------------------------------------------------------------------------
+def continue_text(params: dict, cfg: ModelConfig, prompt_ids: list[int], max_new: int,
+                  eos_ids: frozenset[int], key: jax.Array | None,
+                  temperature: float = 0.8, top_k: int = 40) -> list[int]:
+    """Greedy (key None) or top-k sampled continuation: one prefill `step`, then one `step` per
+    token over a ContiguousKV cache, stopping at an EOS id."""
+    run = jax.jit(step, static_argnums=1)
+    gdn = GDNState.zeros(cfg, 1)
+    kv = ContiguousKV.zeros(cfg, 1, len(prompt_ids) + max_new)
+    out = run(params, cfg, jnp.asarray([prompt_ids], jnp.int32), jnp.zeros((1,), jnp.int32),
+              gdn, kv)
+    pos, new = len(prompt_ids), []
+    kv = out.kv.advance(jnp.asarray([pos], jnp.int32))
+    while len(new) < max_new:
+        logits = out.logits[0, -1]
+        if key is None:
+            token = int(jnp.argmax(logits))
+        else:
+            key, sub = jax.random.split(key)
+            top, idx = jax.lax.top_k(logits / temperature, top_k)
+            token = int(idx[jax.random.categorical(sub, top)])
+        if token in eos_ids:
+            break
+        new.append(token)
+        out = run(params, cfg, jnp.asarray([[token]], jnp.int32), jnp.asarray([pos], jnp.int32),
+                  out.gdn, kv)
+        kv = out.kv.advance(jnp.ones((1,), jnp.int32))
+        pos += 1
+    return new
+
+
+def sample(argv: list[str]) -> None:
+    """Prints each prompt's greedy continuation, then one sampled continuation per prompt."""
+    del argv
+    from ninfer_jax import load_model
+
+    model = load_model(FLAGS.sample_from)
+    tok = load_tokenizer(model.path)
+    for mode in ("greedy", "sampled"):
+        key = None if mode == "greedy" else jax.random.key(FLAGS.seed)
+        for prompt in FLAGS.prompts:
+            if key is not None:
+                key, sub = jax.random.split(key)
+            ids = continue_text(model.params, model.config, tok.encode(prompt),
+                                FLAGS.max_new_tokens, tok.eos_ids, None if key is None else sub,
+                                FLAGS.temperature)
+            print(json.dumps({"mode": mode, "prompt": prompt, "text": tok.decode(ids)}))
+
+
 class Log:
     def __init__(self, path: str | None):
         self.file = open(path, "a") if path else None
@@ -204,7 +262,8 @@ def train(argv: list[str]) -> None:
     log(event="start", config=cfg.to_dict(), num_params=num_params,
         train_tokens=int(stream.size), valid_tokens=int(valid_data.size), flags={
             k: FLAGS[k].value for k in ("seed", "hidden", "groups", "steps", "mtp_steps",
-                                        "batch", "seq_len", "lr", "chat_share")})
+                                        "batch", "seq_len", "lr", "chat_share",
+                                        "valid_windows")})
 
     opt = optimizer(FLAGS.lr, FLAGS.steps)
     opt_state = opt.init(params)
@@ -220,6 +279,7 @@ def train(argv: list[str]) -> None:
             recent = []
             log(event="eval", step=i, train_loss=round(train_loss, 4),
                 valid_loss=round(evaluate(params, cfg, eval_subset, FLAGS.batch), 4))
+    valid_data = valid_data[:FLAGS.valid_windows]
     valid_loss = evaluate(params, cfg, valid_data, FLAGS.batch)
     log(event="final", valid_loss=round(valid_loss, 4), valid_ppl=round(math.exp(valid_loss), 3),
         valid_windows=len(valid_data))
@@ -237,6 +297,7 @@ def train(argv: list[str]) -> None:
         if i % FLAGS.eval_every == 0 or i == FLAGS.mtp_steps:
             log(event="mtp", step=i, train_loss=round(float(loss), 4))
     params = {**params, "mtp": mtp}
+    cfg = dataclasses.replace(cfg, mtp_num_layers=1)
     log(event="mtp_final", **mtp_accuracy(params, cfg, valid_data, FLAGS.batch))
     if FLAGS.out:
         out = write_artifact(FLAGS.out, cfg, jax.device_get(params), dtype="float32",
@@ -246,5 +307,9 @@ def train(argv: list[str]) -> None:
         log(event="wrote", path=str(out))
 
 
+def main(argv: list[str]) -> None:
+    (sample if FLAGS.sample_from else train)(argv)
+
+
 if __name__ == "__main__":
-    app.run(train)
+    app.run(main)
