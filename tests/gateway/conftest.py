@@ -41,12 +41,15 @@ class ThinkingFakeProgram(FakeProgram):
 
 
 def make_engine(max_concurrency: int = 4, *, max_queue: int = 64, max_seq_len: int = 512,
-                step_seconds: float = 0.0, eos: bool = True, **program_kw) -> Engine:
-    """An Engine over the (thinking) FakeProgram; `eos=False`: answers run to their budget."""
+                step_seconds: float = 0.0, eos: bool = True, checkpoints: int = 8,
+                **program_kw) -> Engine:
+    """An Engine over the (thinking) FakeProgram with prefix reuse (`checkpoints` slots);
+    `eos=False`: answers run to their budget."""
     limits = ProgramLimits(
         max_seq_len=max_seq_len, page_size=PAGE_SIZE,
         total_pages=max_concurrency * (max_seq_len // PAGE_SIZE), total_slots=max_concurrency,
-        max_concurrency=max_concurrency, prefill_chunk=64, vocab_size=TOKENIZER.vocab_size)
+        max_concurrency=max_concurrency, prefill_chunk=64, vocab_size=TOKENIZER.vocab_size,
+        total_checkpoint_slots=checkpoints)
     program = ThinkingFakeProgram(limits, eos_id=EOS if eos else None, step_seconds=step_seconds, **program_kw)
     core = EngineCore(program, FRONTEND, EngineCoreConfig(max_queue=max_queue, idle_wait_s=0.01))
     return Engine(core, FRONTEND, None)
@@ -75,8 +78,12 @@ def wait_idle(engine: Engine, timeout_s: float = 10.0):
 
 
 def assert_fully_free(engine: Engine) -> None:
+    """Nothing outstanding; once the prefix cache is dropped, every lane, page, slot free."""
     s = wait_idle(engine)
     assert (s.outstanding, s.active, s.waiting) == (0, 0, 0), s
+    engine.core.clear_prefix_cache()
+    s = wait_idle(engine)
+    assert s.prefix.checkpoints == 0, s
     assert s.free_lanes == s.total_lanes, s
     assert s.free_pages == s.total_pages and s.reserved_pages == 0, s
     assert s.free_slots == s.total_slots, s

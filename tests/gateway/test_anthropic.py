@@ -131,3 +131,16 @@ def test_unknown_model_anthropic(server):
     r = httpx.post(f"{server.url}/v1/messages", timeout=30,
                    json={"model": "claude-x", "max_tokens": 5, "messages": MESSAGES})
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_cache_read_input_tokens(server):
+    body = {"model": MODEL, "max_tokens": 6, "temperature": 0,
+            "messages": [{"role": "user", "content": "a long enough opening turn"}]}
+    first = Message.model_validate(httpx.post(f"{server.url}/v1/messages", json=body,
+                                              timeout=30).json())
+    body["messages"] += [{"role": "assistant", "content": first.content[0].text},
+                         {"role": "user", "content": "next"}]
+    r = httpx.post(f"{server.url}/v1/messages", json=body, timeout=30)
+    usage = Message.model_validate(r.json()).usage
+    assert usage.cache_read_input_tokens > 0
+    assert usage.input_tokens + usage.cache_read_input_tokens > first.usage.input_tokens

@@ -67,9 +67,9 @@ def test_chat_matches_engine_result(client, server, engine_of):
         seed=7, presence_penalty=0.5, frequency_penalty=0.1,
         extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1})
     resp = strict(ChatCompletion, resp)
-    want = expected(engine_of, server, messages=FLAT, sampling=dict(
-        max_new_tokens=12, temperature=0.7, top_p=0.9, seed=7, top_k=20, min_p=0.05,
-        presence_penalty=0.5, frequency_penalty=0.1, repetition_penalty=1.1))
+    want = expected(engine_of, server, messages=FLAT, sampling={
+        "max_new_tokens": 12, "temperature": 0.7, "top_p": 0.9, "seed": 7, "top_k": 20, "min_p": 0.05,
+        "presence_penalty": 0.5, "frequency_penalty": 0.1, "repetition_penalty": 1.1})
     choice = resp.choices[0]
     assert choice.message.role == "assistant"
     assert choice.message.content == want.text
@@ -77,7 +77,6 @@ def test_chat_matches_engine_result(client, server, engine_of):
     assert resp.usage.prompt_tokens == want.usage.prompt_tokens
     assert resp.usage.completion_tokens == want.usage.completion_tokens
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
-    assert resp.usage.prompt_tokens_details.cached_tokens == 0
     assert resp.model == MODEL and resp.object == "chat.completion"
 
 
@@ -87,7 +86,7 @@ def test_chat_stream_order_and_usage(client, server, engine_of):
         stream_options={"include_usage": True}, extra_body={"enable_thinking": True})
     chunks = [strict(ChatCompletionChunk, c) for c in stream]
     want = expected(engine_of, server, messages=FLAT, enable_thinking=True,
-                    sampling=dict(max_new_tokens=20, seed=3))
+                    sampling={"max_new_tokens": 20, "seed": 3})
     assert chunks[0].choices[0].delta.role == "assistant"
     body, usage_chunk = chunks[:-1], chunks[-1]
     assert usage_chunk.choices == [] and usage_chunk.usage is not None
@@ -126,7 +125,7 @@ def test_completions(client, server, engine_of):
     resp = strict(Completion, client.completions.create(
         model=MODEL, prompt="once upon a time", max_tokens=10, seed=5, stop=["zz"]))
     want = expected(engine_of, server, prompt="once upon a time",
-                    sampling=dict(max_new_tokens=10, seed=5, stop=("zz",)))
+                    sampling={"max_new_tokens": 10, "seed": 5, "stop": ("zz",)})
     assert resp.choices[0].text == want.text
     assert resp.choices[0].finish_reason == want.finish_reason.value
     assert resp.usage.completion_tokens == want.usage.completion_tokens
@@ -139,7 +138,7 @@ def test_completions_stream(client, server, engine_of):
     chunks = [strict_completion_chunk(c) for c in client.completions.create(
         model=MODEL, prompt="abc", max_tokens=15, seed=9, stream=True,
         stream_options={"include_usage": True})]
-    want = expected(engine_of, server, prompt="abc", sampling=dict(max_new_tokens=15, seed=9))
+    want = expected(engine_of, server, prompt="abc", sampling={"max_new_tokens": 15, "seed": 9})
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
     assert chunks[-2].choices[0].finish_reason == want.finish_reason.value
     assert chunks[-1].usage.completion_tokens == want.usage.completion_tokens
@@ -159,16 +158,16 @@ def test_stop_string_is_not_emitted(client):
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    (dict(n=2), "n"),
-    (dict(temperature=-1), "temperature"),
-    (dict(top_p=0), "top_p"),
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(max_completion_tokens=0), "max_completion_tokens"),
-    (dict(max_tokens=10_000), "max_tokens"),
-    (dict(seed=-3), "seed"),
-    (dict(stop=[""]), "stop[0]"),
-    (dict(logprobs=True), "logprobs"),
-    (dict(extra_body={"min_p": 2}), "min_p"),
+    ({"n": 2}, "n"),
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_tokens": 10_000}, "max_tokens"),
+    ({"seed": -3}, "seed"),
+    ({"stop": [""]}, "stop[0]"),
+    ({"logprobs": True}, "logprobs"),
+    ({"extra_body": {"min_p": 2}}, "min_p"),
 ])
 def test_bad_chat_fields_are_400_naming_the_field(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -179,8 +178,8 @@ def test_bad_chat_fields_are_400_naming_the_field(client, kwargs, param):
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    (dict(echo=True), "echo"), (dict(logprobs=2), "logprobs"), (dict(best_of=3), "best_of"),
-    (dict(prompt=[999_999]), "prompt[0]"), (dict(prompt="x" * 600), "prompt"),
+    ({"echo": True}, "echo"), ({"logprobs": 2}, "logprobs"), ({"best_of": 3}, "best_of"),
+    ({"prompt": [999_999]}, "prompt[0]"), ({"prompt": "x" * 600}, "prompt"),
 ])
 def test_bad_completion_fields(client, kwargs, param):
     kwargs.setdefault("prompt", "hi")
@@ -216,3 +215,19 @@ def test_session_key_is_accepted(client, server, engine_of):
     client.with_options(default_headers={"x-session-id": "s-1"}).chat.completions.create(
         model=MODEL, messages=FLAT, max_tokens=3)
     assert_fully_free(engine_of(server))
+
+
+def test_prefix_reuse_reports_cached_tokens(client, server, engine_of):
+    """A follow-up turn of the same session reuses the first turn's checkpoint."""
+    history = [{"role": "user", "content": "remember the number seven, please"}]
+    first = client.chat.completions.create(model=MODEL, messages=history, max_tokens=6,
+                                           seed=2, user="reuse-test")
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "which number?"}]
+    second = strict(ChatCompletion, client.chat.completions.create(
+        model=MODEL, messages=history, max_tokens=6, seed=2, user="reuse-test"))
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < second.usage.prompt_tokens
+    assert first.usage.prompt_tokens <= cached
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert "ninfer_prefix_hits_total" in metrics and "ninfer_prefix_cached_tokens_total" in metrics

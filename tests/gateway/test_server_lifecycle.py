@@ -16,7 +16,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
 def metric(text: str, name: str) -> float:
     for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
+        if line.startswith((name + " ", name + "{")):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
 
@@ -71,11 +71,12 @@ def test_unknown_path_and_method(server):
 
 
 def test_overload_is_429_at_once():
-    engine = make_engine(max_queue=1, step_seconds=0.01)
+    engine = make_engine(max_queue=1, step_seconds=0.01, eos=False)
     with served(engine) as s, httpx.Client(timeout=30) as client:
         with client.stream("POST", f"{s.url}/v1/chat/completions",
                            json={**CHAT, "max_tokens": 400, "stream": True}) as held:
-            next(held.iter_lines())  # the role chunk: the first request holds the capacity
+            lines = held.iter_lines()
+            next(lines)  # the role chunk: the first request holds the capacity
             r = client.post(f"{s.url}/v1/chat/completions", json={**CHAT, "max_tokens": 2})
             assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
             r = client.post(f"{s.url}/v1/messages",

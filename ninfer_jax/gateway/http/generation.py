@@ -67,9 +67,6 @@ class Generation:
         m = self.metrics
         if isinstance(event, GenerationStart):
             m.prompt_tokens.inc(event.prompt_tokens)
-            if event.cached_tokens:
-                m.prefix_hits.inc()
-                m.cached_tokens.inc(event.cached_tokens)
         elif isinstance(event, Delta) and event.token_ids:
             n = len(event.token_ids)
             m.rate.add(n, now)

@@ -1,9 +1,10 @@
 """`GET /metrics`: the server's Prometheus metrics, one registry per app.
 
 Owns what the gateway observes itself (time to first token, inter-token latency, request
-outcomes, rejections by reason, prompt and prefix-cached tokens, client disconnects, recent
-tokens/s) and a collector that reads the Engine's published `EngineStats` at scrape time (queue
-depth, active requests, pages, slots, generated tokens). It keeps no copy of Engine state.
+outcomes, rejections by reason, prompt tokens, client disconnects, recent tokens/s) and a
+collector that reads the Engine's published `EngineStats` at scrape time (queue depth, active
+requests, pages, slots, generated tokens, prefix hits and cached tokens). It keeps no copy of
+Engine state.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class _EngineCollector:
             "reserved_pages": ("KV pages reserved for admitted requests' growth",
                                s.reserved_pages),
             "free_slots": ("free GDN state slots", s.free_slots),
+            "prefix_checkpoints": ("checkpoints held for prefix reuse", s.prefix.checkpoints),
             "total_slots": ("GDN state slots in the pool", s.total_slots),
             "generation_tokens_per_second": (
                 f"tokens streamed per second over the last {self._rate.window_s:g} s",
@@ -73,6 +75,13 @@ class _EngineCollector:
                                   value=s.generated_tokens)
         yield CounterMetricFamily("ninfer_engine_finished_requests",
                                   "requests the Engine finished", value=s.finished_requests)
+        yield CounterMetricFamily("ninfer_prefix_hits", "admissions that reused a checkpoint",
+                                  value=s.prefix.hits)
+        yield CounterMetricFamily("ninfer_prefix_misses", "admissions with no reusable prefix",
+                                  value=s.prefix.misses)
+        yield CounterMetricFamily("ninfer_prefix_cached_tokens",
+                                  "prompt tokens served from a checkpoint (prefill saved)",
+                                  value=s.prefix.cached_tokens)
 
 
 class Metrics:
@@ -93,10 +102,6 @@ class Metrics:
                                   ["reason"], registry=r)
         self.prompt_tokens = Counter("ninfer_prompt_tokens", "prompt tokens of admitted requests",
                                      registry=r)
-        self.prefix_hits = Counter("ninfer_prefix_hits",
-                                   "admitted requests that reused a cached prefix", registry=r)
-        self.cached_tokens = Counter("ninfer_prefix_cached_tokens",
-                                     "prompt tokens served from a cached prefix", registry=r)
         self.disconnects = Counter("ninfer_client_disconnects",
                                    "requests cancelled because the client went away",
                                    registry=r)
