@@ -7,14 +7,17 @@ so one executable per fixture model serves all of them.
 from __future__ import annotations
 
 import functools
+import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from ninfer_jax.models.qwen3_6 import forward
 from ninfer_jax.scoring import CausalScoreCore, Scorer, ScoringConfig
 from ninfer_jax.testing import ByteTokenizer
+from tests.conftest import FIXTURES
 from tests.models.conftest import loaded, reference
 
 WIDTH = 40  # the fixtures' row length: every window in these tests fits one 40-token row
@@ -66,3 +69,23 @@ def oracle_window(name: str, ids: np.ndarray, num_targets: int) -> tuple[np.ndar
     lp = np.take_along_axis(log_softmax(logits), ids[1:, None], -1)[:, 0]
     greedy = logits.argmax(-1) == ids[1:]
     return lp[n - num_targets:], greedy[n - num_targets:]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> pathlib.Path:
+    """The dense fixture plus a byte-level `tokenizer.json` whose ids are the byte values; ids
+    256.. (up to the model's 384) are special tokens, `<|endoftext|>` first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from ninfer_jax.frontend.hf_backend import _byte_level_alphabet
+
+    path = tmp_path_factory.mktemp("byte_model")
+    for name in ("config.json", "model.safetensors"):
+        (path / name).symlink_to(FIXTURES / "dense" / name)
+    tok = Tokenizer(models.BPE(vocab=_byte_level_alphabet(), merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    vocab_size = loaded("dense").config.vocab_size
+    tok.add_special_tokens(["<|endoftext|>"] + [f"<|x{i}|>" for i in range(257, vocab_size)])
+    tok.save(str(path / "tokenizer.json"))
+    return path

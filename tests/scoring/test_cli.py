@@ -1,7 +1,7 @@
 """`ninfer score` end to end in subprocesses: results, error lines, SIGKILL + resume, perplexity.
 
-The model directory is the dense fixture plus a byte-level `tokenizer.json` whose ids are byte
-values, so the in-process reference is a Scorer with `ByteTokenizer`.
+The model directory (`model_dir`) is the dense fixture with a byte-level tokenizer, so the
+in-process reference is a Scorer with `ByteTokenizer`.
 """
 
 from __future__ import annotations
@@ -17,27 +17,10 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import FIXTURES
 from tests.scoring.conftest import WIDTH, scorer
 
 CLI = [sys.executable, "-c", "from ninfer_jax.gateway.cli import run; run()", "score"]
 COMMON = [f"--max_len={WIDTH}", f"--max_batch_tokens={3 * WIDTH}", "--chunk_records=4"]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> pathlib.Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    from ninfer_jax.frontend.hf_backend import _byte_level_alphabet
-
-    path = tmp_path_factory.mktemp("byte_model")
-    for name in ("config.json", "model.safetensors"):
-        (path / name).symlink_to(FIXTURES / "dense" / name)
-    tok = Tokenizer(models.BPE(vocab=_byte_level_alphabet(), merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(path / "tokenizer.json"))
-    return path
 
 
 def records(n: int, seed: int = 0) -> list[str]:
