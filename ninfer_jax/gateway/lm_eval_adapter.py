@@ -24,7 +24,7 @@ import numpy as np
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from ninfer_jax.scoring import ScoreRequest, Scorer
+from ninfer_jax.scoring import Scorer, ScoreRequest
 
 # lm-eval's CLI passes these to every model; scoring batches by tokens instead.
 _IGNORED = ("batch_size", "max_batch_size", "device")

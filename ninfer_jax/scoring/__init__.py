@@ -5,9 +5,14 @@
 """
 
 from ninfer_jax.scoring.core import (
-    CausalScoreCore, ScoreInputError, ScoreRequest, ScoringConfig, TokenScores, WindowKey,
+    CausalScoreCore,
+    ScoreInputError,
+    ScoreRequest,
+    ScoringConfig,
+    TokenScores,
+    WindowKey,
 )
-from ninfer_jax.scoring.scorer import ScoreResult, Scorer
+from ninfer_jax.scoring.scorer import Scorer, ScoreResult
 from ninfer_jax.scoring.windows import Window, rolling_windows
 
 __all__ = ["CausalScoreCore", "ScoreInputError", "ScoreRequest", "ScoreResult", "Scorer",

@@ -24,7 +24,11 @@ import numpy as np
 
 from ninfer_jax.frontend.tokenizer import Tokenizer
 from ninfer_jax.scoring.core import (
-    CausalScoreCore, ScoreInputError, ScoreRequest, ScoringConfig, TokenScores,
+    CausalScoreCore,
+    ScoreInputError,
+    ScoreRequest,
+    ScoringConfig,
+    TokenScores,
 )
 
 Context = str | Sequence[int] | None
@@ -74,7 +78,7 @@ class Scorer:
         self.core, self.tokenizer, self.model_path = core, tokenizer, model_path
 
     @classmethod
-    def open(cls, model: str | pathlib.Path | None = None, **config: Any) -> "Scorer":
+    def open(cls, model: str | pathlib.Path | None = None, **config: Any) -> Scorer:
         """Loads `model` (artifact or HF checkpoint directory; None = the embedded demo model)
         and compiles its scoring windows. Settings: window, stride, max_len, min_len,
         max_batch_tokens, dtype (see `ScoringConfig`). Texts need the model's tokenizer; a

@@ -9,7 +9,12 @@ import pytest
 from ninfer_jax.scoring import ScoreInputError, ScoreRequest
 from tests.models.conftest import reference, rel_err
 from tests.scoring.conftest import (
-    WIDTH, core, log_softmax, oracle_window, scorer, transformers_logprobs,
+    WIDTH,
+    core,
+    log_softmax,
+    oracle_window,
+    scorer,
+    transformers_logprobs,
 )
 
 TOL = 1e-5  # fp32, max error relative to the largest |log-prob| (as tests/models' rel_err)
