@@ -78,7 +78,7 @@ class Engine:
                                          prompt_token_ids=prompt_token_ids,
                                          enable_thinking=enable_thinking)
         except PromptError as e:
-            raise RejectedError("invalid", str(e)) from None
+            raise RejectedError("invalid", str(e), e.field) from None
 
     def submit(self, prompt: str | None = None, *,
                messages: Sequence[Mapping[str, Any]] | None = None,
@@ -103,6 +103,20 @@ class Engine:
     def stats(self) -> EngineStats:
         return self.core.stats()
 
+    @property
+    def available(self) -> bool:
+        """False once the Engine failed or was closed (it then rejects every submit)."""
+        return self.core.available
+
+    @property
+    def max_seq_len(self) -> int:
+        """The context limit: prompt + generated tokens of one request."""
+        return self.core.limits.max_seq_len
+
+    def clear_prefix_cache(self) -> None:
+        """Releases every inactive prefix checkpoint."""
+        self.core.clear_prefix_cache()
+
 
 def _sampling(sampling: SamplingParams | None) -> SamplingParams:
     if sampling is None:
@@ -111,8 +125,8 @@ def _sampling(sampling: SamplingParams | None) -> SamplingParams:
         try:
             return SamplingParams(**sampling)
         except (TypeError, SamplingParamsError) as e:
-            raise RejectedError("invalid", f"sampling: {e}") from None
+            raise RejectedError("invalid", f"sampling: {e}", "sampling") from None
     if not isinstance(sampling, SamplingParams):
         raise RejectedError("invalid", f"sampling must be a SamplingParams, got "
-                            f"{type(sampling).__name__}")
+                            f"{type(sampling).__name__}", "sampling")
     return sampling

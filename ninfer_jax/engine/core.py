@@ -130,15 +130,16 @@ class EngineCore:
     def _check_submittable(self, prompt: Any, sampling: SamplingParams) -> None:
         if not isinstance(sampling, SamplingParams):
             raise RejectedError("invalid", f"sampling must be a SamplingParams, got "
-                                f"{type(sampling).__name__}")
+                                f"{type(sampling).__name__}", "sampling")
         n, lim = len(prompt.token_ids), self.limits
         if n + 1 > lim.max_seq_len:
             raise RejectedError("too_long", f"prompt has {n} tokens; the context limit "
-                                f"max_seq_len is {lim.max_seq_len} (prompt + at least 1 new token)")
+                                f"max_seq_len is {lim.max_seq_len} (prompt + at least 1 new token)",
+                                "prompt")
         try:
             self.program.check_admissible(n, sampling.max_new_tokens)
         except ValueError as e:
-            raise RejectedError("too_long", f"max_new_tokens: {e}") from None
+            raise RejectedError("too_long", f"max_new_tokens: {e}", "max_new_tokens") from None
 
     def _release_capacity(self) -> None:
         with self._lock:
@@ -402,6 +403,7 @@ class EngineCore:
             if preview.finish_reason is not None:
                 reason = FinishReason.STOP if preview.finish_reason is TextFinish.STOP \
                     else FinishReason.LENGTH
+                r.stop_string = preview.stop_string
                 self._terminal(r, reason)
             else:
                 r.move(S.DECODE_READY)
@@ -428,7 +430,7 @@ class EngineCore:
             r.move(S.FINISHED)
         self._finished += 1
         usage = Usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens)
-        self._publish(r, Finished(r.request_id, reason, usage, error))
+        self._publish(r, Finished(r.request_id, reason, usage, error, r.stop_string))
         self._sinks.pop(r.request_id, None)
         self._capacity.pop(r.request_id).response_done()
 

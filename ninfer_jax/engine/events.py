@@ -57,6 +57,7 @@ class Finished:
     finish_reason: FinishReason
     usage: Usage
     error: str | None = None  # set when finish_reason is ERROR
+    stop_string: str | None = None  # the stop string that ended it (finish_reason STOP)
 
 
 Event = GenerationStart | Delta | Finished
@@ -72,6 +73,7 @@ class GenerationResult:
     usage: Usage
     seed: int | None  # the seed used for sampling (drawn by the Engine when none was given)
     error: str | None = None
+    stop_string: str | None = None
 
 
 class EngineError(NinferError):
@@ -81,9 +83,10 @@ class EngineError(NinferError):
 class RejectedError(EngineError):
     """A request was refused before any Program mutation (reason in `.reason`, field named)."""
 
-    def __init__(self, reason: str, message: str):
+    def __init__(self, reason: str, message: str, field: str | None = None):
         super().__init__(message)
         self.reason = reason  # "overload" | "invalid" | "too_long" | "unavailable"
+        self.field = field  # the request field at fault, when one is
 
 
 class EngineFailedError(EngineError):

@@ -104,7 +104,8 @@ class _Collector:
         return GenerationResult(
             request_id=self.request_id, text="".join(self.text),
             reasoning_text="".join(self.reasoning), token_ids=tuple(self.token_ids),
-            finish_reason=f.finish_reason, usage=f.usage, seed=self.seed, error=f.error)
+            finish_reason=f.finish_reason, usage=f.usage, seed=self.seed, error=f.error,
+            stop_string=f.stop_string)
 
 
 class RequestHandle:

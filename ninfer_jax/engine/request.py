@@ -59,6 +59,7 @@ class RequestRecord:
     cached_tokens: int = 0  # prompt tokens served from a checkpoint
     finish_reason: FinishReason | None = None
     error: str | None = None
+    stop_string: str | None = None
     cancel_requested: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def move(self, new: RequestState) -> None:

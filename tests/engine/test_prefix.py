@@ -18,9 +18,10 @@ from tests.engine.conftest import EOS, FRONTEND, TOKENIZER, limits
 
 
 @contextlib.contextmanager
-def engine(max_concurrency=4, reuse=True, ckpt_slots=8, **limit_kw):
+def engine(max_concurrency=4, reuse=True, ckpt_slots=8, step_seconds=0.0, **limit_kw):
     kw = dict(max_seq_len=256, total_pages=64 * max_concurrency, total_checkpoint_slots=ckpt_slots)
-    program = FakeProgram(limits(max_concurrency, **{**kw, **limit_kw}), eos_id=None)
+    program = FakeProgram(limits(max_concurrency, **{**kw, **limit_kw}), eos_id=None,
+                          step_seconds=step_seconds)
     core = EngineCore(program, FRONTEND, EngineCoreConfig(max_queue=64, idle_wait_s=0.005,
                                                           prefix_reuse=reuse))
     try:
@@ -138,7 +139,7 @@ def test_backfill_admits_small_requests_without_starving_the_head():
     # 16 pages of 4. Incumbent: 40 tokens (10 pages). Head: 40 tokens, blocked.
     # Small requests (2 pages) may borrow: 10 + 10 would not fit with the incumbent, but
     # head (10) + borrower (2) <= 16 once the incumbent finishes.
-    with engine(3, reuse=False, total_pages=16, max_seq_len=48) as (core, program):
+    with engine(3, reuse=False, total_pages=16, max_seq_len=48, step_seconds=0.01) as (core, _):
         incumbent = submit(core, list(range(60, 90)), 10)
         time.sleep(0.02)
         head = submit(core, list(range(100, 130)), 10)
