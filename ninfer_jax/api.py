@@ -12,8 +12,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ninfer_jax.engine import (
-    AsyncRequestHandle, EngineCore, EngineCoreConfig, EngineStats, GenerationResult,
-    RejectedError, RequestHandle,
+    AsyncRequestHandle,
+    EngineCore,
+    EngineCoreConfig,
+    EngineStats,
+    GenerationResult,
+    RejectedError,
+    RequestHandle,
 )
 from ninfer_jax.errors import CheckpointError
 from ninfer_jax.frontend import Frontend, PromptError

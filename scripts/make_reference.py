@@ -25,9 +25,8 @@ import shutil
 
 import numpy as np
 import torch
-from safetensors.numpy import load_file, save_file
-
 import transformers
+from safetensors.numpy import load_file, save_file
 from transformers import (
     Qwen3_5Config,
     Qwen3_5ForCausalLM,

@@ -6,8 +6,16 @@ records and their events. It drives any object with the HostProgram interface.
 
 from ninfer_jax.engine.core import EngineCore, EngineCoreConfig, EngineStats
 from ninfer_jax.engine.events import (
-    Channel, Delta, EngineError, EngineFailedError, Finished, FinishReason, GenerationResult,
-    GenerationStart, RejectedError, Usage,
+    Channel,
+    Delta,
+    EngineError,
+    EngineFailedError,
+    Finished,
+    FinishReason,
+    GenerationResult,
+    GenerationStart,
+    RejectedError,
+    Usage,
 )
 from ninfer_jax.engine.handle import AsyncRequestHandle, RequestHandle
 

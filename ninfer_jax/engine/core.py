@@ -17,10 +17,16 @@ import threading
 import time
 from typing import Any
 
-from ninfer_jax.engine.events import (
-    Channel, Delta, Finished, FinishReason, GenerationStart, RejectedError, Usage,
-)
 from ninfer_jax.engine.catalog import CatalogEntry, CatalogStats, CheckpointCatalog
+from ninfer_jax.engine.events import (
+    Channel,
+    Delta,
+    Finished,
+    FinishReason,
+    GenerationStart,
+    RejectedError,
+    Usage,
+)
 from ninfer_jax.engine.handle import AsyncRequestHandle, CapacityToken, EventSink, RequestHandle
 from ninfer_jax.engine.request import InvariantError, RequestRecord, RequestState
 from ninfer_jax.engine.resources import LaneState, ResourceManager

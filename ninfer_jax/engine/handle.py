@@ -15,7 +15,12 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from ninfer_jax.engine.events import (
-    Channel, Delta, Event, Finished, GenerationResult, GenerationStart,
+    Channel,
+    Delta,
+    Event,
+    Finished,
+    GenerationResult,
+    GenerationStart,
 )
 
 

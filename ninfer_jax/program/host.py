@@ -24,7 +24,10 @@ import numpy as np
 
 from ninfer_jax.program.allocator import PageAllocator, SlotAllocator
 from ninfer_jax.program.errors import (
-    InfeasibleError, PendingBatchError, ResourceError, StalePlanError,
+    InfeasibleError,
+    PendingBatchError,
+    ResourceError,
+    StalePlanError,
 )
 from ninfer_jax.program.pending import BatchKind, PendingBatch, SequenceHandle
 from ninfer_jax.sampling_params import SamplingParams

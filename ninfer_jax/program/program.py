@@ -15,13 +15,25 @@ from ninfer_jax.program.config import ProgramConfig
 from ninfer_jax.program.errors import InfeasibleError
 from ninfer_jax.program.executables import ExecutableTable, StepKey, StepKind, bind
 from ninfer_jax.program.host import (
-    GREEDY, CheckpointRecord, HostProgram, ProgramLimits, SeqRecord,
+    GREEDY,
+    CheckpointRecord,
+    HostProgram,
+    ProgramLimits,
+    SeqRecord,
 )
 from ninfer_jax.program.pools import Pools
 from ninfer_jax.program.sampling import sampling_arrays
 from ninfer_jax.program.steps import (
-    CaptureInputs, CommitInputs, DecodeInputs, PrefillInputs, RestoreInputs, capture_step,
-    commit_step, decode_step, prefill_step, restore_step,
+    CaptureInputs,
+    CommitInputs,
+    DecodeInputs,
+    PrefillInputs,
+    RestoreInputs,
+    capture_step,
+    commit_step,
+    decode_step,
+    prefill_step,
+    restore_step,
 )
 
 

@@ -18,7 +18,10 @@ from ninfer_jax.models.qwen3_6 import GDNState, ModelConfig, step
 from ninfer_jax.program.config import ProgramConfig
 from ninfer_jax.program.pools import PagedKV, Pools
 from ninfer_jax.program.sampling import (
-    SamplingArrays, apply_penalties, mark_prompt_tokens, sample,
+    SamplingArrays,
+    apply_penalties,
+    mark_prompt_tokens,
+    sample,
 )
 
 

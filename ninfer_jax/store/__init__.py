@@ -7,7 +7,13 @@ and `StoreWorker` (data plane), both obtained from a `StoreAssembler` built from
 from ninfer_jax.store.base import Prefetchable, Store, TokenAddressed
 from ninfer_jax.store.cache_buffer import CacheBuffer, Reservation
 from ninfer_jax.store.errors import (
-    ErrorCode, General, InvalidParam, NoSpace, NotFound, OsApiError, StoreError,
+    ErrorCode,
+    General,
+    InvalidParam,
+    NoSpace,
+    NotFound,
+    OsApiError,
+    StoreError,
 )
 from ninfer_jax.store.policy import ReplacementPolicy, create_policy, register_policy
 from ninfer_jax.store.proxy.api import StoreNode, StoreScheduler, StoreWorker
@@ -18,7 +24,13 @@ from ninfer_jax.store.proxy.peer import StorePeer
 from ninfer_jax.store.proxy.pipe import StorePipe
 from ninfer_jax.store.proxy.routing import RoutingStrategy, register_strategy
 from ninfer_jax.store.types import (
-    AddressedToken, BlockId, BlockPayload, IoContext, IoResult, JobDescriptor, RequestContext,
+    AddressedToken,
+    BlockId,
+    BlockPayload,
+    IoContext,
+    IoResult,
+    JobDescriptor,
+    RequestContext,
 )
 
 __all__ = [

@@ -17,7 +17,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ninfer_jax.store.types import (
-    AddressedToken, BlockId, IoResult, JobDescriptor, RequestContext,
+    AddressedToken,
+    BlockId,
+    IoResult,
+    JobDescriptor,
+    RequestContext,
 )
 
 

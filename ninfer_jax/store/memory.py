@@ -29,7 +29,13 @@ from ninfer_jax.store.jobs import JobTable
 from ninfer_jax.store.policy import known_policies
 from ninfer_jax.store.transfer import TransferPool, gather, scatter
 from ninfer_jax.store.types import (
-    AddressedToken, BlockId, BlockPayload, IoResult, JobDescriptor, RequestContext, ids_hex,
+    AddressedToken,
+    BlockId,
+    BlockPayload,
+    IoResult,
+    JobDescriptor,
+    RequestContext,
+    ids_hex,
 )
 
 _FIELDS = ("capacity", "policy", "block_bytes", "num_threads", "piped_lower_store")

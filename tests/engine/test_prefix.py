@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from ninfer_jax.engine import EngineCore, EngineCoreConfig, FinishReason
 from ninfer_jax.sampling_params import SamplingParams
 from ninfer_jax.testing.fake_program import FakeProgram, expected_tokens
-from tests.engine.conftest import EOS, FRONTEND, TOKENIZER, limits
+from tests.engine.conftest import FRONTEND, TOKENIZER, limits
 
 
 @contextlib.contextmanager

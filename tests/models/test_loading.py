@@ -18,7 +18,7 @@ from ninfer_jax import load_model
 from ninfer_jax.artifact.convert import convert
 from ninfer_jax.errors import CheckpointError, ConfigError
 from tests.conftest import FIXTURES, REPO
-from tests.models.conftest import loaded, reference, rel_err
+from tests.models.conftest import loaded, reference
 
 
 def _assert_same_params(a: dict, b: dict):

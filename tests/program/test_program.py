@@ -12,7 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ninfer_jax.program.errors import (
-    InfeasibleError, MissingExecutableError, PendingBatchError, ResourceError, StalePlanError,
+    InfeasibleError,
+    MissingExecutableError,
+    PendingBatchError,
+    ResourceError,
+    StalePlanError,
 )
 from ninfer_jax.program.executables import StepKey, StepKind
 from ninfer_jax.sampling_params import SamplingParams

@@ -5,7 +5,6 @@ import sys
 
 from ninfer_jax.store import BlockPayload, JobDescriptor
 from ninfer_jax.store.posix import PosixStore
-
 from tests.store.helpers import block_data, ids
 
 BLOCK = 64 * 1024

@@ -3,7 +3,6 @@
 import pytest
 
 from ninfer_jax.store import CacheBuffer, InvalidParam, NoSpace, NotFound, create_policy
-
 from tests.store.helpers import FakeClock, admit, bid, buffer, ids
 
 

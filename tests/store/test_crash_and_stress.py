@@ -13,7 +13,6 @@ import numpy as np
 
 from ninfer_jax.store import JobDescriptor
 from ninfer_jax.store.posix import PosixStore
-
 from tests.store.helpers import BLOCK_BYTES, block_data, cache_store, empties, ids, payloads
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -106,7 +105,7 @@ def test_concurrent_jobs_lose_no_completion_and_never_evict_pinned_blocks():
 
 
 def test_importing_the_store_imports_no_jax():
-    code = textwrap.dedent(f"""
+    code = textwrap.dedent("""
         import pkgutil, sys
         import ninfer_jax.store as store
         for info in pkgutil.walk_packages(store.__path__, "ninfer_jax.store."):

@@ -15,7 +15,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from ninfer_jax.store import BlockPayload, InvalidParam, JobDescriptor, NoSpace, NotFound
 from ninfer_jax.store.types import RequestContext
-
 from tests.store.helpers import BLOCK_BYTES, FakeClock, block_data, buffer, cache_store, ids
 
 NUM_IDS = 6

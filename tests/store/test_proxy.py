@@ -4,12 +4,19 @@ import numpy as np
 import pytest
 
 from ninfer_jax.store import (
-    AddressedToken, BlockId, InvalidParam, IoContext, NotFound, RequestContext,
-    Store, StoreAssembler, StoreEntry, load_store,
+    AddressedToken,
+    BlockId,
+    InvalidParam,
+    IoContext,
+    NotFound,
+    RequestContext,
+    Store,
+    StoreAssembler,
+    StoreEntry,
+    load_store,
 )
 from ninfer_jax.store.proxy.peer import frame_token, unframe_token
 from ninfer_jax.store.proxy.routing import create_strategy
-
 from tests.store.helpers import BLOCK_BYTES, block_data, empties, ids, payloads
 
 CACHE = {"type": "store", "store": "cache",
@@ -210,8 +217,8 @@ def test_lookup_on_prefix_and_reverse():
 
 
 def test_touch_extends_by_the_request_ttl():
-    from tests.store.helpers import FakeClock
     from ninfer_jax.store.memory import CacheStore
+    from tests.store.helpers import FakeClock
 
     clock = FakeClock()
     store = CacheStore(clock)

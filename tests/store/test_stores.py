@@ -7,10 +7,16 @@ import numpy as np
 import pytest
 
 from ninfer_jax.store import (
-    AddressedToken, BlockPayload, InvalidParam, IoResult, JobDescriptor, NotFound, OsApiError, RequestContext,
+    AddressedToken,
+    BlockPayload,
+    InvalidParam,
+    IoResult,
+    JobDescriptor,
+    NotFound,
+    OsApiError,
+    RequestContext,
 )
 from ninfer_jax.store.posix import PosixStore
-
 from tests.store.helpers import BLOCK_BYTES, block_data, cache_store, empties, ids, payloads
 
 

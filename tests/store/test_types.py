@@ -3,12 +3,21 @@
 import pytest
 
 from ninfer_jax.store import (
-    AddressedToken, BlockId, BlockPayload, ErrorCode, General, InvalidParam, JobDescriptor,
-    NoSpace, NotFound, OsApiError, RequestContext, StoreError,
+    AddressedToken,
+    BlockId,
+    BlockPayload,
+    ErrorCode,
+    General,
+    InvalidParam,
+    JobDescriptor,
+    NoSpace,
+    NotFound,
+    OsApiError,
+    RequestContext,
+    StoreError,
 )
 from ninfer_jax.store.config import get_int, get_int_list, get_str, reject_unknown
 from ninfer_jax.store.types import as_block_ids, byte_view, require_unique
-
 from tests.store.helpers import bid, ids
 
 

@@ -12,7 +12,12 @@ import abc
 from collections.abc import Sequence
 
 from ninfer_jax.store.types import (
-    AddressedToken, BlockId, BlockPayload, IoContext, IoResult, RequestContext,
+    AddressedToken,
+    BlockId,
+    BlockPayload,
+    IoContext,
+    IoResult,
+    RequestContext,
 )
 
 Keys = Sequence[BlockId] | bytes

@@ -20,7 +20,13 @@ from ninfer_jax.store.errors import InvalidParam, NotFound, StoreError
 from ninfer_jax.store.jobs import JobTable
 from ninfer_jax.store.proxy.api import Keys, StoreNode
 from ninfer_jax.store.types import (
-    AddressedToken, BlockPayload, IoContext, IoResult, JobDescriptor, RequestContext, as_block_ids,
+    AddressedToken,
+    BlockPayload,
+    IoContext,
+    IoResult,
+    JobDescriptor,
+    RequestContext,
+    as_block_ids,
 )
 
 _log = logging.getLogger(__name__)
