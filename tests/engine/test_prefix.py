@@ -5,7 +5,6 @@ storms, eviction under pressure, backfill, and the switch."""
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 
 from hypothesis import HealthCheck, given, settings
@@ -52,7 +51,6 @@ def refs_explained(program):
 
 
 def drain(core):
-    gc.collect()
     end = time.monotonic() + 10
     while time.monotonic() < end and (core.stats().outstanding or core.stats().active):
         time.sleep(0.005)
