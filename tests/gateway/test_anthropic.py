@@ -144,3 +144,15 @@ def test_cache_read_input_tokens(server):
     usage = Message.model_validate(r.json()).usage
     assert usage.cache_read_input_tokens > 0
     assert usage.input_tokens + usage.cache_read_input_tokens > first.usage.input_tokens
+
+
+def test_matched_stop_sequence_is_reported(server, engine_of):
+    want = engine_of(server).generate(messages=flat(), sampling=SamplingParams(
+        max_new_tokens=24, temperature=0)).text
+    stop = want[4:6]
+    r = httpx.post(f"{server.url}/v1/messages", timeout=30, json={
+        "model": MODEL, "max_tokens": 24, "messages": MESSAGES, "temperature": 0,
+        "stop_sequences": [stop]})
+    msg = Message.model_validate(r.json())
+    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == stop
+    assert msg.content[0].text == want[: want.index(stop)]

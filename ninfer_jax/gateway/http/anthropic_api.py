@@ -24,9 +24,14 @@ from ninfer_jax.gateway.http.generation import EventStream, Generation, start, u
 from ninfer_jax.gateway.http.requests import GenerationRequest
 from ninfer_jax.gateway.http.state import ServerState
 
-# EOS and stop strings both end as STOP at the Engine, which does not say which one matched, so
-# a stop sequence is reported as end_turn with stop_sequence null.
 _STOP_REASON = {FinishReason.STOP: "end_turn", FinishReason.LENGTH: "max_tokens"}
+
+
+def _stop(finish_reason: FinishReason, stop_string: str | None) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence): a matched stop string is "stop_sequence", EOS "end_turn"."""
+    if finish_reason is FinishReason.STOP and stop_string is not None:
+        return "stop_sequence", stop_string
+    return _STOP_REASON[finish_reason], None
 
 
 def _usage(usage: Usage | None, prompt_tokens: int) -> dict[str, Any]:
@@ -50,16 +55,16 @@ def _block(channel: Channel) -> tuple[dict[str, Any], str, str]:
 
 
 def _message(state: ServerState, msg_id: str, content: list[dict[str, Any]],
-             stop_reason: str | None, usage: dict[str, Any]) -> dict[str, Any]:
+             stop: tuple[str | None, str | None], usage: dict[str, Any]) -> dict[str, Any]:
     return {"id": msg_id, "type": "message", "role": "assistant", "model": state.model_name,
-            "content": content, "stop_reason": stop_reason, "stop_sequence": None,
+            "content": content, "stop_reason": stop[0], "stop_sequence": stop[1],
             "usage": usage}
 
 
 async def _stream(state: ServerState, gen: Generation,
                   msg_id: str) -> AsyncGenerator[str, None]:
     yield _event("message_start", {"message": _message(
-        state, msg_id, [], None, _usage(None, gen.prompt_tokens))})
+        state, msg_id, [], (None, None), _usage(None, gen.prompt_tokens))})
     index, channel = -1, None
     async for event in gen.events():
         if isinstance(event, Delta) and event.text:
@@ -81,9 +86,9 @@ async def _stream(state: ServerState, gen: Generation,
                 yield _event("content_block_start", {"index": 0,
                                                      "content_block": _block(channel)[0]})
             yield _event("content_block_stop", {"index": index})
+            reason, sequence = _stop(event.finish_reason, event.stop_string)
             yield _event("message_delta", {
-                "delta": {"stop_reason": _STOP_REASON[event.finish_reason],
-                          "stop_sequence": None},
+                "delta": {"stop_reason": reason, "stop_sequence": sequence},
                 "usage": _usage(event.usage, gen.prompt_tokens)})
             yield _event("message_stop", {})
 
@@ -108,5 +113,6 @@ async def create_message(state: ServerState, request: Request, req: GenerationRe
     if result.reasoning_text:
         content.append({"type": "thinking", "thinking": result.reasoning_text, "signature": ""})
     content.append({"type": "text", "text": result.text})
-    return JSONResponse(_message(state, msg_id, content, _STOP_REASON[result.finish_reason],
+    return JSONResponse(_message(state, msg_id, content,
+                                 _stop(result.finish_reason, result.stop_string),
                                  _usage(result.usage, gen.prompt_tokens)))
