@@ -286,7 +286,7 @@ def train(argv: list[str]) -> None:
 
     # MTP head on the frozen model; its layer starts as a copy of the last attention layer.
     mtp = init_params(cfg, key_mtp, num_mtp_layers=1)["mtp"]
-    mtp["layers"] = jax.tree.map(lambda a: a[-1:], params["attention"])
+    mtp["layers"] = jax.tree.map(lambda a: jnp.copy(a[-1:]), params["attention"])  # not donated
     mtp_opt = optimizer(FLAGS.lr, FLAGS.mtp_steps)
     mtp_state = mtp_opt.init(mtp)
     mtp_train_step = make_train_step(functools.partial(mtp_loss, cfg=cfg), mtp_opt)
