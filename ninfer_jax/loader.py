@@ -22,6 +22,8 @@ from ninfer_jax.models.qwen3_6 import ModelConfig, forward
 from ninfer_jax.models.qwen3_6.weights import params_from_hf, param_shapes
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# The embedded default: the demo model shipped as package data (scripts/train_demo.py).
+DEFAULT_MODEL = pathlib.Path(__file__).resolve().parent / "assets" / "demo"
 
 
 def _dtype(dtype: str):
@@ -63,9 +65,10 @@ class LoadedModel:
         return np.asarray(_logits(self.params, self.config, jnp.asarray(ids, jnp.int32)))
 
 
-def load_model(path: str | pathlib.Path, dtype: str = "float32") -> LoadedModel:
-    """Loads an artifact directory or an HF checkpoint directory in `dtype` (float32|bfloat16)."""
-    root = checkpoint_dir(path)
+def load_model(path: str | pathlib.Path | None = None, dtype: str = "float32") -> LoadedModel:
+    """Loads an artifact directory or an HF checkpoint directory in `dtype` (float32|bfloat16);
+    with no path, the embedded demo model (`DEFAULT_MODEL`)."""
+    root = checkpoint_dir(DEFAULT_MODEL if path is None else path)
     jdtype = _dtype(dtype)
     if artifact_format.is_artifact(root):
         manifest = artifact_format.read_manifest(root)
