@@ -29,14 +29,14 @@ from absl import app, flags
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-import train_tokenizer  # noqa: E402
-from ninfer_jax.artifact.format import write_artifact  # noqa: E402
-from ninfer_jax.frontend import load_tokenizer  # noqa: E402
-from ninfer_jax.models.qwen3_6 import (  # noqa: E402
-    CausalKV, ContiguousKV, ModelConfig, forward, step)
-from ninfer_jax.models.qwen3_6.gdn import GDNState  # noqa: E402
-from ninfer_jax.models.qwen3_6.mtp import mtp_step  # noqa: E402
-from ninfer_jax.models.qwen3_6.weights import init_params  # noqa: E402
+import train_tokenizer
+
+from ninfer_jax.artifact.format import write_artifact
+from ninfer_jax.frontend import load_tokenizer
+from ninfer_jax.models.qwen3_6 import CausalKV, ContiguousKV, ModelConfig, forward, step
+from ninfer_jax.models.qwen3_6.gdn import GDNState
+from ninfer_jax.models.qwen3_6.mtp import mtp_step
+from ninfer_jax.models.qwen3_6.weights import init_params
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "artifact directory to write")
@@ -142,7 +142,7 @@ def mtp_loss(mtp: dict, frozen: dict, cfg: ModelConfig, window: jax.Array) -> ja
 def optimizer(lr: float, steps: int) -> optax.GradientTransformation:
     warmup = max(1, steps // 20)
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, end_value=lr / 20)
-    decay_mask = lambda p: jax.tree.map(lambda a: a.ndim >= 2, p)  # noqa: E731
+    decay_mask = lambda p: jax.tree.map(lambda a: a.ndim >= 2, p)
     return optax.chain(optax.clip_by_global_norm(1.0),
                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask))
 
@@ -301,9 +301,9 @@ def train(argv: list[str]) -> None:
     log(event="mtp_final", **mtp_accuracy(params, cfg, valid_data, FLAGS.batch))
     if FLAGS.out:
         out = write_artifact(FLAGS.out, cfg, jax.device_get(params), dtype="float32",
-                             sources={}, frontend_dir=frontend, notes=[
+                             sources={}, frontend_dir=frontend, notes=[(
                                  f"demo model trained by scripts/train_demo.py --seed={FLAGS.seed}"
-                                 f" --steps={FLAGS.steps}; valid ppl {math.exp(valid_loss):.2f}"])
+                                 f" --steps={FLAGS.steps}; valid ppl {math.exp(valid_loss):.2f}")])
         log(event="wrote", path=str(out))
 
 
