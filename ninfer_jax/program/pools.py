@@ -83,22 +83,27 @@ class PagedKV:
     def with_layers(self, layers):
         return dataclasses.replace(self, layers=layers)
 
-    def attend(self, layer_kv, q, k, v):
-        k_pages, v_pages = layer_kv
-        num_pages, page_size = k_pages.shape[:2]
+    def attend(self, layers, layer, q, k, v):
+        k_all, v_all = layers
+        num_layers, num_pages, page_size = k_all.shape[:3]
+        # One flat page space over all layers (a free reshape): layer l's page p is l * P + p,
+        # so writes scatter into the pool in place and attention gathers only the row's pages.
+        flat = (num_layers * num_pages, *k_all.shape[2:])
+        k_flat, v_flat = k_all.reshape(flat), v_all.reshape(flat)
+        tables = self.page_tables + layer * num_pages
         b, t = q.shape[:2]
         positions = self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         valid = jnp.arange(t)[None, :] < self.num_valid[:, None]
-        page = jnp.take_along_axis(self.page_tables, positions // page_size, axis=1, mode="clip")
-        page = jnp.where(valid, page, num_pages)  # out of range: the write is dropped
+        page = jnp.take_along_axis(tables, positions // page_size, axis=1, mode="clip")
+        page = jnp.where(valid, page, flat[0])  # out of range: the write is dropped
         offset = positions % page_size
-        k_pages = k_pages.at[page, offset].set(k.astype(k_pages.dtype), mode="drop")
-        v_pages = v_pages.at[page, offset].set(v.astype(v_pages.dtype), mode="drop")
+        k_flat = k_flat.at[page, offset].set(k.astype(k_flat.dtype), mode="drop")
+        v_flat = v_flat.at[page, offset].set(v.astype(v_flat.dtype), mode="drop")
         if t == 1:
-            out = paged_attention_decode(q[:, 0], k_pages, v_pages, self.page_tables,
+            out = paged_attention_decode(q[:, 0], k_flat, v_flat, tables,
                                          self.lengths + self.num_valid, impl=self.impl)[:, None]
         else:
             out = jax.vmap(paged_prefill_attention_reference,
                            in_axes=(0, None, None, 0, 0, 0, 0, 0))(
-                q, k_pages, v_pages, self.page_tables, self.lengths, k, v, self.num_valid)
-        return out.astype(q.dtype), (k_pages, v_pages)
+                q, k_flat, v_flat, tables, self.lengths, k, v, self.num_valid)
+        return out.astype(q.dtype), (k_flat.reshape(k_all.shape), v_flat.reshape(v_all.shape))

@@ -5,10 +5,11 @@ RMSNorm, partial RoPE, GQA with scale head_dim^-0.5, output * sigmoid(gate)). Wh
 not its business: every call goes through a `KVAccess`, so the layer code is the same for a
 plain causal forward, a contiguous cache, and the Program's paged pools.
 
-A `KVAccess` is a pytree. `layers` is its per-layer part (leaves with a leading
-[num_attention_layers] axis, scanned one layer at a time); everything else (lengths, page
-tables) is shared by all layers. `attend(layer_kv, q, k, v)` stores the new K/V and returns the
-attention output with the updated per-layer part.
+A `KVAccess` is a pytree. `layers` holds every attention layer's K/V (leaves with a leading
+[num_attention_layers] axis); it travels through the layer loop as carried state and
+`attend(layers, layer, q, k, v)` writes the new K/V of layer `layer` in place and reads only
+what the attention needs, so a step never copies a whole cache. Everything else (lengths, page
+tables) is shared by all layers.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ class KVAccess(Protocol):
 
     layers: Any
 
-    def attend(self, layer_kv: Any, q: jax.Array, k: jax.Array, v: jax.Array
+    def attend(self, layers: Any, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array
                ) -> tuple[jax.Array, Any]:
-        """q [B, T, Hq, D] (normed, roped); k, v [B, T, Hkv, D] for the new tokens.
-        Returns (out [B, T, Hq, D], updated layer_kv)."""
+        """q [B, T, Hq, D] (normed, roped); k, v [B, T, Hkv, D] for the new tokens of attention
+        layer `layer` (an int32 scalar). Returns (out [B, T, Hq, D], updated layers)."""
         ...
 
     def with_layers(self, layers: Any) -> "KVAccess":
@@ -59,10 +60,10 @@ class CausalKV:
 
     layers: None = None
 
-    def attend(self, layer_kv, q, k, v):
+    def attend(self, layers, layer, q, k, v):
         t = q.shape[1]
         mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (q.shape[0], t, t))
-        return _grouped_attention(q, k, v, mask), layer_kv
+        return _grouped_attention(q, k, v, mask), layers
 
     def with_layers(self, layers):
         return self
@@ -87,15 +88,17 @@ class ContiguousKV:
         return cls(layers=(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)),
                    lengths=jnp.zeros((batch,), jnp.int32))
 
-    def attend(self, layer_kv, q, k, v):
-        k_cache, v_cache = layer_kv
-        write = jax.vmap(lambda c, new, at: jax.lax.dynamic_update_slice_in_dim(c, new, at, 0))
-        k_cache = write(k_cache, k.astype(k_cache.dtype), self.lengths)
-        v_cache = write(v_cache, v.astype(v_cache.dtype), self.lengths)
-        t, s = q.shape[1], k_cache.shape[1]
-        q_pos = self.lengths[:, None] + jnp.arange(t)[None, :]
+    def attend(self, layers, layer, q, k, v):
+        k_all, v_all = layers
+        b, t = q.shape[:2]
+        rows = jnp.arange(b)[:, None]
+        q_pos = self.lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
+        k_all = k_all.at[layer, rows, q_pos].set(k.astype(k_all.dtype), mode="drop")
+        v_all = v_all.at[layer, rows, q_pos].set(v.astype(v_all.dtype), mode="drop")
+        s = k_all.shape[2]
         mask = jnp.arange(s)[None, None, :] <= q_pos[:, :, None]
-        return _grouped_attention(q, k_cache, v_cache, mask), (k_cache, v_cache)
+        out = _grouped_attention(q, k_all[layer], v_all[layer], mask)
+        return out, (k_all, v_all)
 
     def with_layers(self, layers):
         return dataclasses.replace(self, layers=layers)
@@ -106,10 +109,11 @@ class ContiguousKV:
 
 
 def attention_mixer(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                    kv: KVAccess, layer_kv: Any, cfg: ModelConfig):
+                    kv: KVAccess, kv_layers: Any, layer: jax.Array, cfg: ModelConfig):
     """One gated-attention layer's mixer (after input_layernorm).
 
-    x [B, T, H]; cos/sin [B, T, rotary_dim]. Returns (y [B, T, H], updated layer_kv).
+    x [B, T, H]; cos/sin [B, T, rotary_dim]; layer: this layer's index among the attention
+    layers. Returns (y [B, T, H], kv_layers with this layer's new K/V written).
     """
     b, t, _ = x.shape
     hq, hkv, d = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
@@ -119,6 +123,6 @@ def attention_mixer(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array,
     k = rms_norm(dense(x, p["k"]).reshape(b, t, hkv, d), p["k_norm"], cfg.rms_norm_eps)
     v = dense(x, p["v"]).reshape(b, t, hkv, d)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    out, layer_kv = kv.attend(layer_kv, q, k, v)
+    out, kv_layers = kv.attend(kv_layers, layer, q, k, v)
     out = out.reshape(b, t, hq * d) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
-    return dense(out, p["o"]), layer_kv
+    return dense(out, p["o"]), kv_layers

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from ninfer_jax.models.qwen3_6.attention import CausalKV, KVAccess, attention_mixer
-from ninfer_jax.models.qwen3_6.config import FULL, ModelConfig
+from ninfer_jax.models.qwen3_6.config import FULL, LINEAR, ModelConfig
 from ninfer_jax.models.qwen3_6.gdn import GDNState, gdn_mixer
-from ninfer_jax.models.qwen3_6.layers import mlp, rms_norm, rope_cos_sin
+from ninfer_jax.models.qwen3_6.layers import einsum32, mlp, rms_norm, rope_cos_sin
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -46,26 +46,31 @@ def run_layers(params: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Arra
                gdn: GDNState, kv: KVAccess, num_valid: jax.Array | None):
     """Applies the decoder stack. h [B, T, H]; positions [B, T] int32 absolute positions.
 
-    Returns (h, gdn, kv) with every layer's state updated.
+    The loop runs over repeats of the layer pattern. Weights stay in their stacked buffers (each
+    layer indexes them; passing them as scan inputs made XLA copy them every step) and the K/V
+    of all attention layers ride in the loop carry, written in place. Returns (h, gdn, kv).
     """
     period = cfg.layer_period
     groups = cfg.num_layers // period
     pattern = cfg.layer_types[:period]
+    lin_per, att_per = pattern.count(LINEAR), pattern.count(FULL)
     cos, sin = rope_cos_sin(positions, cfg)
     eps = cfg.rms_norm_eps
 
-    def group_fn(h, xs):
-        lin_p, att_p, conv, rec, kv_layers = xs
-        convs, recs, kvs = [], [], []
+    def group_fn(carry, xs):
+        h, kv_layers = carry
+        g, conv, rec = xs
+        convs, recs = [], []
         i_lin = i_att = 0
         for kind in pattern:
-            p = jax.tree.map(lambda a, i=(i_att if kind == FULL else i_lin): a[i],
-                             att_p if kind == FULL else lin_p)
+            if kind == FULL:
+                layer = g * att_per + i_att
+                p = jax.tree.map(lambda a, i=layer: a[i], params["attention"])
+            else:
+                p = jax.tree.map(lambda a, i=g * lin_per + i_lin: a[i], params["linear"])
             x = rms_norm(h, p["input_norm"], eps)
             if kind == FULL:
-                layer_kv = jax.tree.map(lambda a, i=i_att: a[i], kv_layers)
-                y, layer_kv = attention_mixer(p["mixer"], x, cos, sin, kv, layer_kv, cfg)
-                kvs.append(layer_kv)
+                y, kv_layers = attention_mixer(p["mixer"], x, cos, sin, kv, kv_layers, layer, cfg)
                 i_att += 1
             else:
                 y, c, r = gdn_mixer(p["mixer"], x, conv[i_lin], rec[i_lin], num_valid, cfg)
@@ -76,25 +81,20 @@ def run_layers(params: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Arra
             h = h + mlp(p["mlp"], rms_norm(h, p["post_norm"], eps), cfg)
         new_conv = jnp.stack(convs) if convs else conv
         new_rec = jnp.stack(recs) if recs else rec
-        new_kv = jax.tree.map(lambda *a: jnp.stack(a), *kvs) if kvs else kv_layers
-        return h, (new_conv, new_rec, new_kv)
+        return (h, kv_layers), (new_conv, new_rec)
 
-    xs = (
-        _grouped(params["linear"], groups),
-        _grouped(params["attention"], groups),
-        _grouped(gdn.conv, groups),
-        _grouped(gdn.recurrent, groups),
-        _grouped(kv.layers, groups),
-    )
-    h, (conv, rec, kv_layers) = jax.lax.scan(group_fn, h, xs)
+    xs = (jnp.arange(groups, dtype=jnp.int32), _grouped(gdn.conv, groups),
+          _grouped(gdn.recurrent, groups))
+    (h, kv_layers), (conv, rec) = jax.lax.scan(group_fn, (h, kv.layers), xs)
     new_gdn = GDNState(conv=_ungrouped(conv), recurrent=_ungrouped(rec))
-    return h, new_gdn, kv.with_layers(_ungrouped(kv_layers))
+    return h, new_gdn, kv.with_layers(kv_layers)
 
 
 def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Logits [..., vocab] in fp32 from final-normed hidden states."""
-    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.matmul(hidden, w, preferred_element_type=jnp.float32)
+    if cfg.tie_word_embeddings:  # contract with embed [V, H] in place: no transposed copy
+        return einsum32("...h,vh->...v", hidden, params["embed"])
+    return einsum32("...h,hv->...v", hidden, params["lm_head"])
 
 
 def step(params: dict, cfg: ModelConfig, token_ids: jax.Array, start_pos: jax.Array,

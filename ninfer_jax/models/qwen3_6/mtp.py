@@ -41,14 +41,17 @@ def mtp_step(params: dict, cfg: ModelConfig, hidden: jax.Array, next_token_ids: 
     emb = rms_norm(params["embed"][next_token_ids], p["embed_norm"], eps)
     h = dense(jnp.concatenate([emb, rms_norm(hidden, p["hidden_norm"], eps)], axis=-1), p["fc"])
 
-    def layer_fn(h, xs):
-        lp, layer_kv = xs
-        y, layer_kv = attention_mixer(lp["mixer"], rms_norm(h, lp["input_norm"], eps), cos, sin,
-                                      kv, layer_kv, cfg)
+    def layer_fn(carry, layer):
+        h, kv_layers = carry
+        lp = jax.tree.map(lambda a: a[layer], p["layers"])
+        y, kv_layers = attention_mixer(lp["mixer"], rms_norm(h, lp["input_norm"], eps), cos,
+                                       sin, kv, kv_layers, layer, cfg)
         h = h + y
         h = h + mlp(lp["mlp"], rms_norm(h, lp["post_norm"], eps), cfg)
-        return h, layer_kv
+        return (h, kv_layers), None
 
-    h, kv_layers = jax.lax.scan(layer_fn, h, (p["layers"], kv.layers))
+    num_layers = p["layers"]["input_norm"].shape[0]
+    (h, kv_layers), _ = jax.lax.scan(layer_fn, (h, kv.layers),
+                                     jnp.arange(num_layers, dtype=jnp.int32))
     logits = lm_head(params, cfg, rms_norm(h, p["final_norm"], eps))
     return logits, kv.with_layers(kv_layers)
