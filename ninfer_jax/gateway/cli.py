@@ -19,7 +19,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("hf_dir", None, "convert: the HF checkpoint directory to read")
 flags.DEFINE_string("out", None, "convert: the artifact directory to write; export-hf: the HF "
                     "checkpoint directory to write")
-flags.DEFINE_string("model", None, "artifact or HF checkpoint directory")
+flags.DEFINE_string("model", None,
+                    "artifact or HF checkpoint directory (default: the embedded demo model)")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights/activations dtype")
 flags.DEFINE_list("prompt_ids", None, "logits: comma-separated prompt token ids")
 flags.DEFINE_integer("top", 5, "logits: how many top next tokens to print")
@@ -50,8 +51,8 @@ def _logits() -> int:
 
     from ninfer_jax import load_model
 
-    if not FLAGS.model or not FLAGS.prompt_ids:
-        raise app.UsageError("logits needs --model=DIR and --prompt_ids=1,2,3")
+    if not FLAGS.prompt_ids:
+        raise app.UsageError("logits needs --prompt_ids=1,2,3 (and --model=DIR, default: demo)")
     try:
         ids = np.array([[int(t) for t in FLAGS.prompt_ids]], np.int32)
     except ValueError as e:
@@ -117,3 +118,7 @@ def run() -> None:
         sys.exit(2)
     _COMMAND = sys.argv.pop(1)
     app.run(_main)
+
+
+if __name__ == "__main__":
+    run()
