@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import statistics
 import tempfile
@@ -37,13 +36,14 @@ import jax
 import numpy as np
 
 from configs.models import MEDIUM
+from ninfer_jax.artifact.export import export_hf
 from ninfer_jax.compile_cache import enable_persistent_cache
 from ninfer_jax.models.qwen3_6 import ModelConfig
-from ninfer_jax.models.qwen3_6.config import FULL
 from ninfer_jax.models.qwen3_6.weights import init_params
 from ninfer_jax.program.config import ProgramConfig
 from ninfer_jax.program.program import Program
 from ninfer_jax.testing import tiny_dense
+from scripts.benchmarks._timing import median_seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,15 +62,6 @@ FULL_RUN = Settings()
 COPY_BYTES = 1 << 30
 
 
-def _median_seconds(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def copy_bandwidth(nbytes: int = COPY_BYTES, reps: int = 5) -> dict[str, float]:
     """GB/s of bytes read + written by a large copy, numpy (1 thread) and torch (all threads)."""
     import torch
@@ -78,10 +69,10 @@ def copy_bandwidth(nbytes: int = COPY_BYTES, reps: int = 5) -> dict[str, float]:
     src = np.ones(nbytes // 4, np.float32)
     dst = np.empty_like(src)
     np.copyto(dst, src)
-    numpy_gbps = 2 * nbytes / _median_seconds(lambda: np.copyto(dst, src), reps) / 1e9
+    numpy_gbps = 2 * nbytes / median_seconds(lambda: np.copyto(dst, src), reps) / 1e9
     tsrc, tdst = torch.from_numpy(src), torch.from_numpy(dst)
     tdst.copy_(tsrc)
-    torch_gbps = 2 * nbytes / _median_seconds(lambda: tdst.copy_(tsrc), reps) / 1e9
+    torch_gbps = 2 * nbytes / median_seconds(lambda: tdst.copy_(tsrc), reps) / 1e9
     return {"numpy_gbps": numpy_gbps, "torch_gbps": torch_gbps,
             "gbps": max(numpy_gbps, torch_gbps)}
 
@@ -93,77 +84,6 @@ def decode_weight_bytes(cfg: ModelConfig, params: dict) -> int:
     if not cfg.tie_word_embeddings:
         total -= params["embed"].size * params["embed"].dtype.itemsize
     return total
-
-
-# HF checkpoint ------------------------------------------------------------------------------
-def _hf_config(cfg: ModelConfig) -> dict:
-    half = cfg.rotary_dim // 2
-    return {
-        "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"],
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
-        "layer_types": list(cfg.layer_types), "num_attention_heads": cfg.num_q_heads,
-        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "linear_conv_kernel_dim": cfg.conv_kernel, "linear_key_head_dim": cfg.linear_k_dim,
-        "linear_value_head_dim": cfg.linear_v_dim, "linear_num_key_heads": cfg.linear_num_k_heads,
-        "linear_num_value_heads": cfg.linear_num_v_heads, "rms_norm_eps": cfg.rms_norm_eps,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        # Text-only positions are equal on all three mrope axes, so the sections do not matter.
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
-                            "partial_rotary_factor": cfg.rotary_dim / cfg.head_dim,
-                            "mrope_section": [half // 2, half // 4, half - half // 2 - half // 4],
-                            "mrope_interleaved": True},
-        "dtype": "float32",
-    }
-
-
-def _hf_state_dict(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
-    """The inverse of `weights.params_from_hf` for a dense text model: HF names, [out, in]."""
-    p = jax.tree.map(np.asarray, params)
-
-    def t(a):
-        return np.ascontiguousarray(a.T)
-
-    out = {"model.embed_tokens.weight": p["embed"], "model.norm.weight": p["final_norm"]}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = t(p["lm_head"])
-    i_lin = i_att = 0
-    for i, kind in enumerate(cfg.layer_types):
-        pre = f"model.layers.{i}."
-        stack, j = (p["attention"], i_att) if kind == FULL else (p["linear"], i_lin)
-        layer = jax.tree.map(lambda a, j=j: a[j], stack)
-        m = layer["mixer"]
-        out[f"{pre}input_layernorm.weight"] = layer["input_norm"]
-        out[f"{pre}post_attention_layernorm.weight"] = layer["post_norm"]
-        for name in ("gate", "up", "down"):
-            out[f"{pre}mlp.{name}_proj.weight"] = t(layer["mlp"][name])
-        if kind == FULL:
-            a = f"{pre}self_attn."
-            for name in ("q", "k", "v", "o"):
-                out[f"{a}{name}_proj.weight"] = t(m[name])
-            out[f"{a}q_norm.weight"], out[f"{a}k_norm.weight"] = m["q_norm"], m["k_norm"]
-            i_att += 1
-        else:
-            a = f"{pre}linear_attn."
-            for name in ("qkv", "z", "b", "a"):
-                out[f"{a}in_proj_{name}.weight"] = t(m[f"in_{name}"])
-            out[f"{a}conv1d.weight"] = np.ascontiguousarray(m["conv"].T[:, None, :])
-            out[f"{a}dt_bias"], out[f"{a}A_log"] = m["dt_bias"], m["A_log"]
-            out[f"{a}norm.weight"] = m["norm"]
-            out[f"{a}out_proj.weight"] = t(m["out"])
-            i_lin += 1
-    return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
-
-
-def write_hf_checkpoint(cfg: ModelConfig, params: dict, path: str) -> None:
-    from safetensors.numpy import save_file
-
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(_hf_config(cfg), f, indent=2)
-    save_file(_hf_state_dict(cfg, params), os.path.join(path, "model.safetensors"),
-              metadata={"format": "pt"})
 
 
 # Ours ---------------------------------------------------------------------------------------
@@ -205,7 +125,7 @@ def ours_decode(cfg: ModelConfig, params: dict, prompts: np.ndarray, s: Settings
             _prefill(prog, h)
         rounds = functools.partial(_decode_rounds, prog, handles, s.decode_steps)
         rounds()  # warm-up
-        tps[b] = b * s.decode_steps / _median_seconds(rounds, s.reps)
+        tps[b] = b * s.decode_steps / median_seconds(rounds, s.reps)
         if b == 1:
             tokens = prog.tokens(handles[0])[s.decode_prompt_len:][: s.decode_steps + 1]
         for h in handles:
@@ -226,7 +146,7 @@ def ours_prefill(cfg: ModelConfig, params: dict, prompt: np.ndarray, s: Settings
         compile_s[chunk] = time.perf_counter() - start
         once = functools.partial(_prefill_once, prog, prompt)
         once()  # warm-up
-        tps[chunk] = n / _median_seconds(once, s.prefill_reps)
+        tps[chunk] = n / median_seconds(once, s.prefill_reps)
     best = max(tps, key=tps.get)
     return {"tokens_per_s": tps, "best_chunk": best, "best_tokens_per_s": tps[best],
             "compile_s": compile_s}
@@ -270,7 +190,7 @@ def hf_decode_and_prefill(model, prompts: np.ndarray, prefill_prompt: np.ndarray
                 tokens = runs[0][1]
         ids = torch.from_numpy(prefill_prompt[None].astype(np.int64))
         model(ids)  # warm-up
-        prefill = len(prefill_prompt) / _median_seconds(lambda: model(ids), s.prefill_reps)
+        prefill = len(prefill_prompt) / median_seconds(lambda: model(ids), s.prefill_reps)
     return {"decode_tokens_per_s": tps, "prefill_tokens_per_s": prefill, "greedy_tokens": tokens}
 
 
@@ -278,7 +198,7 @@ def _load_hf(cfg: ModelConfig, params: dict, path: str):
     import torch
     from transformers import Qwen3_5ForCausalLM
 
-    write_hf_checkpoint(cfg, params, path)
+    export_hf(cfg, jax.tree.map(np.asarray, params), path)
     return Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 

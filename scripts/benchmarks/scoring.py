@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import statistics
 import tempfile
 import time
 
@@ -36,6 +35,7 @@ from ninfer_jax.models.qwen3_6 import ModelConfig
 from ninfer_jax.models.qwen3_6.weights import init_params
 from ninfer_jax.scoring import CausalScoreCore, ScoreRequest, ScoringConfig
 from ninfer_jax.testing import tiny_dense
+from scripts.benchmarks._timing import median_seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,15 +48,6 @@ class Settings:
 
 
 FULL_RUN = Settings()
-
-
-def _median_seconds(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _job(cfg: ModelConfig, s: Settings, seed: int) -> list[np.ndarray]:
@@ -72,7 +63,7 @@ def ours(cfg: ModelConfig, params: dict, seqs: list[np.ndarray], s: Settings) ->
     compile_s = time.perf_counter() - start
     requests = [ScoreRequest(q, 1) for q in seqs]
     results = core.score(requests)  # warm-up
-    seconds = _median_seconds(lambda: core.score(requests), s.reps)
+    seconds = median_seconds(lambda: core.score(requests), s.reps)
     return {"tokens_per_s": sum(len(q) - 1 for q in seqs) / seconds, "compile_s": compile_s,
             "logprobs": np.stack([r.logprobs for r in results]),
             "is_greedy": np.stack([r.is_greedy for r in results])}
@@ -99,7 +90,7 @@ def transformers(cfg: ModelConfig, params: dict, seqs: list[np.ndarray], s: Sett
 
     with torch.no_grad():
         score(batches[0])  # warm-up
-        seconds = _median_seconds(lambda: [score(b) for b in batches], s.hf_reps)
+        seconds = median_seconds(lambda: [score(b) for b in batches], s.hf_reps)
         out = [score(b) for b in batches]
     return {"tokens_per_s": sum(len(q) - 1 for q in seqs) / seconds,
             "logprobs": torch.cat([o[0] for o in out]).numpy(),
