@@ -329,8 +329,12 @@ class EngineCore:
                                                None if source is None else source.ckpt)
 
         sealed = plan()
-        if not self.program.can_start(sealed) and may_evict:
-            for victim in self.catalog.eviction_order(keep=source):
+        victims = self.catalog.eviction_order(keep=source)
+        if (not self.program.can_start(sealed) and may_evict and self.program.slots.num_free
+                and self.program.pages.num_available + self.program.reclaimable_pages(
+                    [v.ckpt for v in victims]) >= sealed.num_pages):
+            # Inactive cache is what stands in the way: evict, least recently used first.
+            for victim in victims:
                 self._drop_checkpoint(victim, evicted=True)
                 sealed = plan()  # the revision changed: re-plan
                 if self.program.can_start(sealed):

@@ -277,6 +277,14 @@ class HostProgram(abc.ABC):
         del self._ckpts[ckpt_id.ckpt_id]
         self.resource_revision += 1
 
+    def reclaimable_pages(self, ckpt_ids: Sequence[CheckpointId]) -> int:
+        """Pages that releasing all of `ckpt_ids` would free (nothing else references them)."""
+        refs: dict[int, int] = {}
+        for ckpt_id in ckpt_ids:
+            for page in self._ckpt(ckpt_id).pages:
+                refs[page] = refs.get(page, 0) + 1
+        return sum(self.pages.refcount(p) == n for p, n in refs.items())
+
     def checkpoint_tokens(self, ckpt_id: CheckpointId) -> tuple[int, ...]:
         return self._ckpt(ckpt_id).tokens
 
