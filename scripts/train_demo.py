@@ -44,7 +44,7 @@ flags.DEFINE_string("log", None, "JSON-lines log of losses (default: stdout only
 flags.DEFINE_integer("seed", 0, "seed of initialisation and data order")
 flags.DEFINE_integer("hidden", 192, "hidden size")
 flags.DEFINE_integer("groups", 1, "number of (3 GDN + 1 attention) layer groups")
-flags.DEFINE_integer("steps", 380, "main-model optimiser steps")
+flags.DEFINE_integer("steps", 1000, "main-model optimiser steps")
 flags.DEFINE_integer("mtp_steps", 100, "MTP-head optimiser steps")
 flags.DEFINE_integer("batch", 8, "sequences per step")
 flags.DEFINE_integer("seq_len", 256, "tokens per training window")
