@@ -32,12 +32,12 @@ class ExpiryQueue:
 
     def pop_due(self, now: float, deadline_of: Callable[[BlockId], float | None]) -> list[BlockId]:
         """Ids whose current deadline is <= now (each once), dropping stale heap items."""
-        due: list[BlockId] = []
+        due: dict[BlockId, None] = {}  # a deadline set twice has two items: report the id once
         while self._heap and self._heap[0][0] <= now:
             deadline, _, block_id = heapq.heappop(self._heap)
             if deadline_of(block_id) == deadline:
-                due.append(block_id)
-        return due
+                due[block_id] = None
+        return list(due)
 
     def maybe_compact(self, live: Iterable[tuple[BlockId, float]], num_live: int) -> None:
         """Rebuilds the heap from the live deadlines when stale items dominate."""

@@ -315,3 +315,16 @@ def test_every_policy_fills_and_evicts_consistently(policy):
     for i in range(10):
         admit(buf, [i])
         assert len(buf.committed_ids()) == min(i + 1, 3)
+
+
+def test_a_deadline_set_twice_to_the_same_time_expires_once():
+    """touch() with a TTL that does not move the deadline pushes a second heap item for it."""
+    now = [0.0]
+    buf = CacheBuffer(4, create_policy("lru", 4), clock=lambda: now[0])
+    block = bid(1)
+    buf.reserve([block], ttl_ms=500)
+    buf.commit([block], True)
+    buf.touch([block], ttl_ms=500)
+    now[0] = 0.6
+    assert buf.sweep_expired() == [block]
+    assert block not in buf.committed_ids()
