@@ -19,7 +19,7 @@ from ninfer_jax.artifact import format as artifact_format
 from ninfer_jax.artifact.hf import SafetensorsSource, checkpoint_dir, is_hf_checkpoint, read_config
 from ninfer_jax.errors import CheckpointError, ConfigError
 from ninfer_jax.models.qwen3_6 import ModelConfig, forward
-from ninfer_jax.models.qwen3_6.weights import params_from_hf, param_shapes
+from ninfer_jax.models.qwen3_6.weights import param_shapes, params_from_hf
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # The embedded default: the demo model shipped as package data (scripts/train_demo.py).

@@ -142,7 +142,10 @@ def mtp_loss(mtp: dict, frozen: dict, cfg: ModelConfig, window: jax.Array) -> ja
 def optimizer(lr: float, steps: int) -> optax.GradientTransformation:
     warmup = max(1, steps // 20)
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, end_value=lr / 20)
-    decay_mask = lambda p: jax.tree.map(lambda a: a.ndim >= 2, p)
+
+    def decay_mask(p):  # weight decay on matrices only, not on norms and biases
+        return jax.tree.map(lambda a: a.ndim >= 2, p)
+
     return optax.chain(optax.clip_by_global_norm(1.0),
                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask))
 
