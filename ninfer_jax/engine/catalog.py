@@ -42,6 +42,8 @@ class CatalogStats:
     captured: int
     evictions: int
     cached_tokens: int  # prefill tokens saved by hits
+    pages_held: int = 0  # distinct K/V pages the checkpoints reference
+    bytes_held: int = 0  # those pages plus the checkpoints' state images
 
 
 class CheckpointCatalog:
@@ -116,6 +118,6 @@ class CheckpointCatalog:
     def entries(self) -> list[CatalogEntry]:
         return list(self._entries.values())
 
-    def stats(self) -> CatalogStats:
+    def stats(self, pages_held: int = 0, bytes_held: int = 0) -> CatalogStats:
         return CatalogStats(len(self._entries), self.hits, self.misses, self.captured,
-                            self.evictions, self.cached_tokens)
+                            self.evictions, self.cached_tokens, pages_held, bytes_held)

@@ -490,7 +490,7 @@ class EngineCore:
             reserved_pages=ps.reserved_pages, free_slots=ps.free_slots,
             total_slots=ps.total_slots, generated_tokens=self._generated,
             finished_requests=self._finished, backfilled=self._backfilled,
-            prefix=self.catalog.stats())
+            prefix=self.catalog.stats(*self.program.checkpoint_footprint()))
 
 
 def _best_effort(fn, *args) -> None:

@@ -84,6 +84,8 @@ class ProgramLimits:
     prefill_chunk: int
     vocab_size: int
     total_checkpoint_slots: int = 0
+    page_bytes: int = 0  # K/V bytes of one page over all attention layers
+    checkpoint_state_bytes: int = 0  # GDN state bytes of one checkpoint image
 
 
 @dataclasses.dataclass
@@ -284,6 +286,12 @@ class HostProgram(abc.ABC):
             for page in self._ckpt(ckpt_id).pages:
                 refs[page] = refs.get(page, 0) + 1
         return sum(self.pages.refcount(p) == n for p, n in refs.items())
+
+    def checkpoint_footprint(self) -> tuple[int, int]:
+        """(distinct pages referenced by checkpoints, bytes they and their state images hold)."""
+        pages = {p for ckpt in self._ckpts.values() for p in ckpt.pages}
+        return len(pages), (len(pages) * self.limits.page_bytes
+                            + len(self._ckpts) * self.limits.checkpoint_state_bytes)
 
     def checkpoint_tokens(self, ckpt_id: CheckpointId) -> tuple[int, ...]:
         return self._ckpt(ckpt_id).tokens

@@ -59,9 +59,6 @@ class Pools:
             prompt_mask=jnp.zeros((s, cfg.vocab_size), bool),
         )
 
-    def nbytes(self) -> int:
-        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self))
-
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["layers", "page_tables", "lengths", "num_valid"],

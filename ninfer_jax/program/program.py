@@ -45,14 +45,18 @@ class Program(HostProgram):
             raise InfeasibleError(
                 f"max_seq_len {pcfg.max_seq_len} exceeds the model's max_position_embeddings "
                 f"{cfg.max_position_embeddings}")
+        pools = Pools.allocate(cfg, pcfg)
         super().__init__(ProgramLimits(
             max_seq_len=pcfg.max_seq_len, page_size=pcfg.page_size, total_pages=pcfg.num_pages,
             total_slots=pcfg.num_slots, max_concurrency=pcfg.max_concurrency,
             prefill_chunk=pcfg.prefill_chunk, vocab_size=cfg.vocab_size,
-            total_checkpoint_slots=pcfg.num_checkpoint_slots))
+            total_checkpoint_slots=pcfg.num_checkpoint_slots,
+            page_bytes=2 * pools.k.nbytes // pcfg.num_pages,
+            checkpoint_state_bytes=(pools.ck_conv.nbytes + pools.ck_rec.nbytes)
+            // max(pcfg.num_checkpoint_slots, 1)))
         self.cfg, self.pcfg = cfg, pcfg
         self.params = jax.tree.map(lambda a: jax.numpy.asarray(a, pcfg.dtype), params)
-        self.pools = Pools.allocate(cfg, pcfg)
+        self.pools = pools
         self.executables = ExecutableTable()
         self._compile_all()
 

@@ -110,6 +110,7 @@ def test_follow_up_turns_report_the_whole_history_as_cached():
             history = ids + list(res.token_ids)
         stats = core.stats().prefix
         assert stats.hits >= 4 and stats.cached_tokens >= 4 * 30
+        assert stats.checkpoints >= 1 and stats.pages_held >= 1
 
 
 def test_reuse_off_caches_nothing():
