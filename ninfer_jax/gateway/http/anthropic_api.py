@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from ninfer_jax.engine import Delta, Finished, FinishReason
 from ninfer_jax.engine.events import Channel, Usage
 from ninfer_jax.gateway.http.errors import Api, from_failure
-from ninfer_jax.gateway.http.generation import EventStream, Generation, start, until_disconnect
+from ninfer_jax.gateway.http.generation import EventStream, Generation, start, whole_result
 from ninfer_jax.gateway.http.requests import GenerationRequest
 from ninfer_jax.gateway.http.state import ServerState
 
@@ -100,11 +100,7 @@ async def create_message(state: ServerState, request: Request, req: GenerationRe
     msg_id = f"msg_{uuid.uuid4().hex}"
     if req.stream:
         return EventStream(_stream(state, gen, msg_id), gen.close)
-    result = None
-    try:
-        result = await until_disconnect(request, gen.result)
-    finally:
-        gen.close(result is None)
+    result = await whole_result(request, gen)
     if result is None:  # the client left; nobody reads this
         return Response(status_code=499)
     if result.finish_reason not in _STOP_REASON:

@@ -123,6 +123,17 @@ async def start(engine: Any, req: GenerationRequest, metrics: Metrics,
     return Generation(handle, n, metrics, received_at, req.api.value)
 
 
+async def whole_result(request: Request, gen: Generation) -> Any | None:
+    """The finished result of a non-streaming request, or None when the client left first (the
+    request is then cancelled at the Engine)."""
+    result = None
+    try:
+        result = await until_disconnect(request, gen.result)
+    finally:
+        gen.close(result is None)
+    return result
+
+
 async def until_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> T | None:
     """Runs `work()` while watching the connection; None when the client left first."""
     result: list[T] = []
