@@ -109,7 +109,7 @@ async def start(engine: Any, req: GenerationRequest, metrics: Metrics,
     n = prepared.num_tokens
     budget = req.max_tokens
     if budget is None:  # OpenAI's default: whatever the context has left
-        budget = max(1, engine.core.limits.max_seq_len - n)
+        budget = max(1, engine.max_seq_len - n)
     try:
         sampling = SamplingParams(max_new_tokens=budget, **req.sampling)
     except SamplingParamsError as e:

@@ -20,4 +20,4 @@ class ServerState:
 
     @property
     def engine_available(self) -> bool:
-        return self.engine.stats().available
+        return self.engine.available
