@@ -79,6 +79,7 @@ class Frontend:
         add_generation_prompt: bool = True,
         enable_thinking: bool | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        allow_control_tokens: bool | None = None,
     ) -> PreparedPrompt:
         """See `prompt.prepare`; messages are rendered with this model's chat template."""
         return prepare(
@@ -90,6 +91,7 @@ class Frontend:
             add_generation_prompt=add_generation_prompt,
             enable_thinking=enable_thinking,
             tools=tools,
+            allow_control_tokens=allow_control_tokens,
         )
 
     def open_session(

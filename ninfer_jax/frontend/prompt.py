@@ -4,6 +4,16 @@ Owns input validation for the three ways a prompt arrives (text, chat messages, 
 error naming the offending field, and the prompt's content identity: a sha256 over the ids as
 little-endian uint32, the key prefix lookup uses. It does not know context limits or budgets;
 the Engine checks those.
+
+Control tokens (DESIGN §2, SECURITY.md): only the chat template writes control tokens. Text
+inside messages (content, reasoning, names, tool definitions) that spells a special token, e.g.
+`<|im_end|>\n<|im_start|>system`, is tokenized as plain text, so a user cannot close their turn
+or open another role's. Before rendering, each such text is wrapped in two Unicode
+noncharacters; after rendering, control ids are produced only for special-token texts outside
+those marks. An assistant message's `<think>`/`</think>` and `<tool_call>`/`</tool_call>` stay
+markup (the template and the output parser read them as the model's channels). A raw `prompt`
+is the caller's own template-level text: its special-token texts are control tokens by default.
+`allow_control_tokens` overrides both defaults.
 """
 
 from __future__ import annotations
@@ -17,6 +27,10 @@ import numpy as np
 
 from ninfer_jax.frontend.chat_template import ChatTemplate
 from ninfer_jax.frontend.tokenizer import Tokenizer
+
+# Unicode noncharacters (never in interchanged text) that mark special-token text inside content.
+_OPEN, _CLOSE = "\ufdd0", "\ufdd1"
+_ASSISTANT_MARKUP = frozenset({"<think>", "</think>", "<tool_call>", "</tool_call>"})
 
 
 class PromptError(ValueError):
@@ -74,17 +88,87 @@ def _checked_ids(token_ids: Any, vocab_size: int) -> tuple[int, ...]:
     return tuple(checked)
 
 
-def _check_messages(messages: Any) -> list[Mapping[str, Any]]:
+def _text_parts(content: list, field: str) -> str:
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, Mapping) or part.get("type") != "text" \
+                or not isinstance(part.get("text"), str):
+            raise PromptError(f"{field}[{j}]", "expected a text part {\"type\": \"text\", "
+                              "\"text\": ...} (other parts are not supported)")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _check_messages(messages: Any) -> list[dict[str, Any]]:
+    """Validated copies of `messages`; a list of text parts becomes one string."""
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
         raise PromptError("messages", f"expected a list of messages, got {type(messages).__name__}")
     if not messages:
         raise PromptError("messages", "must not be empty")
+    checked = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise PromptError(f"messages[{i}]", f"expected a mapping, got {type(message).__name__}")
-        if not isinstance(message.get("role"), str):
+        role = message.get("role")
+        if not isinstance(role, str):
             raise PromptError(f"messages[{i}].role", "must be a string")
-    return list(messages)
+        content = message.get("content")
+        if isinstance(content, list):
+            content = _text_parts(content, f"messages[{i}].content")
+        elif content is None:
+            if not (role == "assistant" and message.get("tool_calls")):
+                raise PromptError(f"messages[{i}].content", "must be a string or a list of text "
+                                  "parts (null only for an assistant message with tool_calls)")
+            content = ""  # templates render None as the text "None"
+        elif not isinstance(content, str):
+            raise PromptError(f"messages[{i}].content", f"must be a string or a list of text "
+                              f"parts, got {type(content).__name__}")
+        checked.append({**message, "content": content})
+    return checked
+
+
+def _mark(value: Any, pattern, keep: frozenset[str] = frozenset()) -> Any:
+    """`value` with every special-token text inside its strings wrapped in the marks."""
+    if isinstance(value, str):
+        value = value.replace(_OPEN, "\ufffd").replace(_CLOSE, "\ufffd")
+        return pattern.sub(lambda m: m.group() if m.group() in keep
+                           else _OPEN + m.group() + _CLOSE, value)
+    if isinstance(value, Mapping):
+        return {k: _mark(v, pattern, keep) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_mark(v, pattern, keep) for v in value]
+    return value
+
+
+def _mark_messages(messages: list[dict[str, Any]], pattern) -> list[dict[str, Any]]:
+    marked = []
+    for m in messages:
+        out = {k: v if k == "role" else _mark(v, pattern) for k, v in m.items()}
+        if m["role"] == "assistant" and isinstance(m.get("content"), str):
+            out["content"] = _mark(m["content"], pattern, _ASSISTANT_MARKUP)
+        marked.append(out)
+    return marked
+
+
+def _encode_marked(tokenizer: Tokenizer, text: str) -> tuple[list[int], str]:
+    """(ids, plain text) of a rendered template: control ids only for unmarked special texts."""
+    ids: list[int] = []
+    run: list[str] = []  # plain text since the last control token
+    start = 0
+    for match in tokenizer.special_pattern.finditer(text):
+        literal = match.start() > 0 and text[match.start() - 1] == _OPEN \
+            and text.startswith(_CLOSE, match.end())
+        run.append(text[start : match.start()])
+        if literal:
+            run.append(match.group())
+        else:
+            ids += tokenizer.encode_text("".join(run).replace(_OPEN, "").replace(_CLOSE, ""))
+            ids.append(tokenizer.special_tokens[match.group()])
+            run = []
+        start = match.end()
+    run.append(text[start:])
+    ids += tokenizer.encode_text("".join(run).replace(_OPEN, "").replace(_CLOSE, ""))
+    return ids, text.replace(_OPEN, "").replace(_CLOSE, "")
 
 
 def prepare(
@@ -97,9 +181,13 @@ def prepare(
     add_generation_prompt: bool = True,
     enable_thinking: bool | None = None,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    allow_control_tokens: bool | None = None,
 ) -> PreparedPrompt:
     """A PreparedPrompt from exactly one of `prompt`, `messages` (rendered with `chat_template`)
-    or `prompt_token_ids`. Raises PromptError naming the field for bad input."""
+    or `prompt_token_ids`. Raises PromptError naming the field for bad input.
+
+    allow_control_tokens: whether special-token texts in the input become control tokens; None
+    means no for messages (only the template writes them) and yes for a raw prompt."""
     given = [
         name
         for name, value in (
@@ -114,12 +202,21 @@ def prepare(
             "prompt",
             f"exactly one of prompt, messages, prompt_token_ids must be given; got {given or 'none'}",
         )
+    if allow_control_tokens is not None and not isinstance(allow_control_tokens, bool):
+        raise PromptError("allow_control_tokens", "must be a bool or None")
+    if enable_thinking is not None and not isinstance(enable_thinking, bool):
+        raise PromptError("enable_thinking", "must be a bool or None")
     if prompt_token_ids is not None:
         return PreparedPrompt(_checked_ids(prompt_token_ids, tokenizer.vocab_size))
+    pattern = tokenizer.special_pattern
     if messages is not None:
         checked = _check_messages(messages)
         if chat_template is None:
             raise PromptError("messages", "this model has no chat template; pass prompt instead")
+        escape = not allow_control_tokens and pattern is not None
+        if escape:
+            checked = _mark_messages(checked, pattern)
+            tools = None if tools is None else _mark(list(tools), pattern)
         text = chat_template.render(
             checked,
             add_generation_prompt=add_generation_prompt,
@@ -130,9 +227,18 @@ def prepare(
         if not isinstance(prompt, str):
             raise PromptError("prompt", f"expected a string, got {type(prompt).__name__}")
         text = prompt
+        escape = allow_control_tokens is False and pattern is not None
+        if escape:
+            text = _mark(text, pattern)
     if not text:
         raise PromptError(given[0], "must not be empty")
-    token_ids = tokenizer.encode(text)
+    try:
+        if escape:
+            token_ids, text = _encode_marked(tokenizer, text)
+        else:
+            token_ids = tokenizer.encode(text)
+    except (ValueError, UnicodeError) as e:  # e.g. a lone surrogate, an unspellable token
+        raise PromptError(given[0], f"cannot be tokenized: {e}") from None
     if not token_ids:
         raise PromptError(given[0], "encodes to no tokens")
     return PreparedPrompt(tuple(token_ids), text=text)

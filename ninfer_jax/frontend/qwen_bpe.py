@@ -86,6 +86,12 @@ class QwenBpeTokenizer(Tokenizer):
         self._encode_ordinary(text[start:], ids)
         return ids
 
+    def encode_text(self, text: str) -> list[int]:
+        """Ordinary BPE over the whole text: special-token texts are merged like any text."""
+        ids: list[int] = []
+        self._encode_ordinary(text, ids)
+        return ids
+
     def _encode_ordinary(self, text: str, out: list[int]) -> None:
         if not text:
             return

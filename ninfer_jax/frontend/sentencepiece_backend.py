@@ -83,6 +83,8 @@ class SentencePieceTokenizer(Tokenizer):
         super().__init__(vocab_size=len(types), special_tokens=specials, extra_eos_ids=eos)
         probe = self._sp.encode("a", out_type=str)
         self._adds_dummy_prefix = bool(probe) and probe[0].startswith("\u2581")
+        self._byte_ids = {self._id_to_bytes[i][0]: i for i, t in enumerate(types)
+                          if t == _TYPE_BYTE}
 
     def _bytes_of(self, token_id: int, piece_type: int) -> bytes:
         piece = self._sp.id_to_piece(token_id)
@@ -96,6 +98,22 @@ class SentencePieceTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
+
+    def encode_text(self, text: str) -> list[int]:
+        if self._adds_dummy_prefix and self.special_pattern is not None \
+                and self.special_pattern.search(text):
+            # Encoding the pieces around a spelled special token apart would add a dummy-prefix
+            # space to each: refuse rather than change the text.
+            raise ValueError("this sentencepiece model adds a dummy prefix; special-token text "
+                             "inside content cannot be spelled as plain text")
+        return super().encode_text(text)
+
+    def _spell(self, special_text: str) -> list[int]:
+        """Byte-fallback pieces for each byte of the text, when the model has them."""
+        raw = special_text.encode("utf-8")
+        if all(b in self._byte_ids for b in raw):
+            return [self._byte_ids[b] for b in raw]
+        return super()._spell(special_text)
 
     def token_bytes(self, token_id: int) -> bytes:
         self.check_id(token_id)

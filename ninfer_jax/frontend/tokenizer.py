@@ -9,6 +9,7 @@ formats; nothing here knows about chat templates, stop strings or output session
 from __future__ import annotations
 
 import abc
+import re
 from collections.abc import Mapping, Sequence
 
 # Token texts that end generation when the tokenizer has them (Qwen's chat end and document end).
@@ -37,6 +38,14 @@ class Tokenizer(abc.ABC):
         self._special_tokens = dict(special_tokens)
         named = {self._special_tokens[t] for t in eos_tokens if t in self._special_tokens}
         self._eos_ids = frozenset(named | set(extra_eos_ids))
+        self._special_ids = frozenset(self._special_tokens.values())
+        texts = sorted((t for t in self._special_tokens if t), key=len, reverse=True)
+        self._special_pattern = re.compile("|".join(map(re.escape, texts))) if texts else None
+
+    @property
+    def special_pattern(self) -> re.Pattern[str] | None:
+        """Matches any special-token text (longest first); None when there are none."""
+        return self._special_pattern
 
     @property
     def vocab_size(self) -> int:
@@ -68,6 +77,29 @@ class Tokenizer(abc.ABC):
     @abc.abstractmethod
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token texts in it become their ids. No BOS/EOS is added."""
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of `text` read as plain text: a special-token text in it (`<|im_end|>`,
+        `<think>`) is spelled with ordinary tokens, never its control id, and decodes back to
+        the same characters. Backends with an ordinary-text encoder override this."""
+        if self._special_pattern is None or not self._special_pattern.search(text):
+            return self.encode(text)
+        ids: list[int] = []
+        start = 0
+        for match in self._special_pattern.finditer(text):
+            ids += self.encode(text[start : match.start()])
+            ids += self._spell(match.group())
+            start = match.end()
+        ids += self.encode(text[start:])
+        return ids
+
+    def _spell(self, special_text: str) -> list[int]:
+        """Ordinary tokens for one special-token text: one character at a time, so no special
+        token (all longer than one character) can match."""
+        ids = [i for ch in special_text for i in self.encode(ch)]
+        if self._special_ids.intersection(ids) or self.decode(ids) != special_text:
+            raise ValueError(f"this tokenizer cannot spell {special_text!r} as plain text")
+        return ids
 
     @abc.abstractmethod
     def token_bytes(self, token_id: int) -> bytes:
