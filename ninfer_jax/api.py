@@ -7,6 +7,7 @@ calls (submit, asubmit, generate, stats). Order, lifecycle and publication stay 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -20,7 +21,7 @@ from ninfer_jax.engine import (
     RejectedError,
     RequestHandle,
 )
-from ninfer_jax.errors import CheckpointError
+from ninfer_jax.errors import CheckpointError, ConfigError
 from ninfer_jax.frontend import Frontend, PromptError
 from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError
 
@@ -48,24 +49,21 @@ class Engine:
 
         unknown = sorted(set(config) - set(_PROGRAM_KEYS) - set(_CORE_KEYS))
         if unknown:
-            raise TypeError(f"unknown Engine setting(s) {unknown}; known: "
-                            f"{sorted(_PROGRAM_KEYS + _CORE_KEYS)}")
-        pkw = {k: config[k] for k in _PROGRAM_KEYS if k in config}
-        pkw.setdefault("max_seq_len", 2048)
-        pkw.setdefault("page_size", 16)
-        pages_per_seq = -(-pkw["max_seq_len"] // pkw["page_size"])
-        pkw.setdefault("num_pages", 2 * max_concurrency * pages_per_seq)
-        pkw.setdefault("num_checkpoint_slots",
-                       4 * max_concurrency if config.get("prefix_reuse", True) else 0)
-        pcfg = ProgramConfig(max_concurrency=max_concurrency, **pkw)
+            raise ConfigError(f"unknown Engine setting(s) {unknown}; known: "
+                              f"{sorted(_PROGRAM_KEYS + _CORE_KEYS)}")
+        core_config = EngineCoreConfig(**{k: config[k] for k in _CORE_KEYS if k in config})
+        given = {k: config[k] for k in _PROGRAM_KEYS if k in config}
+        pcfg = ProgramConfig(max_concurrency=max_concurrency, **given)  # validates every value
+        defaults = {"num_pages": 2 * max_concurrency * pcfg.max_pages_per_seq,
+                    "num_checkpoint_slots": 4 * max_concurrency if core_config.prefix_reuse else 0}
+        pcfg = dataclasses.replace(pcfg, **{k: v for k, v in defaults.items() if k not in given})
         loaded = load_model(model, dtype=pcfg.dtype)
         try:
             frontend = Frontend.load(loaded.path)
         except FileNotFoundError as e:
             raise CheckpointError(f"cannot serve {loaded.path}: {e}") from None
         program = Program(loaded.config, loaded.params, pcfg)
-        core = EngineCore(program, frontend,
-                          EngineCoreConfig(**{k: config[k] for k in _CORE_KEYS if k in config}))
+        core = EngineCore(program, frontend, core_config)
         return cls(core, frontend, loaded.path)
 
     def __enter__(self) -> "Engine":
@@ -77,11 +75,13 @@ class Engine:
     def close(self) -> None:
         self.core.close()
 
-    def _prepare(self, prompt, messages, prompt_token_ids, enable_thinking):
+    def _prepare(self, prompt, messages, prompt_token_ids, enable_thinking,
+                 allow_control_tokens):
         try:
             return self.frontend.prepare(prompt=prompt, messages=messages,
                                          prompt_token_ids=prompt_token_ids,
-                                         enable_thinking=enable_thinking)
+                                         enable_thinking=enable_thinking,
+                                         allow_control_tokens=allow_control_tokens)
         except PromptError as e:
             raise RejectedError("invalid", str(e), e.field) from None
 
@@ -90,12 +90,22 @@ class Engine:
                prompt_token_ids: Sequence[int] | None = None,
                sampling: SamplingParams | None = None, session: str | None = None,
                enable_thinking: bool | None = None, deadline_s: float | None = None,
-               queue_timeout_s: float | None = None, _loop=None) -> RequestHandle:
-        """Queues one request; returns its handle. Bad input raises RejectedError at once."""
-        prepared = self._prepare(prompt, messages, prompt_token_ids, enable_thinking)
+               queue_timeout_s: float | None = None, cache_salt: str | None = None,
+               allow_control_tokens: bool | None = None, _loop=None) -> RequestHandle:
+        """Queues one request; returns its handle. Bad input raises RejectedError at once, before
+        the request takes any capacity.
+
+        session: a prefix-reuse hint (the conversation's key). cache_salt: the request reuses
+        and leaves prefix checkpoints only among requests with the same salt (a tenant).
+        allow_control_tokens: see `Frontend.prepare` (default: text in messages is text)."""
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise RejectedError("invalid", f"cache_salt must be a string or None, got "
+                                f"{type(cache_salt).__name__}", "cache_salt")
+        prepared = self._prepare(prompt, messages, prompt_token_ids, enable_thinking,
+                                 allow_control_tokens)
         return self.core.submit(prepared, _sampling(sampling), session_key=session,
                                 deadline_s=deadline_s, queue_timeout_s=queue_timeout_s,
-                                loop=_loop)
+                                cache_scope=cache_salt, loop=_loop)
 
     async def asubmit(self, prompt: str | None = None, **kwargs: Any) -> AsyncRequestHandle:
         """`submit` for asyncio code: the handle supports `async for` and `await aresult()`."""

@@ -42,6 +42,9 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        if not isinstance(self.stop, (list, tuple)):
+            raise SamplingParamsError(f"stop must be a string or a list of strings, got "
+                                      f"{type(self.stop).__name__}")
         object.__setattr__(self, "stop", tuple(self.stop))
         for i, stop in enumerate(self.stop):
             if not isinstance(stop, str) or not stop:

@@ -6,6 +6,11 @@ session bindings. Lookup is the longest exact token-prefix match over checkpoint
 (digests narrow the candidates, a token comparison confirms). A session key is a hint, never an
 owner: a binding is replaced only by a result with a later publication order. Physical facts
 (pages, slots, refcounts) stay with the Program.
+
+Every entry and session binding belongs to a cache scope (a tenant: an API key, a `cache_salt`;
+None is the default scope). Lookup, `get` and session bindings never cross scopes, so no request
+learns whether another tenant sent a prefix (its `cached_tokens` would tell); two tenants with
+the same prefix hold separate checkpoints.
 """
 
 from __future__ import annotations
@@ -18,8 +23,13 @@ from typing import Any
 import numpy as np
 
 
-def prefix_digest(tokens) -> str:
-    return hashlib.blake2b(np.asarray(tokens, np.int32).tobytes(), digest_size=16).hexdigest()
+def prefix_digest(tokens, scope: str | None = None) -> str:
+    """The catalog key of a token prefix within a cache scope."""
+    h = hashlib.blake2b(digest_size=16)
+    if scope is not None:
+        h.update(b"scope\0" + scope.encode("utf-8", "surrogatepass") + b"\0")
+    h.update(np.asarray(tokens, np.int32).tobytes())
+    return h.hexdigest()
 
 
 @dataclasses.dataclass
@@ -28,6 +38,7 @@ class CatalogEntry:
     tokens: tuple[int, ...]
     digest: str
     last_used: int
+    scope: str | None = None
 
     @property
     def frontier(self) -> int:
@@ -50,20 +61,26 @@ class CheckpointCatalog:
     def __init__(self) -> None:
         self._entries: dict[str, CatalogEntry] = {}  # digest -> entry (one per token prefix)
         self._lengths: dict[int, int] = {}  # frontier length -> number of entries
-        self._sessions: dict[str, tuple[str, int]] = {}  # key -> (digest, publication_order)
+        # (scope, session key) -> (digest, publication_order)
+        self._sessions: dict[tuple[str | None, str], tuple[str, int]] = {}
         self._clock = itertools.count()
         self.hits = self.misses = self.captured = self.evictions = self.cached_tokens = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, tokens) -> CatalogEntry | None:
-        """The checkpoint of exactly this prefix, if cataloged."""
-        entry = self._entries.get(prefix_digest(tokens))
-        return entry if entry is not None and entry.tokens == tuple(tokens) else None
+    def get(self, tokens, scope: str | None = None) -> CatalogEntry | None:
+        """The checkpoint of exactly this prefix in `scope`, if cataloged."""
+        entry = self._entries.get(prefix_digest(tokens, scope))
+        return entry if entry is not None and self._matches(entry, tokens, scope) else None
 
-    def add(self, ckpt: Any, tokens: tuple[int, ...]) -> CatalogEntry:
-        entry = CatalogEntry(ckpt, tuple(tokens), prefix_digest(tokens), next(self._clock))
+    @staticmethod
+    def _matches(entry: CatalogEntry, tokens, scope: str | None) -> bool:
+        return entry.scope == scope and entry.tokens == tuple(tokens)
+
+    def add(self, ckpt: Any, tokens: tuple[int, ...], scope: str | None = None) -> CatalogEntry:
+        entry = CatalogEntry(ckpt, tuple(tokens), prefix_digest(tokens, scope), next(self._clock),
+                             scope)
         if entry.digest in self._entries:
             raise ValueError("a checkpoint of this exact prefix is already cataloged")
         self._entries[entry.digest] = entry
@@ -78,22 +95,23 @@ class CheckpointCatalog:
             del self._lengths[entry.frontier]
         self.evictions += evicted
 
-    def lookup(self, tokens, session_key: str | None = None) -> CatalogEntry | None:
-        """The checkpoint with the longest frontier F < len(tokens) whose tokens equal
+    def lookup(self, tokens, session_key: str | None = None,
+               scope: str | None = None) -> CatalogEntry | None:
+        """The checkpoint of `scope` with the longest frontier F < len(tokens) whose tokens equal
         tokens[:F] (the session's binding is tried first)."""
         tokens = tuple(tokens)
         candidates = []
-        bound = self._sessions.get(session_key) if session_key is not None else None
+        bound = self._sessions.get((scope, session_key)) if session_key is not None else None
         if bound is not None and bound[0] in self._entries:
             candidates.append(self._entries[bound[0]])
         for length in sorted(self._lengths, reverse=True):
             if length < len(tokens):
-                entry = self._entries.get(prefix_digest(tokens[:length]))
-                if entry is not None:
+                entry = self._entries.get(prefix_digest(tokens[:length], scope))
+                if entry is not None and self._matches(entry, tokens[:length], scope):
                     candidates.append(entry)
                     break
         best = max((e for e in candidates
-                    if e.frontier < len(tokens) and tokens[: e.frontier] == e.tokens),
+                    if e.frontier < len(tokens) and self._matches(e, tokens[: e.frontier], scope)),
                    key=lambda e: e.frontier, default=None)
         return best
 
@@ -106,9 +124,10 @@ class CheckpointCatalog:
         entry.last_used = next(self._clock)
 
     def bind_session(self, key: str, entry: CatalogEntry, publication_order: int) -> None:
-        current = self._sessions.get(key)
+        """Binds `key` in the entry's scope to it, unless a later-ordered result holds it."""
+        current = self._sessions.get((entry.scope, key))
         if current is None or publication_order > current[1]:
-            self._sessions[key] = (entry.digest, publication_order)
+            self._sessions[(entry.scope, key)] = (entry.digest, publication_order)
 
     def eviction_order(self, keep: CatalogEntry | None = None) -> list[CatalogEntry]:
         """Inactive checkpoints, least recently used first (`keep` excluded)."""

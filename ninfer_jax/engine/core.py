@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
+import numbers
 import os
 import queue
 import threading
@@ -31,7 +33,9 @@ from ninfer_jax.engine.handle import AsyncRequestHandle, CapacityToken, EventSin
 from ninfer_jax.engine.request import InvariantError, RequestRecord, RequestState
 from ninfer_jax.engine.resources import LaneState, ResourceManager
 from ninfer_jax.engine.scheduler import DecodeUnit, PrefillUnit, Scheduler
+from ninfer_jax.errors import ConfigError
 from ninfer_jax.frontend.output_session import FinishReason as TextFinish
+from ninfer_jax.frontend.prompt import PreparedPrompt
 from ninfer_jax.program.pending import BatchKind
 from ninfer_jax.sampling_params import SamplingParams
 
@@ -46,6 +50,22 @@ class EngineCoreConfig:
     idle_wait_s: float = 0.05
     prefix_reuse: bool = True  # checkpoint prompts and turns; reuse the longest exact prefix
     backfill_window: int = 8  # waiting requests behind a blocked head that may borrow
+
+    def __post_init__(self):
+        for name in ("max_queue", "backfill_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r:.40}")
+        for name in ("queue_timeout_s", "idle_wait_s"):
+            value = getattr(self, name)
+            if value is None and name == "queue_timeout_s":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+                    or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"{name} must be a finite number of seconds > 0, "
+                                  f"got {value!r:.40}")
+        if not isinstance(self.prefix_reuse, bool):
+            raise ConfigError(f"prefix_reuse must be a bool, got {self.prefix_reuse!r:.40}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,9 +121,17 @@ class EngineCore:
     # Submission (any thread) -----------------------------------------------------------------
     def submit(self, prompt: Any, sampling: SamplingParams, *, session_key: str | None = None,
                deadline_s: float | None = None, queue_timeout_s: float | None = None,
-               loop=None) -> RequestHandle:
-        """Accepts a prepared prompt or raises RejectedError before anything is mutated."""
+               cache_scope: str | None = None, loop=None) -> RequestHandle:
+        """Accepts a prepared prompt or raises RejectedError before anything is taken or mutated.
+
+        Every argument is checked before the request takes outstanding capacity, so a refused
+        call leaves the Engine exactly as it was. `cache_scope` isolates prefix reuse: a request
+        reuses and publishes checkpoints only within its scope (a tenant, DESIGN §7)."""
         self._check_submittable(prompt, sampling)
+        deadline_s = _seconds("deadline_s", deadline_s)
+        queue_timeout_s = _seconds("queue_timeout_s", queue_timeout_s)
+        session_key = _optional_text("session", session_key)
+        cache_scope = _optional_text("cache_scope", cache_scope)
         if sampling.temperature > 0 and sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=int.from_bytes(os.urandom(4), "little"))
         session = self.frontend.open_session(prompt, stop=sampling.stop)
@@ -118,12 +146,13 @@ class EngineCore:
                 raise RejectedError(
                     "overload", f"queue full: {self._outstanding} outstanding requests, "
                     f"max_queue is {self.config.max_queue}")
-            self._outstanding += 1
             record = RequestRecord(
                 request_id=next(self._ids), prompt=prompt, sampling=sampling, session=session,
                 submitted_at=now, queue_deadline=None if qt is None else now + qt,
                 deadline=None if deadline_s is None else now + deadline_s,
-                publication_order=next(self._order), session_key=session_key)
+                publication_order=next(self._order), session_key=session_key,
+                cache_scope=cache_scope)
+            self._outstanding += 1  # nothing below can fail: the capacity is never stranded
             self._sinks[record.request_id] = sink
             self._capacity[record.request_id] = capacity
             self._inbox.put(record)
@@ -134,6 +163,9 @@ class EngineCore:
         return handle
 
     def _check_submittable(self, prompt: Any, sampling: SamplingParams) -> None:
+        if not isinstance(prompt, PreparedPrompt):
+            raise RejectedError("invalid", f"prompt must be a PreparedPrompt (Frontend.prepare), "
+                                f"got {type(prompt).__name__}", "prompt")
         if not isinstance(sampling, SamplingParams):
             raise RejectedError("invalid", f"sampling must be a SamplingParams, got "
                                 f"{type(sampling).__name__}", "sampling")
@@ -322,7 +354,8 @@ class EngineCore:
         lane = self.resources.free_lane()
         if lane is None:
             return False
-        source = self.catalog.lookup(r.prompt.token_ids, r.session_key) if self.reuse else None
+        source = self.catalog.lookup(r.prompt.token_ids, r.session_key, r.cache_scope) \
+            if self.reuse else None
 
         def plan():
             return self.program.plan_admission(r.prompt_tokens, r.sampling.max_new_tokens,
@@ -358,7 +391,7 @@ class EngineCore:
         if not self.reuse:
             return None
         tokens = tuple(self.program.tokens(r.seq)[:-1])  # the last token is not in the state
-        existing = self.catalog.get(tokens)
+        existing = self.catalog.get(tokens, r.cache_scope)
         if existing is not None:
             return existing
         if not self.program.can_capture():
@@ -366,7 +399,7 @@ class EngineCore:
             if not victims:
                 return None
             self._drop_checkpoint(victims[0], evicted=True)
-        return self.catalog.add(self.program.capture(r.seq), tokens)
+        return self.catalog.add(self.program.capture(r.seq), tokens, r.cache_scope)
 
     def _drop_checkpoint(self, entry: CatalogEntry, evicted: bool) -> None:
         self.program.release_checkpoint(entry.ckpt)
@@ -491,6 +524,24 @@ class EngineCore:
             total_slots=ps.total_slots, generated_tokens=self._generated,
             finished_requests=self._finished, backfilled=self._backfilled,
             prefix=self.catalog.stats(*self.program.checkpoint_footprint()))
+
+
+def _seconds(name: str, value: Any) -> float | None:
+    """A time limit in seconds: None, or a finite number > 0 (NaN would never fire)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+            or not math.isfinite(value) or value <= 0:
+        raise RejectedError("invalid", f"{name} must be a finite number of seconds > 0, "
+                            f"got {value!r:.40}", name)
+    return float(value)
+
+
+def _optional_text(name: str, value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise RejectedError("invalid", f"{name} must be a string or None, got "
+                            f"{type(value).__name__}", name)
+    return value
 
 
 def _best_effort(fn, *args) -> None:

@@ -51,6 +51,7 @@ class RequestRecord:
     deadline: float | None  # monotonic time by which it must finish
     publication_order: int
     session_key: str | None = None
+    cache_scope: str | None = None  # prefix reuse stays within this scope (a tenant)
     state: RequestState = RequestState.WAITING
     seq: Any = None  # the Program's SequenceHandle while it holds one
     plan: Any = None  # the sealed ResourcePlan while Materializing

@@ -24,25 +24,29 @@ class ProgramConfig:
     num_checkpoint_slots: int = 0  # GDN state images of prefix checkpoints (0 = no reuse)
 
     def __post_init__(self):
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
         checks = {
-            "max_concurrency": 1 <= self.max_concurrency <= 64,
-            "page_size": self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
-            "num_pages": self.num_pages >= 1,
-            "max_seq_len": self.max_seq_len >= 2,
-            "prefill_chunk": self.prefill_chunk >= 1,
-            "attention_impl": self.attention_impl in ATTENTION_IMPLS,
-            "dtype": self.dtype in DTYPES,
-            "num_checkpoint_slots": self.num_checkpoint_slots >= 0,
+            "max_concurrency": lambda v: is_int(v) and 1 <= v <= 64,
+            "page_size": lambda v: is_int(v) and v >= 1 and v & (v - 1) == 0,
+            "num_pages": lambda v: is_int(v) and v >= 1,
+            "max_seq_len": lambda v: is_int(v) and v >= 2,
+            "prefill_chunk": lambda v: is_int(v) and v >= 1,
+            "attention_impl": lambda v: v in ATTENTION_IMPLS,
+            "dtype": lambda v: v in DTYPES,
+            "num_checkpoint_slots": lambda v: is_int(v) and v >= 0,
         }
         limits = {
-            "max_concurrency": "in 1..64", "page_size": "a power of two",
-            "num_pages": ">= 1", "max_seq_len": ">= 2", "prefill_chunk": ">= 1",
-            "attention_impl": f"one of {ATTENTION_IMPLS}", "dtype": f"one of {DTYPES}",
-            "num_checkpoint_slots": ">= 0",
+            "max_concurrency": "an integer in 1..64", "page_size": "a power-of-two integer",
+            "num_pages": "an integer >= 1", "max_seq_len": "an integer >= 2",
+            "prefill_chunk": "an integer >= 1", "attention_impl": f"one of {ATTENTION_IMPLS}",
+            "dtype": f"one of {DTYPES}", "num_checkpoint_slots": "an integer >= 0",
         }
         for name, ok in checks.items():
-            if not ok:
-                raise ConfigError(f"{name} must be {limits[name]}, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not ok(value):
+                raise ConfigError(f"{name} must be {limits[name]}, got {value!r:.60}")
 
     @property
     def max_pages_per_seq(self) -> int:

@@ -101,7 +101,7 @@ async def start(engine: Any, req: GenerationRequest, metrics: Metrics,
     try:
         prepared = engine.frontend.prepare(
             prompt=req.prompt, messages=req.messages, prompt_token_ids=req.prompt_token_ids,
-            enable_thinking=req.enable_thinking)
+            enable_thinking=req.enable_thinking, allow_control_tokens=req.allow_control_tokens)
     except PromptError as e:
         raise ApiError.invalid(*_renamed(str(e), names)) from None
     except ChatTemplateError as e:
@@ -116,7 +116,7 @@ async def start(engine: Any, req: GenerationRequest, metrics: Metrics,
         raise ApiError.invalid(*_renamed(str(e), names)) from None
     try:
         handle = await engine.asubmit(prompt_token_ids=prepared.token_ids, sampling=sampling,
-                                      session=req.session)
+                                      session=req.session, cache_salt=req.cache_scope)
     except RejectedError as e:
         raise from_rejected(e, prompt_field=req.prompt_field,
                             budget_field=names.get("max_new_tokens", "max_tokens")) from None

@@ -42,11 +42,30 @@ class GenerationRequest:
     include_usage: bool = False
     enable_thinking: bool | None = None
     session: str | None = None
+    cache_salt: str | None = None  # prefix reuse only among requests with the same salt
+    allow_control_tokens: bool | None = None  # None: messages' text stays text, a prompt's not
+    tenant: str | None = None  # set by the server from the API key that authorized the request
     field_names: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def prompt_field(self) -> str:
         return "prompt" if self.messages is None else "messages"
+
+    @property
+    def cache_scope(self) -> str | None:
+        """The Engine's prefix-reuse scope: the tenant's key identity and the salt."""
+        if self.tenant is None and self.cache_salt is None:
+            return None
+        return f"{self.tenant or ''}\0{self.cache_salt or ''}"
+
+
+def _isolation(body: Fields) -> dict[str, Any]:
+    """The extension fields every API shares: `cache_salt` (vLLM's name) and
+    `allow_control_tokens` (special-token text in messages becomes control tokens)."""
+    salt = body.string("cache_salt")
+    if salt is not None and not salt:
+        raise ApiError.invalid("cache_salt", "must not be empty")
+    return {"cache_salt": salt, "allow_control_tokens": body.boolean("allow_control_tokens")}
 
 
 def _refuse_unsupported(body: Fields, *, flags: tuple[str, ...] = (),
@@ -132,7 +151,8 @@ def parse_chat(obj: Any, session_header: str | None) -> GenerationRequest:
         api=Api.OPENAI, model=body.string("model"), messages=messages,
         sampling=_openai_sampling(body), max_tokens=body.integer(budget_key), stream=stream,
         include_usage=_stream_options(body, stream), enable_thinking=thinking,
-        session=_session(body, session_header), field_names={"max_new_tokens": budget_key})
+        session=_session(body, session_header), field_names={"max_new_tokens": budget_key},
+        **_isolation(body))
 
 
 def parse_completion(obj: Any, session_header: str | None) -> GenerationRequest:
@@ -165,7 +185,8 @@ def parse_completion(obj: Any, session_header: str | None) -> GenerationRequest:
         sampling=_openai_sampling(body), max_tokens=body.integer("max_tokens"), stream=stream,
         include_usage=_stream_options(body, stream),
         enable_thinking=body.boolean("enable_thinking"), session=_session(body, session_header),
-        field_names={"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"})
+        field_names={"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"},
+        **_isolation(body))
 
 
 def parse_messages(obj: Any, session_header: str | None) -> GenerationRequest:
@@ -212,4 +233,5 @@ def parse_messages(obj: Any, session_header: str | None) -> GenerationRequest:
     return GenerationRequest(
         api=Api.ANTHROPIC, model=body.string("model"), messages=messages, sampling=sampling,
         max_tokens=max_tokens, stream=bool(body.boolean("stream")), enable_thinking=thinking,
-        session=session, field_names={"max_new_tokens": "max_tokens", "stop": "stop_sequences"})
+        session=session, field_names={"max_new_tokens": "max_tokens", "stop": "stop_sequences"},
+        **_isolation(body))
