@@ -59,6 +59,19 @@ class ScoringConfig:
     max_batch_tokens: int = 4096
     dtype: str = "float32"
 
+    def __post_init__(self):
+        """Types and model-independent ranges, checked before any model is loaded."""
+        for name in ("window", "stride", "max_len", "min_len", "max_batch_tokens"):
+            value = getattr(self, name)
+            optional = name in ("window", "stride", "max_len")
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1"
+                                  f"{' or None' if optional else ''}, got {value!r:.40}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r:.40}")
+
     def longest(self, cfg: ModelConfig) -> int:
         """The longest window this config compiles for `cfg`."""
         if self.window is not None:
@@ -76,10 +89,6 @@ class ScoringConfig:
         if longest > cfg.max_position_embeddings:
             raise ConfigError(f"window {longest} exceeds the model's max_position_embeddings "
                               f"{cfg.max_position_embeddings}")
-        if self.min_len < 1 or self.max_batch_tokens < 1:
-            raise ConfigError("min_len and max_batch_tokens must be >= 1")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
 
     def window_lens(self, cfg: ModelConfig) -> tuple[int, ...]:
         longest, lens, n = self.longest(cfg), [], self.min_len

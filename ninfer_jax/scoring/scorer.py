@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ninfer_jax.errors import ConfigError
 from ninfer_jax.frontend.tokenizer import Tokenizer
 from ninfer_jax.scoring.core import (
     CausalScoreCore,
@@ -89,7 +90,7 @@ class Scorer:
         known = {f.name for f in dataclasses.fields(ScoringConfig)}
         unknown = sorted(set(config) - known)
         if unknown:
-            raise TypeError(f"unknown Scorer setting(s) {unknown}; known: {sorted(known)}")
+            raise ConfigError(f"unknown Scorer setting(s) {unknown}; known: {sorted(known)}")
         scfg = ScoringConfig(**config)
         loaded = load_model(model, dtype=scfg.dtype)
         try:
@@ -106,17 +107,20 @@ class Scorer:
         if text is not None:
             if not isinstance(text, str):
                 raise ScoreInputError(f"text must be a string, got {type(text).__name__}")
-            if context:
-                if not isinstance(context, str):
-                    raise ScoreInputError("a text's context must be a string")
-                ids, first = split_pair(self._tokenizer(), context, text)
-            else:
-                ids, first = self._tokenizer().encode(text), 1
+            if context is not None and not isinstance(context, str):
+                raise ScoreInputError(f"a text's context must be a string, got "
+                                      f"{type(context).__name__}")
+            try:
+                if context:
+                    ids, first = split_pair(self._tokenizer(), context, text)
+                else:
+                    ids, first = self._tokenizer().encode(text), 1
+            except (UnicodeError, ValueError) as e:  # e.g. a lone surrogate
+                raise ScoreInputError(f"text cannot be tokenized: {e}") from None
         else:
-            ctx = [] if context is None else list(context)
-            ids, first = ctx + list(token_ids), max(1, len(ctx))
-            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
-                raise ScoreInputError("token ids must be integers")
+            ids = _id_list(token_ids, "token_ids")
+            ctx = [] if context is None else _id_list(context, "context")
+            ids, first = ctx + ids, max(1, len(ctx))
         request = ScoreRequest(np.asarray(ids, np.int64).reshape(-1), first)
         self.core.plan(request)
         return request
@@ -166,6 +170,14 @@ class Scorer:
         if self.tokenizer is None:
             raise ScoreInputError(f"{self.model_path} has no tokenizer; score token_ids")
         return self.tokenizer
+
+
+def _id_list(value: Any, name: str) -> list[int]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+        raise ScoreInputError(f"{name} must be a list of token ids, got {type(value).__name__}")
+    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in value):
+        raise ScoreInputError(f"{name} must hold integers")
+    return [int(t) for t in value]
 
 
 def _result(request: ScoreRequest, scores: TokenScores) -> ScoreResult:
