@@ -36,7 +36,8 @@ flags.DEFINE_float("body_timeout_s", 60.0,
 flags.DEFINE_float("keepalive_timeout_s", 5.0,
                    "serve: an idle keep-alive connection closes after this many seconds")
 flags.DEFINE_integer("max_connections", 512, "serve: open connections at most; a new one "
-                     "beyond it evicts the longest-idle one, or is closed at once")
+                     "beyond it evicts the one waiting longest for a request head, or is "
+                     "closed at once")
 
 COMMANDS = ("convert", "logits", "generate", "chat", "serve", "export-hf", "score")
 

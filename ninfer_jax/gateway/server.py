@@ -243,7 +243,8 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000,
     """Serves `engine` until interrupted (SIGINT/SIGTERM). A request head must be complete
     within `header_timeout_s` and its body within `body_timeout_s` (else 408); an idle
     keep-alive connection closes after `keepalive_timeout_s`; beyond `max_connections` open
-    connections a new one evicts the longest-idle one, or is closed at once when none is idle."""
+    connections a new one evicts the one waiting longest for a request head, or is closed at
+    once when every connection is serving a request."""
     limits = ConnectionLimits(header_timeout_s, keepalive_timeout_s, max_connections)
     app = create_app(engine, model_name=model_name, api_key=api_key,
                      body_timeout_s=body_timeout_s)

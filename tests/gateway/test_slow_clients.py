@@ -23,7 +23,7 @@ from ninfer_jax.errors import ConfigError
 from ninfer_jax.gateway import server as server_module
 from ninfer_jax.gateway.http import connections
 from ninfer_jax.gateway.server import ServerThread, create_app, run_serve
-from tests.gateway.conftest import MODEL, assert_fully_free, make_engine, served
+from tests.gateway.conftest import MODEL, assert_fully_free, make_engine, served, wait_idle
 from tests.gateway.test_server_lifecycle import metric
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -167,7 +167,7 @@ def test_stalled_body_gets_408_and_frees_everything(path, trickle):
         assert httpx.post(f"{s.url}/v1/chat/completions", json=CHAT).status_code == 200
 
 
-def test_streaming_answer_outlives_every_timeout():
+def test_streaming_answer_outlives_every_timeout_and_a_hang_up_still_cancels():
     engine = make_engine(step_seconds=0.005, eos=False)
     short = {"header_timeout_s": 0.2, "keepalive_timeout_s": 0.2}
     with served(engine, body_timeout_s=0.2, limits=short) as s, httpx.Client(timeout=30) as c:
@@ -181,6 +181,10 @@ def test_streaming_answer_outlives_every_timeout():
                 time.sleep(0.002)  # a slow reader is fine: only the client's sending is timed
         assert time.monotonic() - start > 0.6  # several times every limit
         assert text.rstrip().endswith("data: [DONE]") and '"finish_reason": "length"' in text
+        with c.stream("POST", f"{s.url}/v1/chat/completions",
+                      json={**CHAT, "max_tokens": 400, "stream": True}) as r:
+            next(r.iter_lines())  # hang up after the first chunk
+        assert wait_idle(engine).generated_tokens < 200 + 400  # cancelled before its budget
         assert_fully_free(engine)
 
 
