@@ -28,6 +28,16 @@ flags.DEFINE_string("host", "127.0.0.1", "serve: the address to listen on")
 flags.DEFINE_integer("port", 8000, "serve: the TCP port to listen on")
 flags.DEFINE_string("api_key", None,
                     "serve: when set, requests need `Authorization: Bearer KEY` or `x-api-key`")
+flags.DEFINE_float("header_timeout_s", 60.0, "serve: a request head must be complete within "
+                   "this many seconds of the connection opening (or of its first byte after a "
+                   "keep-alive response)")
+flags.DEFINE_float("body_timeout_s", 60.0,
+                   "serve: a request body must be complete within this many seconds (else 408)")
+flags.DEFINE_float("keepalive_timeout_s", 5.0,
+                   "serve: an idle keep-alive connection closes after this many seconds")
+flags.DEFINE_integer("max_connections", 512, "serve: open connections at most; a new one "
+                     "beyond it evicts the one waiting longest for a request head, or is "
+                     "closed at once")
 
 COMMANDS = ("convert", "logits", "generate", "chat", "serve", "export-hf", "score")
 
@@ -73,7 +83,10 @@ def _serve() -> int:
 
     return run_serve(model=FLAGS.model, host=FLAGS.host, port=FLAGS.port,
                      api_key=FLAGS.api_key, max_concurrency=FLAGS.max_concurrency,
-                     max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype)
+                     max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype,
+                     header_timeout_s=FLAGS.header_timeout_s, body_timeout_s=FLAGS.body_timeout_s,
+                     keepalive_timeout_s=FLAGS.keepalive_timeout_s,
+                     max_connections=FLAGS.max_connections)
 
 
 def _export_hf() -> int:

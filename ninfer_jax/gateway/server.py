@@ -1,9 +1,11 @@
 """`ninfer serve`: the HTTP gateway, an OpenAI- and Anthropic-compatible Starlette app on uvicorn.
 
-Owns the routes, authentication (`Authorization: Bearer` or `x-api-key`), the body size limit,
-the served model's id, and running the app (`serve` blocks; `ServerThread` runs it in the
-background for tests, benchmarks and notebooks). Protocol details live in `gateway/http/`;
-order, cache and physical state stay with the Engine (DESIGN §2).
+Owns the routes, authentication (`Authorization: Bearer` or `x-api-key`), the body size and
+time limits (a body not complete within `body_timeout_s` of the head gets a 408), the served
+model's id, and running the app (`serve` blocks; `ServerThread` runs it in the background for
+tests, benchmarks and notebooks) with the connection limits of `gateway/http/connections.py`
+(head timeout, keep-alive timeout, maximum connections). Protocol details live in
+`gateway/http/`; order, cache and physical state stay with the Engine (DESIGN §2).
 
 Endpoints: `GET /health`, `GET /ready`, `GET /metrics`, `GET /v1/models[/{id}]`,
 `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/messages`.
@@ -11,6 +13,7 @@ Endpoints: `GET /health`, `GET /ready`, `GET /metrics`, `GET /v1/models[/{id}]`,
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hmac
 import logging
@@ -23,11 +26,19 @@ from typing import Any, Self
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ninfer_jax.gateway.http import anthropic_api, openai_api
+from ninfer_jax.gateway.http.connections import (
+    HEADER_TIMEOUT_S,
+    KEEPALIVE_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    ConnectionLimits,
+    GuardedH11Protocol,
+    positive_seconds,
+)
 from ninfer_jax.gateway.http.errors import Api, ApiError
 from ninfer_jax.gateway.http.fields import decode_json
 from ninfer_jax.gateway.http.metrics import Metrics
@@ -41,8 +52,9 @@ from ninfer_jax.gateway.http.state import ServerState
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 4 << 20
-_REJECTION = {400: "invalid", 401: "unauthorized", 404: "unknown_model", 413: "too_large",
-              429: "overload", 503: "unavailable"}
+BODY_TIMEOUT_S = 60.0  # nginx's client_body_timeout, here a total: trickling does not extend it
+_REJECTION = {400: "invalid", 401: "unauthorized", 404: "unknown_model", 408: "timeout",
+              413: "too_large", 429: "overload", 503: "unavailable"}
 
 Handler = Callable[[ServerState, Request, GenerationRequest, float], Awaitable[Response]]
 
@@ -63,18 +75,23 @@ def _authorize(request: Request, api_key: str | None) -> None:
                        code="invalid_api_key")
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     too_large = ApiError(413, f"request body over the {limit}-byte limit",
                          code="request_too_large")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"request body not complete within {timeout_s:g} s "
+                       "(body_timeout_s)", code="request_timeout") from None
     return b"".join(chunks)
 
 
@@ -85,8 +102,8 @@ def _generation_endpoint(state: ServerState, api: Api,
         received_at = time.monotonic()
         try:
             _authorize(request, state.api_key)
-            req = parse(decode_json(await _read_body(request, state.max_body_bytes)),
-                        request.headers.get("x-session-id"))
+            body = await _read_body(request, state.max_body_bytes, state.body_timeout_s)
+            req = parse(decode_json(body), request.headers.get("x-session-id"))
             if req.model is not None and req.model != state.model_name:
                 raise ApiError(404, f"model {req.model!r:.80} not found; this server serves "
                                f"{state.model_name!r}", param="model", code="model_not_found")
@@ -96,6 +113,8 @@ def _generation_endpoint(state: ServerState, api: Api,
                 _REJECTION.get(e.status, "error")
             state.metrics.rejections.labels(reason).inc()
             return e.response(api)
+        except ClientDisconnect:  # gone before its body was complete: nobody to answer
+            return Response(status_code=400)
         except Exception:  # a bug, never bad input: answer in the API's schema, keep serving
             log.exception("internal error serving %s", request.url.path)
             return ApiError(500, "internal server error", code="internal_error").response(api)
@@ -104,13 +123,16 @@ def _generation_endpoint(state: ServerState, api: Api,
 
 
 def create_app(engine: Any, *, model_name: str | None = None, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+               max_body_bytes: int = MAX_BODY_BYTES,
+               body_timeout_s: float = BODY_TIMEOUT_S) -> Starlette:
     """The ASGI app over a running `Engine`. `model_name` is the id clients send as `model`
     (default: the model directory's name, or "ninfer")."""
+    body_timeout_s = positive_seconds("body_timeout_s", body_timeout_s)
     if model_name is None:
         path = getattr(engine, "model_path", None)
         model_name = path.name if path is not None else "ninfer"
-    state = ServerState(engine, model_name, Metrics(engine), api_key, max_body_bytes)
+    state = ServerState(engine, model_name, Metrics(engine), api_key, max_body_bytes,
+                        body_timeout_s)
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -173,18 +195,23 @@ def create_app(engine: Any, *, model_name: str | None = None, api_key: str | Non
     return app
 
 
-def _config(app: Starlette, host: str, port: int) -> uvicorn.Config:
+def _config(app: Starlette, host: str, port: int, limits: ConnectionLimits) -> uvicorn.Config:
     return uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
-                          timeout_graceful_shutdown=5, access_log=False)
+                          timeout_graceful_shutdown=5, access_log=False, ws="none",
+                          http=GuardedH11Protocol.bound_to(limits),
+                          timeout_keep_alive=limits.keepalive_timeout_s)  # type: ignore[arg-type]
 
 
 class ServerThread:
     """Runs an app on uvicorn in a background thread: `with ServerThread(app) as s: s.url`.
-    Port 0 picks a free port."""
+    Port 0 picks a free port. The limits are those of `serve`."""
 
     def __init__(self, app: Starlette, host: str = "127.0.0.1", port: int = 0,
-                 start_timeout_s: float = 30.0):
-        self.server = uvicorn.Server(_config(app, host, port))
+                 start_timeout_s: float = 30.0, *, header_timeout_s: float = HEADER_TIMEOUT_S,
+                 keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS):
+        limits = ConnectionLimits(header_timeout_s, keepalive_timeout_s, max_connections)
+        self.server = uvicorn.Server(_config(app, host, port, limits))
         self.host, self.start_timeout_s = host, start_timeout_s
         self._thread = threading.Thread(target=self.server.run, name="ninfer-http", daemon=True)
         self.port = port
@@ -209,18 +236,33 @@ class ServerThread:
 
 
 def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, model_name: str | None = None) -> None:
-    """Serves `engine` until interrupted (SIGINT/SIGTERM)."""
-    app = create_app(engine, model_name=model_name, api_key=api_key)
+          api_key: str | None = None, model_name: str | None = None,
+          header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
+          keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
+          max_connections: int = MAX_CONNECTIONS) -> None:
+    """Serves `engine` until interrupted (SIGINT/SIGTERM). A request head must be complete
+    within `header_timeout_s` and its body within `body_timeout_s` (else 408); an idle
+    keep-alive connection closes after `keepalive_timeout_s`; beyond `max_connections` open
+    connections a new one evicts the one waiting longest for a request head, or is closed at
+    once when every connection is serving a request."""
+    limits = ConnectionLimits(header_timeout_s, keepalive_timeout_s, max_connections)
+    app = create_app(engine, model_name=model_name, api_key=api_key,
+                     body_timeout_s=body_timeout_s)
     name = app.state.server.model_name
     print(f"[ninfer] serving {name!r} on http://{host}:{port} "
           f"(auth {'on' if api_key else 'off'})", file=sys.stderr)
-    uvicorn.Server(_config(app, host, port)).run()
+    uvicorn.Server(_config(app, host, port, limits)).run()
 
 
 def run_serve(*, model: str | None, host: str, port: int, api_key: str | None,
-              max_concurrency: int, max_seq_len: int, dtype: str) -> int:
-    """`ninfer serve`: opens the Engine, serves until interrupted, closes the Engine."""
+              max_concurrency: int, max_seq_len: int, dtype: str,
+              header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
+              keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
+              max_connections: int = MAX_CONNECTIONS) -> int:
+    """`ninfer serve`: opens the Engine, serves until interrupted, closes the Engine. The
+    server's limits are checked before the model loads."""
+    ConnectionLimits(header_timeout_s, keepalive_timeout_s, max_connections)
+    positive_seconds("body_timeout_s", body_timeout_s)
     from ninfer_jax.api import Engine
 
     start = time.perf_counter()
@@ -229,7 +271,9 @@ def run_serve(*, model: str | None, host: str, port: int, api_key: str | None,
     print(f"[ninfer] model {engine.model_path} ready in {time.perf_counter() - start:.1f}s "
           f"(max_concurrency={max_concurrency})", file=sys.stderr)
     try:
-        serve(engine, host=host, port=port, api_key=api_key)
+        serve(engine, host=host, port=port, api_key=api_key, header_timeout_s=header_timeout_s,
+              body_timeout_s=body_timeout_s, keepalive_timeout_s=keepalive_timeout_s,
+              max_connections=max_connections)
     finally:
         engine.close()
     return 0

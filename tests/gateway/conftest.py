@@ -56,10 +56,12 @@ def make_engine(max_concurrency: int = 4, *, max_queue: int = 64, max_seq_len: i
 
 
 @contextlib.contextmanager
-def served(engine: Engine, **app_kw) -> Iterator[ServerThread]:
-    """The engine behind a live server; the engine is closed afterwards."""
+def served(engine: Engine, *, limits: dict | None = None, **app_kw) -> Iterator[ServerThread]:
+    """The engine behind a live server (`limits`: ServerThread's connection limits); the engine
+    is closed afterwards."""
     try:
-        with ServerThread(create_app(engine, model_name=MODEL, **app_kw)) as server:
+        with ServerThread(create_app(engine, model_name=MODEL, **app_kw),
+                          **(limits or {})) as server:
             yield server
     finally:
         engine.close()

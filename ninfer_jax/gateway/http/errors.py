@@ -27,6 +27,7 @@ _TYPES = {
     401: ("authentication_error", "authentication_error"),
     404: ("not_found_error", "not_found_error"),
     405: ("invalid_request_error", "invalid_request_error"),
+    408: ("invalid_request_error", "timeout_error"),
     413: ("invalid_request_error", "request_too_large"),
     429: ("rate_limit_error", "rate_limit_error"),
     500: ("server_error", "api_error"),
@@ -56,6 +57,8 @@ class ApiError(Exception):
 
     def response(self, api: Api) -> Response:
         headers = {"retry-after": "1"} if self.status in (429, 503) else None
+        if self.status == 408:  # the server stops waiting for this client (RFC 9110 15.5.9)
+            headers = {"connection": "close"}
         return Response(json.dumps(self.body(api)), status_code=self.status,
                         media_type="application/json", headers=headers)
 

@@ -16,6 +16,7 @@ class ServerState:
     metrics: Metrics
     api_key: str | None
     max_body_bytes: int
+    body_timeout_s: float  # the whole body must arrive within this long of the head
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property
