@@ -26,8 +26,11 @@ flags.DEFINE_list("prompt_ids", None, "logits: comma-separated prompt token ids"
 flags.DEFINE_integer("top", 5, "logits: how many top next tokens to print")
 flags.DEFINE_string("host", "127.0.0.1", "serve: the address to listen on")
 flags.DEFINE_integer("port", 8000, "serve: the TCP port to listen on")
-flags.DEFINE_string("api_key", None,
-                    "serve: when set, requests need `Authorization: Bearer KEY` or `x-api-key`")
+flags.DEFINE_multi_string("api_key", [], "serve: when set, requests need `Authorization: Bearer "
+                          "KEY` or `x-api-key`; repeat for several keys, one tenant each "
+                          "(prefix caches never shared between tenants)")
+flags.DEFINE_string("api_key_file", None, "serve: a file with one API key per line (keeps keys "
+                    "out of the process list); adds to --api_key")
 flags.DEFINE_float("header_timeout_s", 60.0, "serve: a request head must be complete within "
                    "this many seconds of the connection opening (or of its first byte after a "
                    "keep-alive response)")
@@ -78,11 +81,21 @@ def _logits() -> int:
     return 0
 
 
+def _api_keys() -> list[str]:
+    keys = list(FLAGS.api_key)
+    if FLAGS.api_key_file:
+        with open(FLAGS.api_key_file, encoding="utf-8") as f:
+            keys += [line.strip() for line in f if line.strip()]
+        if len(keys) == len(FLAGS.api_key):
+            raise app.UsageError(f"--api_key_file {FLAGS.api_key_file} holds no key")
+    return keys
+
+
 def _serve() -> int:
     from ninfer_jax.gateway.server import run_serve
 
     return run_serve(model=FLAGS.model, host=FLAGS.host, port=FLAGS.port,
-                     api_key=FLAGS.api_key, max_concurrency=FLAGS.max_concurrency,
+                     api_key=_api_keys() or None, max_concurrency=FLAGS.max_concurrency,
                      max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype,
                      header_timeout_s=FLAGS.header_timeout_s, body_timeout_s=FLAGS.body_timeout_s,
                      keepalive_timeout_s=FLAGS.keepalive_timeout_s,

@@ -14,13 +14,15 @@ Endpoints: `GET /health`, `GET /ready`, `GET /metrics`, `GET /v1/models[/{id}]`,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import hashlib
 import hmac
 import logging
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Self
 
 import uvicorn
@@ -30,6 +32,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ninfer_jax.errors import ConfigError
 from ninfer_jax.gateway.http import anthropic_api, openai_api
 from ninfer_jax.gateway.http.connections import (
     HEADER_TIMEOUT_S,
@@ -63,16 +66,32 @@ def _api(path: str) -> Api:
     return Api.ANTHROPIC if path.startswith("/v1/messages") else Api.OPENAI
 
 
-def _authorize(request: Request, api_key: str | None) -> None:
-    if api_key is None:
-        return
+def api_keys(api_key: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The accepted keys: none (auth off), one, or several (one tenant each)."""
+    keys = () if api_key is None else (api_key,) if isinstance(api_key, str) else tuple(api_key)
+    for key in keys:
+        if not isinstance(key, str) or not key.strip() or key != key.strip():
+            raise ConfigError("api_key must be a non-empty string without surrounding spaces")
+    return keys
+
+
+def _authorize(request: Request, keys: tuple[str, ...]) -> str | None:
+    """The tenant of the request: None with auth off, else an opaque id of the matching key.
+    Every key is compared (constant time each), so timing does not tell which one matched."""
+    if not keys:
+        return None
     given = request.headers.get("x-api-key")
     auth = request.headers.get("authorization", "")
     if given is None and auth[:7].lower() == "bearer ":
         given = auth[7:].strip()
-    if given is None or not hmac.compare_digest(given.encode(), api_key.encode()):
+    matched = None
+    for key in keys:
+        if given is not None and hmac.compare_digest(given.encode(), key.encode()):
+            matched = key
+    if matched is None:
         raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY or x-api-key)",
                        code="invalid_api_key")
+    return hashlib.sha256(matched.encode()).hexdigest()[:16]
 
 
 async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
@@ -101,9 +120,10 @@ def _generation_endpoint(state: ServerState, api: Api,
     async def endpoint(request: Request) -> Response:
         received_at = time.monotonic()
         try:
-            _authorize(request, state.api_key)
+            tenant = _authorize(request, state.api_keys)
             body = await _read_body(request, state.max_body_bytes, state.body_timeout_s)
             req = parse(decode_json(body), request.headers.get("x-session-id"))
+            req = dataclasses.replace(req, tenant=tenant)  # prefix reuse stays in the tenant
             if req.model is not None and req.model != state.model_name:
                 raise ApiError(404, f"model {req.model!r:.80} not found; this server serves "
                                f"{state.model_name!r}", param="model", code="model_not_found")
@@ -122,7 +142,7 @@ def _generation_endpoint(state: ServerState, api: Api,
     return endpoint
 
 
-def create_app(engine: Any, *, model_name: str | None = None, api_key: str | None = None,
+def create_app(engine: Any, *, model_name: str | None = None, api_key: str | Sequence[str] | None = None,
                max_body_bytes: int = MAX_BODY_BYTES,
                body_timeout_s: float = BODY_TIMEOUT_S) -> Starlette:
     """The ASGI app over a running `Engine`. `model_name` is the id clients send as `model`
@@ -131,7 +151,7 @@ def create_app(engine: Any, *, model_name: str | None = None, api_key: str | Non
     if model_name is None:
         path = getattr(engine, "model_path", None)
         model_name = path.name if path is not None else "ninfer"
-    state = ServerState(engine, model_name, Metrics(engine), api_key, max_body_bytes,
+    state = ServerState(engine, model_name, Metrics(engine), api_keys(api_key), max_body_bytes,
                         body_timeout_s)
 
     async def health(request: Request) -> Response:
@@ -153,14 +173,14 @@ def create_app(engine: Any, *, model_name: str | None = None, api_key: str | Non
 
     async def list_models(request: Request) -> Response:
         try:
-            _authorize(request, state.api_key)
+            _authorize(request, state.api_keys)
         except ApiError as e:
             return e.response(Api.OPENAI)
         return JSONResponse({"object": "list", "data": [model_card()]})
 
     async def get_model(request: Request) -> Response:
         try:
-            _authorize(request, state.api_key)
+            _authorize(request, state.api_keys)
         except ApiError as e:
             return e.response(Api.OPENAI)
         if request.path_params["model"] != state.model_name:
@@ -236,7 +256,7 @@ class ServerThread:
 
 
 def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, model_name: str | None = None,
+          api_key: str | Sequence[str] | None = None, model_name: str | None = None,
           header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
           keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
           max_connections: int = MAX_CONNECTIONS) -> None:
@@ -250,11 +270,11 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000,
                      body_timeout_s=body_timeout_s)
     name = app.state.server.model_name
     print(f"[ninfer] serving {name!r} on http://{host}:{port} "
-          f"(auth {'on' if api_key else 'off'})", file=sys.stderr)
+          f"(auth {'on' if app.state.server.api_keys else 'off'})", file=sys.stderr)
     uvicorn.Server(_config(app, host, port, limits)).run()
 
 
-def run_serve(*, model: str | None, host: str, port: int, api_key: str | None,
+def run_serve(*, model: str | None, host: str, port: int, api_key: str | Sequence[str] | None,
               max_concurrency: int, max_seq_len: int, dtype: str,
               header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
               keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
@@ -263,6 +283,7 @@ def run_serve(*, model: str | None, host: str, port: int, api_key: str | None,
     server's limits are checked before the model loads."""
     ConnectionLimits(header_timeout_s, keepalive_timeout_s, max_connections)
     positive_seconds("body_timeout_s", body_timeout_s)
+    api_keys(api_key)
     from ninfer_jax.api import Engine
 
     start = time.perf_counter()

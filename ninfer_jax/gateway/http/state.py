@@ -14,7 +14,7 @@ class ServerState:
     engine: Any  # ninfer_jax.api.Engine (or anything with its frontend/core/asubmit/stats)
     model_name: str
     metrics: Metrics
-    api_key: str | None
+    api_keys: tuple[str, ...]  # accepted keys, each its own tenant; empty: auth off
     max_body_bytes: int
     body_timeout_s: float  # the whole body must arrive within this long of the head
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
