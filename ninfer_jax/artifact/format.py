@@ -1,13 +1,16 @@
 """The artifact format: one directory per model package.
 
     manifest.json     family, variant, every dimension (the ModelConfig), dtype, the source
-                      files' sha256, the frontend resources present, notes (what was skipped)
+                      files' sha256, the frontend resources present, notes (what was skipped),
+                      the exact list of files written
     weights/          the params pytree saved with orbax
     <frontend files>  tokenizer files and chat template, copied when the source has them
 
-Owns writing and reading that layout. Reading an artifact restores the params with targets
-built from the manifest, so a truncated or mismatched weights directory is an error, not a
-silently different model.
+Owns writing and reading that layout. Writing goes through `staging.staged_dir` (a temporary
+directory beside `out`, renamed into place); the file list is how a later `overwrite` knows the
+directory holds nothing else. Reading an artifact restores the params with targets built from
+the manifest, so a truncated or mismatched weights directory is an error, not a silently
+different model.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ninfer_jax.artifact import staging
 from ninfer_jax.errors import CheckpointError
 from ninfer_jax.models.qwen3_6.config import ModelConfig
 
@@ -29,6 +33,7 @@ FORMAT_VERSION = 1
 FAMILY = "qwen3_6"
 MANIFEST = "manifest.json"
 WEIGHTS = "weights"
+HOLDS = "a ninfer artifact"
 FRONTEND_FILES = (
     "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model",
     "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
@@ -48,37 +53,48 @@ def sha256_file(path: pathlib.Path) -> str:
     return h.hexdigest()
 
 
+def foreign(path: pathlib.Path) -> str | None:
+    """Why `path` is not exactly an artifact written by `write_artifact`, or None."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        manifest = None
+    if not isinstance(manifest, dict) or manifest.get("family") != FAMILY:
+        return f"{staging.holdings(path)}, and no {MANIFEST} of a {FAMILY} artifact"
+    files = manifest.get("files")
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        return (f"its {MANIFEST} does not list the files written, so they cannot be told apart "
+                "from others; remove it yourself")
+    return staging.file_set_problem(path, {*files, MANIFEST})
+
+
 def write_artifact(out: str | pathlib.Path, cfg: ModelConfig, params: dict, *, dtype: str,
                    sources: dict[str, str], frontend_dir: pathlib.Path | None,
-                   notes: list[str]) -> pathlib.Path:
-    """Writes an artifact directory (replacing `out` if it is an artifact already)."""
-    out = pathlib.Path(out).absolute()
-    if out.exists():
-        if not is_artifact(out) and any(out.iterdir()):
-            raise CheckpointError(f"--out {str(out)!r} exists, is not empty and is not an artifact")
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    frontend = []
-    if frontend_dir is not None:
-        for name in FRONTEND_FILES:
-            if (frontend_dir / name).is_file():
-                shutil.copy2(frontend_dir / name, out / name)
-                frontend.append(name)
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(out / WEIGHTS, params)
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "family": FAMILY,
-        "variant": cfg.variant,
-        "dtype": dtype,
-        "config": cfg.to_dict(),
-        "num_mtp_layers": len(params["mtp"]["layers"]["input_norm"]) if "mtp" in params else 0,
-        "frontend_files": frontend,
-        "sources": sources,
-        "notes": notes,
-    }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
-    return out
+                   notes: list[str], overwrite: bool = False) -> pathlib.Path:
+    """Writes an artifact directory at `out` (see `staging` for what may be replaced)."""
+    with staging.staged_dir(out, overwrite=overwrite, foreign=foreign, holds=HOLDS) as tmp:
+        frontend = []
+        if frontend_dir is not None:
+            for name in FRONTEND_FILES:
+                if (frontend_dir / name).is_file():
+                    shutil.copy2(frontend_dir / name, tmp / name)
+                    frontend.append(name)
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(tmp / WEIGHTS, params)
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "family": FAMILY,
+            "variant": cfg.variant,
+            "dtype": dtype,
+            "config": cfg.to_dict(),
+            "num_mtp_layers": len(params["mtp"]["layers"]["input_norm"]) if "mtp" in params else 0,
+            "frontend_files": frontend,
+            "sources": sources,
+            "notes": notes,
+            "files": sorted(f.relative_to(tmp).as_posix() for f in tmp.rglob("*") if f.is_file()),
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    return pathlib.Path(out).absolute()
 
 
 def read_manifest(path: str | pathlib.Path) -> dict[str, Any]:
