@@ -37,11 +37,12 @@ class Engine:
 
     @classmethod
     def open(cls, model: str | pathlib.Path | None = None, *, max_concurrency: int = 4,
-             **config: Any) -> "Engine":
+             verify_weights: bool = True, **config: Any) -> "Engine":
         """Loads `model` (artifact or HF checkpoint directory; None = the embedded default) and
         compiles every step before returning. Settings: max_seq_len, page_size, num_pages,
         prefill_chunk, attention_impl, dtype, num_checkpoint_slots (Program); max_queue,
-        queue_timeout_s, prefix_reuse (Engine; on by default)."""
+        queue_timeout_s, prefix_reuse (Engine; on by default); verify_weights (check digests
+        and finiteness while loading, see `load_model`'s `verify`)."""
         from ninfer_jax.loader import load_model
         from ninfer_jax.program.config import ProgramConfig
         from ninfer_jax.program.program import Program
@@ -58,7 +59,7 @@ class Engine:
         pkw.setdefault("num_checkpoint_slots",
                        4 * max_concurrency if config.get("prefix_reuse", True) else 0)
         pcfg = ProgramConfig(max_concurrency=max_concurrency, **pkw)
-        loaded = load_model(model, dtype=pcfg.dtype)
+        loaded = load_model(model, dtype=pcfg.dtype, verify=verify_weights)
         try:
             frontend = Frontend.load(loaded.path)
         except FileNotFoundError as e:

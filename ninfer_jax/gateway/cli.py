@@ -22,6 +22,8 @@ flags.DEFINE_string("out", None, "convert: the artifact directory to write; expo
 flags.DEFINE_bool("overwrite", False, "convert, export-hf: replace --out when it holds exactly "
                   "what the same command wrote before (the old copy goes only once the new one "
                   "is in place)")
+flags.DEFINE_bool("verify_weights", True, "generate, chat, export-hf: check the weights' digests "
+                  "and finiteness while loading; --noverify_weights skips it")
 flags.DEFINE_string("model", None,
                     "artifact or HF checkpoint directory (default: the embedded demo model)")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights/activations dtype")
@@ -87,7 +89,7 @@ def _export_hf() -> int:
         raise app.UsageError("export-hf needs --out=DIR (--model=DIR defaults to the demo model)")
     start = time.perf_counter()
     check_out(FLAGS.out, FLAGS.overwrite)
-    model = load_model(FLAGS.model, dtype=FLAGS.dtype)
+    model = load_model(FLAGS.model, dtype=FLAGS.dtype, verify=FLAGS.verify_weights)
     path = export_hf(model.config, model.params, FLAGS.out, frontend_dir=model.path,
                      overwrite=FLAGS.overwrite)
     print(f"wrote {path} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
