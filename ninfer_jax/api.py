@@ -38,15 +38,18 @@ class Engine:
 
     @classmethod
     def open(cls, model: str | pathlib.Path | None = None, *, max_concurrency: int = 4,
-             **config: Any) -> "Engine":
+             verify_weights: bool = True, **config: Any) -> "Engine":
         """Loads `model` (artifact or HF checkpoint directory; None = the embedded default) and
         compiles every step before returning. Settings: max_seq_len, page_size, num_pages,
         prefill_chunk, attention_impl, dtype, num_checkpoint_slots (Program); max_queue,
-        queue_timeout_s, prefix_reuse (Engine; on by default)."""
+        queue_timeout_s, prefix_reuse (Engine; on by default); verify_weights (check digests
+        and finiteness while loading, see `load_model`'s `verify`)."""
         from ninfer_jax.loader import load_model
         from ninfer_jax.program.config import ProgramConfig
         from ninfer_jax.program.program import Program
 
+        if not isinstance(verify_weights, bool):
+            raise ConfigError(f"verify_weights must be a bool, got {verify_weights!r:.40}")
         unknown = sorted(set(config) - set(_PROGRAM_KEYS) - set(_CORE_KEYS))
         if unknown:
             raise ConfigError(f"unknown Engine setting(s) {unknown}; known: "
@@ -57,7 +60,7 @@ class Engine:
         defaults = {"num_pages": 2 * max_concurrency * pcfg.max_pages_per_seq,
                     "num_checkpoint_slots": 4 * max_concurrency if core_config.prefix_reuse else 0}
         pcfg = dataclasses.replace(pcfg, **{k: v for k, v in defaults.items() if k not in given})
-        loaded = load_model(model, dtype=pcfg.dtype)
+        loaded = load_model(model, dtype=pcfg.dtype, verify=verify_weights)
         try:
             frontend = Frontend.load(loaded.path)
         except FileNotFoundError as e:

@@ -2,7 +2,8 @@
 
 Owns resolving a path to (config, params) in the requested dtype and a jitted full-sequence
 `logits`. It keeps no engine state: the Program builds its own step functions from the same
-config and params.
+config and params. By default the weights are verified while loading (an artifact's tensor
+digests, every tensor's finiteness); `verify=False` is the fast path that skips both.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from ninfer_jax.artifact import format as artifact_format
 from ninfer_jax.artifact.hf import SafetensorsSource, checkpoint_dir, is_hf_checkpoint, read_config
 from ninfer_jax.errors import CheckpointError, ConfigError
 from ninfer_jax.models.qwen3_6 import ModelConfig, forward
-from ninfer_jax.models.qwen3_6.weights import param_shapes, params_from_hf
+from ninfer_jax.models.qwen3_6.weights import params_from_hf
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # The embedded default: the demo model shipped as package data (scripts/train_demo.py).
@@ -32,10 +33,12 @@ def _dtype(dtype: str):
     return DTYPES[dtype]
 
 
-def read_hf(path: str | pathlib.Path, dtype: str = "float32"):
-    """(config, params as numpy, notes) from an HF checkpoint directory."""
+def read_hf(path: str | pathlib.Path, dtype: str = "float32", verify: bool = True):
+    """(config, params as numpy, notes) from an HF checkpoint directory; `verify` refuses a
+    tensor holding NaN or inf."""
     cfg = ModelConfig.from_hf_dict(read_config(path))
-    params, notes = params_from_hf(cfg, SafetensorsSource(path), cast=lambda a: a.astype(_dtype(dtype)))
+    params, notes = params_from_hf(cfg, SafetensorsSource(path, check_finite=verify),
+                                   cast=lambda a: a.astype(_dtype(dtype)))
     return cfg, params, notes
 
 
@@ -65,23 +68,24 @@ class LoadedModel:
         return np.asarray(_logits(self.params, self.config, jnp.asarray(ids, jnp.int32)))
 
 
-def load_model(path: str | pathlib.Path | None = None, dtype: str = "float32") -> LoadedModel:
+def load_model(path: str | pathlib.Path | None = None, dtype: str = "float32",
+               verify: bool = True) -> LoadedModel:
     """Loads an artifact directory or an HF checkpoint directory in `dtype` (float32|bfloat16);
-    with no path, the embedded demo model (`DEFAULT_MODEL`)."""
+    with no path, the embedded demo model (`DEFAULT_MODEL`).
+
+    verify: check every tensor's digest (artifacts) and that it holds no NaN/inf (artifacts and
+    HF checkpoints); a failure is a CheckpointError naming the tensor. `verify=False` skips the
+    hashing and scanning (shapes and dtypes are always checked) and is needed for artifacts of
+    format_version 1, which record no digests.
+    """
     root = checkpoint_dir(DEFAULT_MODEL if path is None else path)
     jdtype = _dtype(dtype)
     if artifact_format.is_artifact(root):
-        manifest = artifact_format.read_manifest(root)
-        cfg = ModelConfig.from_dict(manifest["config"])
-        saved = jnp.dtype(manifest["dtype"])
-        num_mtp = manifest.get("num_mtp_layers", 0)
-        target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, saved),
-                              param_shapes(cfg, num_mtp), is_leaf=lambda x: isinstance(x, tuple))
-        params = artifact_format.read_artifact(root, target)
-        params = jax.tree.map(lambda a: jnp.asarray(a, jdtype), params)
+        cfg, np_params, manifest = artifact_format.read_artifact(root, verify=verify)
+        params = jax.tree.map(lambda a: jnp.asarray(a, jdtype), np_params)
         notes = tuple(manifest.get("notes", ()))
     elif is_hf_checkpoint(root):
-        cfg, np_params, notes = read_hf(root, dtype)
+        cfg, np_params, notes = read_hf(root, dtype, verify=verify)
         params = jax.tree.map(jnp.asarray, np_params)
     else:
         raise CheckpointError(

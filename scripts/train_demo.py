@@ -306,7 +306,8 @@ def train(argv: list[str]) -> None:
         out = write_artifact(FLAGS.out, cfg, jax.device_get(params), dtype="float32",
                              sources={}, frontend_dir=frontend, notes=[(
                                  f"demo model trained by scripts/train_demo.py --seed={FLAGS.seed}"
-                                 f" --steps={FLAGS.steps}; valid ppl {math.exp(valid_loss):.2f}")])
+                                 f" --steps={FLAGS.steps}; valid ppl {math.exp(valid_loss):.2f}")],
+                             overwrite=True)
         log(event="wrote", path=str(out))
 
 

@@ -4,7 +4,9 @@ Owns writing a text-only transformers checkpoint (`config.json` for `Qwen3_5ForC
 `Qwen3_5MoeForCausalLM`, one `model.safetensors` with `model.*`, `lm_head.*` when untied and
 `mtp.*` when the params have a head) plus the model's frontend files. Every tensor is transposed
 back to nn.Linear's [out, in]; reading the result with `params_from_hf` gives the same params
-bit for bit.
+bit for bit. The directory is written through `staging.staged_dir`; `model.safetensors` records
+in its metadata (`ninfer_export_files`) the files written, which is how a later `--overwrite`
+recognises a checkpoint of ours.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import pathlib
 import shutil
 
 import numpy as np
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from ninfer_jax.artifact import staging
 from ninfer_jax.artifact.format import FRONTEND_FILES
-from ninfer_jax.errors import CheckpointError
 from ninfer_jax.models.qwen3_6.config import FULL, ModelConfig
 from ninfer_jax.models.qwen3_6.weights import check_param_shapes
 
@@ -136,21 +139,44 @@ def hf_config(cfg: ModelConfig, num_mtp_layers: int, dtype: str) -> dict:
     return text
 
 
+FILES_KEY = "ninfer_export_files"
+HOLDS = "a checkpoint written by `ninfer export-hf`"
+
+
+def foreign(path: pathlib.Path) -> str | None:
+    """Why `path` is not exactly a checkpoint written by `export_hf`, or None."""
+    try:
+        with safe_open(str(path / "model.safetensors"), framework="numpy") as f:
+            files = json.loads((f.metadata() or {})[FILES_KEY])
+    except (OSError, KeyError, ValueError, SafetensorError):  # absent, unreadable, not ours
+        return f"{staging.holdings(path)}, and no model.safetensors written by export-hf"
+    if not isinstance(files, list) or not all(isinstance(name, str) for name in files):
+        return f"its model.safetensors has a malformed {FILES_KEY!r}"
+    return staging.file_set_problem(path, set(files))
+
+
+def check_out(out: str | pathlib.Path, overwrite: bool = False) -> pathlib.Path:
+    """Raises a CheckpointError when `export_hf` may not write to `out` (see `staging`)."""
+    return staging.check_target(out, overwrite=overwrite, foreign=foreign, holds=HOLDS)
+
+
 def export_hf(cfg: ModelConfig, params: dict, out: str | pathlib.Path,
-              frontend_dir: pathlib.Path | None = None) -> pathlib.Path:
-    """Writes the HF checkpoint of (cfg, params) to `out` (created; must be empty if present)."""
-    out = pathlib.Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"--out {str(out)!r} exists and is not an empty directory")
-    out.mkdir(parents=True, exist_ok=True)
+              frontend_dir: pathlib.Path | None = None,
+              overwrite: bool = False) -> pathlib.Path:
+    """Writes the HF checkpoint of (cfg, params) to `out`: a new or empty directory, or (with
+    `overwrite`) one holding exactly a checkpoint written here before. Returns `out`."""
+    check_out(out, overwrite)
     tensors = hf_tensors(cfg, params)
     dtype = str(next(iter(tensors.values())).dtype)
     num_mtp = len(params["mtp"]["layers"]["input_norm"]) if "mtp" in params else 0
     config = hf_config(cfg, num_mtp, "bfloat16" if dtype == "bfloat16" else "float32")
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    if frontend_dir is not None:
-        for name in FRONTEND_FILES:
-            if (frontend_dir / name).is_file() and not (out / name).exists():
-                shutil.copy2(frontend_dir / name, out / name)
-    return out
+    frontend = [name for name in FRONTEND_FILES
+                if frontend_dir is not None and (frontend_dir / name).is_file()]
+    files = ["config.json", "model.safetensors", *frontend]
+    with staging.staged_dir(out, overwrite=overwrite, foreign=foreign, holds=HOLDS) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        save_file(tensors, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt", FILES_KEY: json.dumps(files)})
+        for name in frontend:
+            shutil.copy2(frontend_dir / name, tmp / name)
+    return pathlib.Path(out).absolute()

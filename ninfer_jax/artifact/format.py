@@ -1,19 +1,26 @@
 """The artifact format: one directory per model package.
 
     manifest.json     family, variant, every dimension (the ModelConfig), dtype, the source
-                      files' sha256, the frontend resources present, notes (what was skipped)
+                      files' sha256, the frontend resources present, notes (what was skipped);
+                      since format 2 also every tensor's shape, dtype and digest
+                      (`artifact/digests.py`) and the exact list of files written
     weights/          the params pytree saved with orbax
     <frontend files>  tokenizer files and chat template, copied when the source has them
 
-Owns writing and reading that layout. Reading an artifact restores the params with targets
-built from the manifest, so a truncated or mismatched weights directory is an error, not a
-silently different model.
+Owns writing and reading that layout. Writing goes through `staging.staged_dir` (a temporary
+directory beside `out`, renamed into place). Reading compares three records of every tensor —
+what the manifest's config implies, what the manifest lists, what orbax stored — before
+restoring, because orbax restores the stored shape and casts the stored dtype whatever the
+target says; then, unless `verify=False`, it checks every tensor's digest and finiteness.
+Format 1 (no digests) loads only with `verify=False`: a default that promises verified weights
+must not quietly load unverifiable ones (`python -m ninfer_jax.artifact.upgrade DIR` adds them).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pathlib
 import shutil
 from typing import Any
@@ -22,18 +29,25 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ninfer_jax.artifact import digests, staging
 from ninfer_jax.errors import CheckpointError
 from ninfer_jax.models.qwen3_6.config import ModelConfig
+from ninfer_jax.models.qwen3_6.weights import param_shapes
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: no digests and no file list
 FAMILY = "qwen3_6"
 MANIFEST = "manifest.json"
 WEIGHTS = "weights"
+DTYPES = ("float32", "bfloat16")
+HOLDS = "a ninfer artifact"
 FRONTEND_FILES = (
     "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model",
     "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
     "generation_config.json",
 )
+
+Spec = tuple[tuple[int, ...], str]  # (shape, dtype name)
 
 
 def is_artifact(path: str | pathlib.Path) -> bool:
@@ -48,37 +62,104 @@ def sha256_file(path: pathlib.Path) -> str:
     return h.hexdigest()
 
 
+def expected_tensors(cfg: ModelConfig, num_mtp_layers: int, dtype: str) -> dict[str, Spec]:
+    """{tensor name: (shape, dtype)} that a config, MTP depth and dtype imply."""
+    shapes = digests.named_leaves(param_shapes(cfg, num_mtp_layers),
+                                  is_leaf=lambda x: isinstance(x, tuple))
+    return {name: (tuple(shape), dtype) for name, shape in shapes.items()}
+
+
+def _spec(shape, dtype) -> str:
+    return f"shape {tuple(shape)} dtype {np.dtype(dtype).name}"
+
+
+def _check_specs(found: dict[str, Spec], expected: dict[str, Spec], where: str) -> None:
+    """Raises a CheckpointError naming the first tensor whose name, shape or dtype differ."""
+    for name in sorted(set(found) | set(expected)):
+        if name not in found:
+            raise CheckpointError(f"tensor {name!r} is missing from {where} (expected "
+                                  f"{_spec(*expected[name])})")
+        if name not in expected:
+            raise CheckpointError(f"{where} has tensor {name!r} ({_spec(*found[name])}), which "
+                                  f"the config in {MANIFEST} does not have")
+        if (tuple(found[name][0]), np.dtype(found[name][1])) != (
+                expected[name][0], np.dtype(expected[name][1])):
+            raise CheckpointError(f"tensor {name!r} in {where}: found {_spec(*found[name])}, "
+                                  f"expected {_spec(*expected[name])} (from {MANIFEST})")
+
+
+def tensor_records(tensors: dict[str, np.ndarray], sums: dict[str, str]) -> dict[str, dict]:
+    """The manifest's `tensors` entry."""
+    return {name: {"shape": list(np.shape(a)), "dtype": np.dtype(a.dtype).name,
+                   "digest": sums[name]} for name, a in tensors.items()}
+
+
+def write_manifest(root: pathlib.Path, manifest: dict[str, Any]) -> None:
+    """Writes `root/manifest.json` whole or not at all (a fsynced temporary file, renamed)."""
+    tmp = root / f".{MANIFEST}{staging.TMP_MARK}"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(manifest, indent=2, sort_keys=True))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / MANIFEST)
+
+
+def foreign(path: pathlib.Path) -> str | None:
+    """Why `path` is not exactly an artifact written by `write_artifact`, or None."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        manifest = None
+    if not isinstance(manifest, dict) or manifest.get("family") != FAMILY:
+        return f"{staging.holdings(path)}, and no {MANIFEST} of a {FAMILY} artifact"
+    files = manifest.get("files")
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        return (f"its {MANIFEST} (format_version {manifest.get('format_version')!r}) does not list "
+                "the files written, so they cannot be told apart from others; run `python -m "
+                "ninfer_jax.artifact.upgrade DIR` on it first, or remove it yourself")
+    return staging.file_set_problem(path, {*files, MANIFEST})
+
+
+def _num_mtp_layers(params: dict) -> int:
+    return len(params["mtp"]["layers"]["input_norm"]) if "mtp" in params else 0
+
+
 def write_artifact(out: str | pathlib.Path, cfg: ModelConfig, params: dict, *, dtype: str,
                    sources: dict[str, str], frontend_dir: pathlib.Path | None,
-                   notes: list[str]) -> pathlib.Path:
-    """Writes an artifact directory (replacing `out` if it is an artifact already)."""
-    out = pathlib.Path(out).absolute()
-    if out.exists():
-        if not is_artifact(out) and any(out.iterdir()):
-            raise CheckpointError(f"--out {str(out)!r} exists, is not empty and is not an artifact")
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    frontend = []
-    if frontend_dir is not None:
-        for name in FRONTEND_FILES:
-            if (frontend_dir / name).is_file():
-                shutil.copy2(frontend_dir / name, out / name)
-                frontend.append(name)
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(out / WEIGHTS, params)
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "family": FAMILY,
-        "variant": cfg.variant,
-        "dtype": dtype,
-        "config": cfg.to_dict(),
-        "num_mtp_layers": len(params["mtp"]["layers"]["input_norm"]) if "mtp" in params else 0,
-        "frontend_files": frontend,
-        "sources": sources,
-        "notes": notes,
-    }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
-    return out
+                   notes: list[str], overwrite: bool = False) -> pathlib.Path:
+    """Writes an artifact directory at `out` (see `staging` for what may be replaced)."""
+    if dtype not in DTYPES:
+        raise CheckpointError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    staging.check_target(out, overwrite=overwrite, foreign=foreign, holds=HOLDS)
+    tensors = {name: np.asarray(a) for name, a in digests.named_leaves(params).items()}
+    _check_specs({n: (a.shape, a.dtype.name) for n, a in tensors.items()},
+                 expected_tensors(cfg, _num_mtp_layers(params), dtype), "the params")
+    digests.check_finite(tensors, "the params")
+    sums, _ = digests.scan(tensors)
+    with staging.staged_dir(out, overwrite=overwrite, foreign=foreign, holds=HOLDS) as tmp:
+        frontend = []
+        if frontend_dir is not None:
+            for name in FRONTEND_FILES:
+                if (frontend_dir / name).is_file():
+                    shutil.copy2(frontend_dir / name, tmp / name)
+                    frontend.append(name)
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(tmp / WEIGHTS, params)
+        write_manifest(tmp, {
+            "format_version": FORMAT_VERSION,
+            "family": FAMILY,
+            "variant": cfg.variant,
+            "dtype": dtype,
+            "config": cfg.to_dict(),
+            "num_mtp_layers": _num_mtp_layers(params),
+            "frontend_files": frontend,
+            "sources": sources,
+            "notes": notes,
+            "tensor_digest": digests.ALGORITHM,
+            "tensors": tensor_records(tensors, sums),
+            "files": sorted(f.relative_to(tmp).as_posix() for f in tmp.rglob("*") if f.is_file()),
+        })
+    return pathlib.Path(out).absolute()
 
 
 def read_manifest(path: str | pathlib.Path) -> dict[str, Any]:
@@ -87,32 +168,92 @@ def read_manifest(path: str | pathlib.Path) -> dict[str, Any]:
         manifest = json.loads(file.read_text())
     except FileNotFoundError as e:
         raise CheckpointError(f"no {MANIFEST} in {str(path)!r}") from e
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file} is not valid JSON: {e}") from e
-    if manifest.get("family") != FAMILY:
-        raise CheckpointError(f"{file}: unknown family {manifest.get('family')!r}; known: {FAMILY}")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{file}: format_version {manifest.get('format_version')!r} is not {FORMAT_VERSION}"
-        )
+    if not isinstance(manifest, dict) or manifest.get("family") != FAMILY:
+        family = manifest.get("family") if isinstance(manifest, dict) else None
+        raise CheckpointError(f"{file}: unknown family {family!r}; known: {FAMILY}")
+    if manifest.get("format_version") not in READABLE_VERSIONS:
+        raise CheckpointError(f"{file}: format_version {manifest.get('format_version')!r} is "
+                              f"not one of {list(READABLE_VERSIONS)}")
+    if manifest.get("dtype") not in DTYPES:
+        raise CheckpointError(f"{file}: dtype {manifest.get('dtype')!r} is not one of "
+                              f"{list(DTYPES)}")
+    num_mtp = manifest.get("num_mtp_layers", 0)
+    if not isinstance(num_mtp, int) or num_mtp < 0:
+        raise CheckpointError(f"{file}: num_mtp_layers must be an int >= 0, got {num_mtp!r}")
+    if not isinstance(manifest.get("config"), dict):
+        raise CheckpointError(f"{file}: 'config' must be an object")
     return manifest
 
 
-def read_artifact(path: str | pathlib.Path, target: dict) -> dict:
-    """Restores the params saved under `path`, checked against `target`'s structure and shapes.
+def _recorded(manifest: dict, file: pathlib.Path) -> dict[str, Spec]:
+    tensors = manifest.get("tensors")
+    if manifest.get("tensor_digest") != digests.ALGORITHM or not isinstance(tensors, dict):
+        raise CheckpointError(f"{file}: 'tensor_digest' must be {digests.ALGORITHM!r} and "
+                              "'tensors' an object")
+    try:
+        if not all(isinstance(t["digest"], str) for t in tensors.values()):
+            raise TypeError("a digest is not a string")
+        return {name: (tuple(int(n) for n in t["shape"]), np.dtype(t["dtype"]).name)
+                for name, t in tensors.items()}
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{file}: a 'tensors' entry is malformed: {e!r}") from e
 
-    target: a pytree of jax.ShapeDtypeStruct (or arrays) describing what the manifest implies.
+
+def _stored_spec(name: str, meta: Any, weights: pathlib.Path) -> Spec:
+    if not hasattr(meta, "shape") or not hasattr(meta, "dtype"):
+        raise CheckpointError(f"{weights} holds {name!r}, which is not an array")
+    return tuple(meta.shape), np.dtype(meta.dtype).name
+
+
+def read_artifact(path: str | pathlib.Path, *,
+                  verify: bool = True) -> tuple[ModelConfig, dict, dict[str, Any]]:
+    """(config, params as numpy arrays in the stored dtype, manifest) of the artifact at `path`.
+
+    Every tensor's shape and dtype are checked before restoring; with `verify`, every digest
+    and finiteness after. Any disagreement is a CheckpointError naming the tensor.
     """
-    weights = pathlib.Path(path).absolute() / WEIGHTS
+    root = pathlib.Path(path).absolute()
+    file = root / MANIFEST
+    manifest = read_manifest(root)
+    if verify and manifest["format_version"] != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{file}: format_version {manifest['format_version']} records no tensor digests, so "
+            f"the weights cannot be verified; add them with `python -m ninfer_jax.artifact."
+            f"upgrade {root}`, re-run `ninfer convert`, or load with verify=False")
+    cfg = ModelConfig.from_dict(manifest["config"])
+    expected = expected_tensors(cfg, manifest.get("num_mtp_layers", 0), manifest["dtype"])
+    if manifest["format_version"] == FORMAT_VERSION:
+        _check_specs(_recorded(manifest, file), expected, f"{file}'s 'tensors'")
+    weights = root / WEIGHTS
     if not weights.is_dir():
         raise CheckpointError(f"artifact {str(path)!r} has no {WEIGHTS}/ directory")
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
     try:
         with ocp.StandardCheckpointer() as ckpt:
-            return ckpt.restore(weights, abstract)
-    except Exception as e:  # orbax raises several types for structure/shape mismatches
+            stored = digests.named_leaves(ckpt.metadata(weights).item_metadata.tree)
+    except Exception as e:  # orbax raises several types for missing or unreadable metadata
+        raise CheckpointError(f"cannot read the weights' metadata in {weights}: {e}") from e
+    _check_specs({n: _stored_spec(n, m, weights) for n, m in stored.items()}, expected,
+                 str(weights))
+    target = jax.tree.map(lambda s: np.empty(s, np.dtype(manifest["dtype"])),
+                          param_shapes(cfg, manifest.get("num_mtp_layers", 0)),
+                          is_leaf=lambda x: isinstance(x, tuple))
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            params = ckpt.restore(weights, target)
+    except Exception as e:  # orbax raises several types for damaged data
         raise CheckpointError(f"cannot restore the weights of {str(path)!r}: {e}") from e
+    if verify:
+        tensors = {n: np.asarray(a) for n, a in digests.named_leaves(params).items()}
+        found, nonfinite = digests.scan(tensors)
+        for name, record in sorted(manifest["tensors"].items()):
+            if found[name] != record["digest"]:
+                raise CheckpointError(
+                    f"tensor {name!r} does not match its digest in {file} (recorded "
+                    f"{record['digest']}, found {found[name]}): the weights are damaged or were "
+                    "changed after they were written")
+        if nonfinite:
+            raise CheckpointError(f"tensor {nonfinite[0]!r} in {weights} holds NaN or inf values")
+    return cfg, params, manifest
 
-
-def params_shapes(params: dict) -> dict:
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), params)

@@ -1,18 +1,20 @@
 """Reading Hugging Face checkpoint directories: config.json plus single-file or sharded safetensors.
 
-Owns file discovery, the shard index and lazy tensor access. It knows tensor names only as
-strings; the schema lives in `models/qwen3_6/weights.py`.
+Owns file discovery, the shard index and lazy tensor access, and (with `check_finite`) refusing
+a tensor that holds NaN or inf, by name. It knows tensor names only as strings; the schema,
+with its shapes and dtypes, lives in `models/qwen3_6/weights.py`.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 from safetensors import safe_open
 
+from ninfer_jax.artifact.digests import check_finite as _check_finite
 from ninfer_jax.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -36,9 +38,13 @@ def is_hf_checkpoint(path: str | pathlib.Path) -> bool:
 
 
 class SafetensorsSource:
-    """Lazy, name-addressed access to every tensor of a checkpoint directory (numpy arrays)."""
+    """Lazy, name-addressed access to every tensor of a checkpoint directory (numpy arrays).
 
-    def __init__(self, path: str | pathlib.Path):
+    check_finite: `get` raises a CheckpointError naming a tensor that holds NaN or inf.
+    """
+
+    def __init__(self, path: str | pathlib.Path, check_finite: bool = True):
+        self.check_finite = check_finite
         root = checkpoint_dir(path)
         index = root / INDEX
         if index.is_file():
@@ -56,7 +62,7 @@ class SafetensorsSource:
                 raise CheckpointError(f"no *.safetensors files in {str(root)!r}")
             self._file_of = {}
             for f in files:
-                for name in self._open(f).keys():
+                for name in self._open(f).keys():  # noqa: SIM118 (safe_open is not a dict)
                     self._file_of[name] = f
         self.files = sorted(set(self._file_of.values()))
         self._handles: dict[pathlib.Path, object] = {}
@@ -76,7 +82,10 @@ class SafetensorsSource:
         file = self._file_of[name]
         if file not in self._handles:
             self._handles[file] = self._open(file)
-        return self._handles[file].get_tensor(name)
+        tensor = self._handles[file].get_tensor(name)
+        if self.check_finite:
+            _check_finite({name: tensor}, str(file))
+        return tensor
 
 
 def read_config(path: str | pathlib.Path) -> dict:

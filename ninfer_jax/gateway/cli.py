@@ -19,6 +19,11 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("hf_dir", None, "convert: the HF checkpoint directory to read")
 flags.DEFINE_string("out", None, "convert: the artifact directory to write; export-hf: the HF "
                     "checkpoint directory to write")
+flags.DEFINE_bool("overwrite", False, "convert, export-hf: replace --out when it holds exactly "
+                  "what the same command wrote before (the old copy goes only once the new one "
+                  "is in place)")
+flags.DEFINE_bool("verify_weights", True, "generate, chat, export-hf: check the weights' digests "
+                  "and finiteness while loading; --noverify_weights skips it")
 flags.DEFINE_string("model", None,
                     "artifact or HF checkpoint directory (default: the embedded demo model)")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights/activations dtype")
@@ -51,7 +56,7 @@ def _convert() -> int:
     if not FLAGS.hf_dir or not FLAGS.out:
         raise app.UsageError("convert needs --hf_dir=DIR and --out=DIR")
     start = time.perf_counter()
-    path, notes = convert(FLAGS.hf_dir, FLAGS.out, dtype=FLAGS.dtype)
+    path, notes = convert(FLAGS.hf_dir, FLAGS.out, dtype=FLAGS.dtype, overwrite=FLAGS.overwrite)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     print(f"wrote {path} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
@@ -104,13 +109,15 @@ def _serve() -> int:
 
 def _export_hf() -> int:
     from ninfer_jax import load_model
-    from ninfer_jax.artifact.export import export_hf
+    from ninfer_jax.artifact.export import check_out, export_hf
 
     if not FLAGS.out:
         raise app.UsageError("export-hf needs --out=DIR (--model=DIR defaults to the demo model)")
     start = time.perf_counter()
-    model = load_model(FLAGS.model, dtype=FLAGS.dtype)
-    path = export_hf(model.config, model.params, FLAGS.out, frontend_dir=model.path)
+    check_out(FLAGS.out, FLAGS.overwrite)
+    model = load_model(FLAGS.model, dtype=FLAGS.dtype, verify=FLAGS.verify_weights)
+    path = export_hf(model.config, model.params, FLAGS.out, frontend_dir=model.path,
+                     overwrite=FLAGS.overwrite)
     print(f"wrote {path} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     print(path)
     return 0

@@ -60,7 +60,7 @@ def _open_engine():
     start = time.perf_counter()
     engine = Engine.open(FLAGS.model, max_concurrency=FLAGS.max_concurrency,
                          max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype,
-                         prefix_reuse=FLAGS.prefix_reuse)
+                         prefix_reuse=FLAGS.prefix_reuse, verify_weights=FLAGS.verify_weights)
     print(f"[ninfer] model {engine.model_path} ready in {time.perf_counter() - start:.1f}s "
           f"(max_concurrency={FLAGS.max_concurrency})", file=sys.stderr)
     return engine

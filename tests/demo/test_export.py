@@ -41,7 +41,8 @@ def test_export_then_load_round_trips_params_exactly(tmp_path, make_cfg, tied):
 def test_export_refuses_a_non_empty_directory(tmp_path):
     cfg = tiny_dense()
     (tmp_path / "keep.txt").write_text("x")
-    with pytest.raises(CheckpointError, match="not an empty directory"):
+    with pytest.raises(CheckpointError, match="is not empty and is not a checkpoint written by "
+                       r"`ninfer export-hf` \(it holds 'keep.txt'"):
         export_hf(cfg, init_params(cfg, jax.random.key(0)), tmp_path)
 
 

@@ -2,15 +2,17 @@
 
 Owns the mapping of DESIGN §14's checkpoints (`model.*` or `model.language_model.*`, `lm_head.*`,
 `mtp.*`; experts split per expert or fused) onto the stacked params layout, with the transposes
-to `x @ W` form. Every tensor is checked against the shape the config implies; a missing tensor
-or a shape mismatch raises a `CheckpointError` naming it. It reads tensors through a
-`TensorSource` and knows nothing about files.
+to `x @ W` form. Every tensor is checked against the shape the config implies and must be
+floating point (every weight of the family is); a missing tensor, a shape mismatch or an
+int/bool/unsigned tensor raises a `CheckpointError` naming it: nothing else is ever cast. It
+reads tensors through a `TensorSource` and knows nothing about files.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterable, Protocol
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import jax
 import numpy as np
@@ -21,6 +23,7 @@ from ninfer_jax.models.qwen3_6.config import FULL, LINEAR, ModelConfig
 TEXT_PREFIXES = ("model.language_model.", "model.")
 VISION_PREFIX = "model.visual."
 MTP_PREFIX = "mtp."
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 class TensorSource(Protocol):
@@ -55,6 +58,11 @@ class _Reader:
         if name not in self.keys:
             raise CheckpointError(f"missing tensor {name!r}")
         arr = self.source.get(name)
+        if arr.dtype.name not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"tensor {name!r} has dtype {arr.dtype.name}, expected a floating-point weight "
+                f"({', '.join(FLOAT_DTYPES)}); it is not cast"
+            )
         if tuple(arr.shape) != tuple(shape):
             raise CheckpointError(
                 f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(shape)}"
@@ -173,7 +181,8 @@ def params_from_hf(cfg: ModelConfig, source: TensorSource,
     """Reads the params pytree (numpy leaves) from HF-named tensors.
 
     Returns (params, notes): notes say what was skipped (e.g. the vision tower). Tensors of the
-    text model that the schema does not know raise, so a checkpoint is never half-read.
+    text model that the schema does not know raise, so a checkpoint is never half-read. `cast`
+    only ever sees floating-point arrays (see `_Reader.get`).
     """
     r = _Reader(source)
     pre = text_prefix(r.keys)
