@@ -6,14 +6,18 @@
 
 Owns reading records, writing results, the progress bar (stderr) and resumption. Output line i
 answers input line i: `{"index", "num_tokens", "sum_logprob", "is_greedy", "token_logprobs"}`,
-or `{"index", "error"}` for a bad record (not JSON, missing or empty field, too long without a
-window), and the job goes on. A record's field may hold text or a list of token ids.
+or `{"index", "error"}` for a bad record (not UTF-8, not JSON, missing or empty field, invalid
+Unicode, too long without a window), and the job goes on. The input is read as bytes and each
+line decoded on its own; every failure to prepare one record is caught for that record alone.
+A record's field may hold text or a list of token ids.
 
 Resumable and crash-safe: results are appended in input order as complete lines, flushed and
-fsynced after every chunk of records. A restart with the same output cuts a torn last line,
-keeps every complete one and resumes at the first missing record. Chunks are fixed runs of
-`--chunk_records` records counted from the start of the input, and a resumed run recomputes the
-whole chunk it resumes in, so its numbers are bit-identical to an uninterrupted run's.
+fsynced after every chunk of records. The job's identity (input digest, model digest, settings)
+is in a job file beside the output (`gateway/resume.py`); a restart of the same job cuts a torn
+last line, keeps every complete one and resumes at the first missing record, and a restart of
+another job is refused. Chunks are fixed runs of `--chunk_records` records counted from the
+start of the input, and a resumed run recomputes the whole chunk it resumes in, so its numbers
+are bit-identical to an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -24,10 +28,19 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from absl import app, flags
+
+from ninfer_jax.gateway.files import (
+    CommandError,
+    RecordError,
+    check_unicode,
+    iter_lines,
+    os_reason,
+    parse_record,
+    read_text,
+)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("input", None, "score: JSONL file of records to score")
@@ -36,13 +49,21 @@ flags.DEFINE_string("text_field", "text", "score: record field with the text (or
 flags.DEFINE_string("context_field", None,
                     "score: record field with a context (text or token ids); only the text "
                     "after it is scored; a record without the field has no context")
-flags.DEFINE_integer("window", None, "score: rolling window in tokens (default: no rolling)")
-flags.DEFINE_integer("stride", None, "score: new tokens scored per later window (default: window)")
+flags.DEFINE_integer("window", None, "score: rolling window in tokens (default: no rolling)",
+                     lower_bound=1)
+flags.DEFINE_integer("stride", None, "score: new tokens scored per later window (default: window)",
+                     lower_bound=1)
 flags.DEFINE_integer("max_len", None, "score: longest window without --window (default: the "
-                     "model's limit, at most 2048)")
-flags.DEFINE_integer("max_batch_tokens", 4096, "score: tokens per device call")
-flags.DEFINE_integer("chunk_records", 64, "score: records per fsynced output chunk")
+                     "model's limit, at most 2048)", lower_bound=1)
+flags.DEFINE_integer("max_batch_tokens", 4096, "score: tokens per device call", lower_bound=1)
+flags.DEFINE_integer("chunk_records", 64, "score: records per fsynced output chunk",
+                     lower_bound=1)
 flags.DEFINE_string("perplexity", None, "score: print the corpus perplexity of this text file")
+
+# Every flag that changes a job's results: recorded in its job file, checked on resume.
+RESULT_FLAGS = ("text_field", "context_field", "window", "stride", "max_len", "max_batch_tokens",
+                "dtype", "chunk_records")
+_INT64 = 1 << 63
 
 
 def _open_scorer():
@@ -57,65 +78,62 @@ def _open_scorer():
     return scorer
 
 
-def recover_output(path: str) -> int:
-    """Cuts a torn last line off `path` (if any) and returns its number of complete records."""
-    if not os.path.exists(path):
-        return 0
-    with open(path, "rb+") as f:
-        data = f.read()
-        keep = data.rfind(b"\n") + 1
-        if keep < len(data):
-            f.truncate(keep)
-            f.flush()
-            os.fsync(f.fileno())
-    lines = data[:keep].splitlines()
-    for n, line in enumerate(lines):
-        if json.loads(line).get("index") != n:
-            raise app.UsageError(f"--output {path} line {n + 1} is not record {n}; "
-                                 "not an output of this input")
-    return len(lines)
+def _field(record: dict[str, Any], name: str) -> Any:
+    """A text (valid Unicode) or a list of integer token ids; RecordError otherwise."""
+    value = record[name]
+    if isinstance(value, str):
+        check_unicode(value, repr(name))
+    elif isinstance(value, list):
+        if not all(isinstance(t, int) and not isinstance(t, bool) and -_INT64 <= t < _INT64
+                   for t in value):
+            raise RecordError(f"{name!r} must hold integer token ids")
+    else:
+        raise RecordError(f"{name!r} must be a string or a list of token ids")
+    return value
 
 
-def _records(path: str) -> Iterator[tuple[int, str]]:
-    with open(path, encoding="utf-8") as f:
-        yield from enumerate(line.rstrip("\n") for line in f)
-
-
-def _item(scorer, line: str):
-    """A checked ScoreRequest for one input line; raises ValueError with the reason."""
+def _item(scorer, line: bytes):
+    """A checked ScoreRequest for one input line; raises RecordError or ScoreInputError."""
     from ninfer_jax.scoring import ScoreInputError
 
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ScoreInputError(f"not JSON: {e}") from None
-    if not isinstance(record, dict):
-        raise ScoreInputError("a record must be a JSON object")
+    record = parse_record(line)
     if FLAGS.text_field not in record:
         raise ScoreInputError(f"missing field {FLAGS.text_field!r}")
-    value = record[FLAGS.text_field]
-    context = record.get(FLAGS.context_field) if FLAGS.context_field else None  # absent: none
+    value = _field(record, FLAGS.text_field)
+    context = None  # absent or null: none
+    if FLAGS.context_field and record.get(FLAGS.context_field) is not None:
+        context = _field(record, FLAGS.context_field)
     if isinstance(value, str):
         if not value:
             raise ScoreInputError(f"empty {FLAGS.text_field!r}")
         return scorer.request(text=value, context=context)
-    if isinstance(value, list):
-        return scorer.request(token_ids=value, context=context)
-    raise ScoreInputError(f"{FLAGS.text_field!r} must be a string or a list of token ids")
+    return scorer.request(token_ids=value, context=context)
 
 
-def _score_chunk(scorer, chunk: list[tuple[int, str]]) -> tuple[list[dict[str, Any]], int]:
-    """Result records of one chunk, in order, and the number of tokens scored."""
+def _prepare(scorer, line: bytes) -> Any:
+    """The record's ScoreRequest, or the reason it cannot be scored. Preparing a record touches
+    no shared state, so any failure in it is that record's alone and never stops the job."""
     from ninfer_jax.scoring import ScoreInputError
 
+    try:
+        return _item(scorer, line)
+    except (RecordError, ScoreInputError) as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - e.g. a tokenizer refusing this record's text
+        return f"{type(e).__name__}: {e}"
+
+
+def _score_chunk(scorer, chunk: list[tuple[int, bytes]]) -> tuple[list[dict[str, Any]], int]:
+    """Result records of one chunk, in order, and the number of tokens scored."""
     answers: dict[int, dict[str, Any]] = {}
     requests, indices = [], []
     for index, line in chunk:
-        try:
-            requests.append(_item(scorer, line))
+        prepared = _prepare(scorer, line)
+        if isinstance(prepared, str):
+            answers[index] = {"index": index, "error": prepared}
+        else:
+            requests.append(prepared)
             indices.append(index)
-        except ScoreInputError as e:
-            answers[index] = {"index": index, "error": str(e)}
     results = scorer.score_requests(requests)
     for index, r in zip(indices, results):
         answers[index] = {"index": index, "num_tokens": r.num_tokens,
@@ -124,20 +142,28 @@ def _score_chunk(scorer, chunk: list[tuple[int, str]]) -> tuple[list[dict[str, A
     return [answers[i] for i, _ in chunk], sum(r.num_tokens for r in results)
 
 
+def _identity():
+    from ninfer_jax.artifact.hf import checkpoint_dir
+    from ninfer_jax.gateway.resume import job_identity
+    from ninfer_jax.loader import DEFAULT_MODEL
+
+    model_dir = checkpoint_dir(DEFAULT_MODEL if FLAGS.model is None else FLAGS.model)
+    return job_identity(FLAGS.input, model_dir, {f: FLAGS[f].value for f in RESULT_FLAGS})
+
+
 def run_score() -> int:
+    from ninfer_jax.gateway.resume import prepare_output
+
     if FLAGS.perplexity:
         return _run_perplexity()
     if not FLAGS.input or not FLAGS.output:
         raise app.UsageError("score needs --input=FILE.jsonl and --output=FILE.jsonl "
                              "(or --perplexity=FILE.txt)")
-    if FLAGS.chunk_records < 1:
-        raise app.UsageError("--chunk_records must be >= 1")
     from tqdm import tqdm
 
-    total = sum(1 for _ in _records(FLAGS.input))
-    done = recover_output(FLAGS.output)
-    if done > total:
-        raise app.UsageError(f"--output has {done} records, the input only {total}")
+    identity = _identity()
+    total = identity.num_records
+    done = prepare_output(FLAGS.output, identity)
     if done == total:
         print(f"[ninfer] {FLAGS.output} is complete ({total} records)", file=sys.stderr)
         return 0
@@ -146,36 +172,56 @@ def run_score() -> int:
     errors = tokens = 0
     start = time.perf_counter()
     bar = tqdm(total=total, initial=done, unit="rec", file=sys.stderr, dynamic_ncols=True)
-    with open(FLAGS.output, "a", encoding="utf-8") as out:
-        chunk: list[tuple[int, str]] = []
-        for index, line in _records(FLAGS.input):
+    with bar, _open_output() as out:  # the bar ends its line before any error line
+        chunk: list[tuple[int, bytes]] = []
+        for index, line in iter_lines("input", FLAGS.input):
             if index < resume:
                 continue
             chunk.append((index, line))
             if len(chunk) == FLAGS.chunk_records or index == total - 1:
                 answers, n = _score_chunk(scorer, chunk)
                 new = [a for a in answers if a["index"] >= done]
-                out.write("".join(json.dumps(a) + "\n" for a in new))
-                out.flush()
-                os.fsync(out.fileno())
+                _append(out, "".join(json.dumps(a) + "\n" for a in new).encode())
                 errors += sum("error" in a for a in new)
                 tokens += n
                 bar.update(len(new))
                 bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}",
                                 errors=errors)
                 chunk = []
-    bar.close()
     print(f"[ninfer] {total - done} records ({errors} errors), {tokens} tokens in "
           f"{time.perf_counter() - start:.1f}s -> {FLAGS.output}", file=sys.stderr)
     return 0
 
 
+def _open_output():
+    """The output, unbuffered: bytes reach the file in `_append` or not at all, never later
+    (a buffer flushed at close would fail a second time on a full disk)."""
+    try:
+        return open(FLAGS.output, "ab", buffering=0)
+    except OSError as e:
+        raise CommandError(f"--output {FLAGS.output!r}: cannot write: {os_reason(e)}") from None
+
+
+def _append(out, data: bytes) -> None:
+    """Appends whole lines and makes them durable; a full disk is a CommandError (a later run
+    cuts the torn line it may leave and resumes)."""
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[out.write(view):]
+        os.fsync(out.fileno())
+    except OSError as e:
+        raise CommandError(f"--output {FLAGS.output!r}: cannot write: {os_reason(e)}") from None
+
+
 def _run_perplexity() -> int:
-    with open(FLAGS.perplexity, encoding="utf-8") as f:
-        text = f.read()
+    text = read_text("perplexity", FLAGS.perplexity)
     scorer = _open_scorer()
     start = time.perf_counter()
     [result] = scorer.rolling([text])
+    if result.num_tokens == 0:
+        raise CommandError(f"--perplexity {FLAGS.perplexity!r}: nothing to score (a text needs "
+                           "at least two tokens)")
     elapsed = time.perf_counter() - start
     nll = -result.sum_logprob
     report = {
