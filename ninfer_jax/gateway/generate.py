@@ -1,21 +1,36 @@
 """`ninfer generate` and `ninfer chat`: the Generation purpose from the command line.
 
 Owns reading prompts (flags, a messages file, a JSONL file), streaming answers to stdout, and
-progress, timing and throughput to stderr. Several prompts run concurrently through one Engine.
+progress, timing and throughput to stderr. Several prompts run concurrently through one Engine,
+at most its queue capacity outstanding: the next prompt is submitted as earlier answers are
+read, so a file of any length gets exactly one answer line per input line, in input order.
+A JSONL line that cannot be run (not UTF-8, not JSON, not a request, refused by the Engine)
+gets an `{"index", "error"}` line and the job goes on.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import sys
 import time
-from typing import Any, TextIO
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, BinaryIO, TextIO
 
 from absl import app, flags
 
-from ninfer_jax.engine import Delta, RejectedError
+from ninfer_jax.engine import Delta, RejectedError, RequestHandle
 from ninfer_jax.engine.events import Channel
-from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError
+from ninfer_jax.gateway.files import (
+    CommandError,
+    RecordError,
+    check_unicode,
+    decode_utf8,
+    iter_lines,
+    parse_record,
+    read_json,
+)
+from ninfer_jax.sampling_params import MAX_SEED, MAX_TOP_K, SamplingParams, SamplingParamsError
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("prompt", [], "generate: a prompt (repeat the flag for several)")
@@ -23,30 +38,37 @@ flags.DEFINE_string("messages", None, "generate: a JSON file with a list of chat
 flags.DEFINE_string("input_jsonl", None,
                     "generate: a JSONL file, one request per line: {\"prompt\": ...} or "
                     "{\"messages\": [...]}; answers go to stdout as JSONL")
-flags.DEFINE_integer("max_new_tokens", 256, "generation budget per request")
+flags.DEFINE_integer("max_new_tokens", 256, "generation budget per request", lower_bound=1)
 flags.DEFINE_float("temperature", 0.8, "0 = greedy")
 flags.DEFINE_float("top_p", 0.95, "nucleus sampling mass (1 = off)")
-flags.DEFINE_integer("top_k", 0, "keep the k most likely tokens (0 = off)")
+flags.DEFINE_integer("top_k", 0, "keep the k most likely tokens (0 = off)", lower_bound=0,
+                     upper_bound=MAX_TOP_K)
 flags.DEFINE_float("min_p", 0.0, "drop tokens below min_p * p_max (0 = off)")
 flags.DEFINE_float("presence_penalty", 0.0, "OpenAI presence penalty")
 flags.DEFINE_float("frequency_penalty", 0.0, "OpenAI frequency penalty")
 flags.DEFINE_float("repetition_penalty", 1.0, "Hugging Face repetition penalty (1 = off)")
-flags.DEFINE_integer("seed", None, "sampling seed (default: a fresh one per request)")
+flags.DEFINE_integer("seed", None, "sampling seed (default: a fresh one per request)",
+                     lower_bound=0, upper_bound=MAX_SEED)
 flags.DEFINE_multi_string("stop", [], "stop string (repeat the flag for several)")
-flags.DEFINE_integer("max_concurrency", 4, "requests decoding together")
-flags.DEFINE_integer("max_seq_len", 2048, "prompt + generated tokens per request")
+flags.DEFINE_integer("max_concurrency", 4, "requests decoding together", lower_bound=1,
+                     upper_bound=64)
+flags.DEFINE_integer("max_seq_len", 2048, "prompt + generated tokens per request", lower_bound=2)
 flags.DEFINE_enum("enable_thinking", None, ["true", "false"], "chat template thinking switch")
 flags.DEFINE_bool("prefix_reuse", True, "reuse prefix checkpoints (--noprefix_reuse: recompute)")
+
+# A consumed answer frees its queue slot a moment after its last event: how long to retry.
+_RELEASE_WAIT_S = 10.0
 
 
 def _sampling() -> SamplingParams:
     try:
+        check_unicode(FLAGS.stop, "--stop")
         return SamplingParams(
             max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
             top_p=FLAGS.top_p, top_k=FLAGS.top_k, min_p=FLAGS.min_p,
             presence_penalty=FLAGS.presence_penalty, frequency_penalty=FLAGS.frequency_penalty,
             repetition_penalty=FLAGS.repetition_penalty, seed=FLAGS.seed, stop=tuple(FLAGS.stop))
-    except SamplingParamsError as e:
+    except (SamplingParamsError, RecordError) as e:
         raise app.UsageError(str(e)) from None  # the message names the field, as the flag
 
 
@@ -66,24 +88,80 @@ def _open_engine():
     return engine
 
 
-def _requests() -> tuple[list[dict[str, Any]], bool]:
-    """The requests to run and whether answers are printed as JSONL."""
+def jsonl_request(line: bytes) -> dict[str, Any]:
+    """One `--input_jsonl` line as `{"prompt"}` or `{"messages"}`; RecordError naming why not."""
+    record = parse_record(line)
+    if ("prompt" in record) == ("messages" in record):
+        raise RecordError('a request needs exactly one of "prompt" and "messages"')
+    key = "prompt" if "prompt" in record else "messages"
+    if not isinstance(record[key], str if key == "prompt" else list):
+        raise RecordError(f"{key!r} must be {'a string' if key == 'prompt' else 'a list'}")
+    check_unicode(record[key], key)
+    return {key: record[key]}
+
+
+def _jsonl_requests(lines: Iterable[tuple[int, bytes]]
+                    ) -> Iterator[tuple[int, dict[str, Any] | str]]:
+    for index, line in lines:
+        try:
+            yield index, jsonl_request(line)
+        except RecordError as e:
+            yield index, str(e)
+
+
+def _requests() -> tuple[Iterable[tuple[int, dict[str, Any] | str]], bool]:
+    """(index, request or why it cannot run) in input order, and whether answers are JSONL."""
     if FLAGS.input_jsonl:
-        reqs = []
-        with open(FLAGS.input_jsonl) as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        reqs.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise app.UsageError(f"--input_jsonl line {n}: {e}") from None
-        return reqs, True
+        return _jsonl_requests(iter_lines("input_jsonl", FLAGS.input_jsonl)), True
     if FLAGS.messages:
-        with open(FLAGS.messages) as f:
-            return [{"messages": json.load(f)}], False
+        messages = read_json("messages", FLAGS.messages)
+        if not isinstance(messages, list):
+            raise CommandError(f"--messages {FLAGS.messages!r} must hold a JSON list of messages")
+        return [(0, {"messages": messages})], False
     if not FLAGS.prompt:
         raise app.UsageError("generate needs --prompt=TEXT, --messages=FILE or --input_jsonl=FILE")
-    return [{"prompt": p} for p in FLAGS.prompt], False
+    try:
+        check_unicode(FLAGS.prompt, "--prompt")
+    except RecordError as e:
+        raise app.UsageError(f"{e} (the command line is not UTF-8)") from None
+    return [(i, {"prompt": p}) for i, p in enumerate(FLAGS.prompt)], False
+
+
+def _submit(submit: Callable[[Any], RequestHandle], request: Any) -> RequestHandle | str:
+    """The request's handle, or why it was not accepted."""
+    if isinstance(request, str):
+        return request
+    deadline = time.monotonic() + _RELEASE_WAIT_S
+    while True:
+        try:
+            return submit(request)
+        except RejectedError as e:
+            if e.reason != "overload" or time.monotonic() > deadline:
+                return str(e)
+            time.sleep(0.001)
+        except Exception as e:  # noqa: BLE001 - the Frontend refusing this input only
+            return f"{type(e).__name__}: {e}"
+
+
+def submit_windowed(capacity: int, items: Iterable[tuple[int, Any]],
+                    submit: Callable[[Any], RequestHandle]
+                    ) -> Iterator[tuple[int, RequestHandle | str]]:
+    """Submits `(index, request)` items in order and yields `(index, handle)`, or `(index,
+    reason)` for one not accepted, in input order, with at most `capacity` handles outstanding.
+    The next item is submitted only when the caller asks for the next answer, so it must have
+    consumed the handle it was given (read to its end, or released) by then. An item whose
+    request is a string is a reason already: it is yielded in its place, never submitted."""
+    window: collections.deque[tuple[int, RequestHandle | str]] = collections.deque()
+    outstanding = 0
+    for index, request in items:
+        while outstanding >= capacity:
+            done = window.popleft()
+            outstanding -= isinstance(done[1], RequestHandle)
+            yield done
+        outcome = _submit(submit, request)
+        outstanding += isinstance(outcome, RequestHandle)
+        window.append((index, outcome))
+    yield from window
 
 
 def _stream(handle, out: TextIO) -> Any:
@@ -96,85 +174,118 @@ def _stream(handle, out: TextIO) -> Any:
     return handle.result()
 
 
+def _answer_line(index: int, outcome: RequestHandle | str) -> tuple[str, Any]:
+    """The JSONL answer of one request and its result (None when it was not accepted)."""
+    if isinstance(outcome, str):
+        return json.dumps({"index": index, "error": outcome}), None
+    r = outcome.result()
+    return json.dumps({"index": index, "text": r.text, "reasoning": r.reasoning_text,
+                       "finish_reason": r.finish_reason.value,
+                       "completion_tokens": r.usage.completion_tokens, "error": r.error}), r
+
+
 def run_generate() -> int:
-    reqs, as_jsonl = _requests()
-    sampling = _sampling()
+    requests, as_jsonl = _requests()
+    sampling, thinking = _sampling(), _thinking()
+    headers = not as_jsonl and len(FLAGS.prompt) > 1
+    results, total = [], 0
     with _open_engine() as engine:
         start = time.perf_counter()
-        handles = []
-        for i, req in enumerate(reqs):
-            try:
-                handles.append(engine.submit(
-                    req.get("prompt"), messages=req.get("messages"), sampling=sampling,
-                    enable_thinking=_thinking()))
-            except RejectedError as e:
-                print(f"[ninfer] request {i} rejected: {e}", file=sys.stderr)
-                handles.append(None)
-        results = []
-        for i, h in enumerate(handles):
-            if h is None:
-                results.append(None)
-                continue
+
+        def submit(req: dict[str, Any]) -> RequestHandle:
+            return engine.submit(req.get("prompt"), messages=req.get("messages"),
+                                 sampling=sampling, enable_thinking=thinking)
+
+        for index, outcome in submit_windowed(engine.stats().capacity, requests, submit):
+            total += 1
             if as_jsonl:
-                r = h.result()
-                print(json.dumps({"index": i, "text": r.text, "reasoning": r.reasoning_text,
-                                  "finish_reason": r.finish_reason.value,
-                                  "completion_tokens": r.usage.completion_tokens,
-                                  "error": r.error}), flush=True)
+                line, r = _answer_line(index, outcome)
+                print(line, flush=True)
+            elif isinstance(outcome, str):
+                print(f"[ninfer] request {index} rejected: {outcome}", file=sys.stderr)
+                r = None
             else:
-                if len(handles) > 1:
-                    print(f"--- [{i}] {reqs[i].get('prompt', '(messages)')}", flush=True)
-                r = _stream(h, sys.stdout)
+                if headers:
+                    print(f"--- [{index}] {FLAGS.prompt[index]}", flush=True)
+                r = _stream(outcome, sys.stdout)
                 print(flush=True)
-            results.append(r)
+            if r is not None:
+                results.append(r)
         elapsed = time.perf_counter() - start
-    done = [r for r in results if r is not None]
-    tokens = sum(r.usage.completion_tokens for r in done)
-    cached = sum(r.usage.cached_tokens for r in done)
-    print(f"[ninfer] {len(done)} requests, {tokens} tokens in {elapsed:.2f}s "
+    tokens = sum(r.usage.completion_tokens for r in results)
+    cached = sum(r.usage.cached_tokens for r in results)
+    print(f"[ninfer] {len(results)} requests, {tokens} tokens in {elapsed:.2f}s "
           f"({tokens / max(elapsed, 1e-9):.1f} tok/s), prefix-hit tokens {cached}",
           file=sys.stderr)
-    return 0 if len(done) == len(results) and all(r.error is None for r in done) else 1
+    failed = total - sum(r.error is None for r in results)
+    if failed:
+        raise CommandError(f"{failed} of {total} requests failed (see their answers)")
+    return 0
 
 
-def run_chat(stdin: TextIO = sys.stdin) -> int:
-    """Interactive multi-turn chat; `/reset` clears the history, `/exit` or EOF ends."""
+def run_chat(stdin: BinaryIO | None = None) -> int:
+    """Interactive multi-turn chat; `/reset` clears the history, `/exit` or EOF ends. A turn
+    that cannot run (not UTF-8, refused by the Engine) is reported and skipped; the chat ends
+    with a CommandError when any turn failed."""
+    stdin = sys.stdin.buffer if stdin is None else stdin
+    interactive = stdin.isatty()  # the "> " prompt only for a person at a terminal
     sampling = _sampling()
     history: list[dict[str, str]] = []
+    failed = 0
     with _open_engine() as engine:
         print("[ninfer] chat: type a message; /reset clears history, /exit quits", file=sys.stderr)
         while True:
-            print("> ", end="", file=sys.stderr, flush=True)
-            line = stdin.readline()
+            if interactive:
+                print("> ", end="", file=sys.stderr, flush=True)
+            raw = stdin.readline()
+            if interactive and not raw:
+                print(file=sys.stderr)  # end the prompt's line at EOF (Ctrl-D)
+            try:
+                line = decode_utf8(raw, "the message", RecordError)
+            except RecordError as e:
+                print(f"[ninfer] rejected: {e}", file=sys.stderr)
+                failed += 1
+                continue
             if not line or line.strip() == "/exit":
-                return 0
+                break
             if line.strip() == "/reset":
                 history.clear()
                 continue
             if not line.strip():
                 continue
             history.append({"role": "user", "content": line.rstrip("\n")})
-            start = time.perf_counter()
-            try:
-                handle = engine.submit(messages=history, sampling=sampling,
-                                       enable_thinking=_thinking())
-            except RejectedError as e:
+            if not _chat_turn(engine, history, sampling):
                 history.pop()
-                print(f"[ninfer] rejected: {e}", file=sys.stderr)
-                continue
-            first = None
-            for event in handle:
-                if isinstance(event, Delta) and event.text:
-                    first = first or time.perf_counter()
-                    target = sys.stderr if event.channel is Channel.THINKING else sys.stdout
-                    target.write(event.text)
-                    target.flush()
-            r = handle.result()
-            print(flush=True)
-            history.append({"role": "assistant", "content": r.text})
-            elapsed = time.perf_counter() - start
-            ttft = (first or time.perf_counter()) - start
-            print(f"[ninfer] {r.usage.completion_tokens} tokens, TTFT {ttft:.2f}s, "
-                  f"{r.usage.completion_tokens / max(elapsed, 1e-9):.1f} tok/s, "
-                  f"cached {r.usage.cached_tokens}, finish {r.finish_reason.value}",
-                  file=sys.stderr)
+                failed += 1
+    if failed:
+        raise CommandError(f"{failed} chat turn(s) failed")
+    return 0
+
+
+def _chat_turn(engine, history: list[dict[str, str]], sampling: SamplingParams) -> bool:
+    """Runs one turn, streaming the answer; appends it to `history`. False if it failed."""
+    start = time.perf_counter()
+    outcome = _submit(lambda msgs: engine.submit(messages=msgs, sampling=sampling,
+                                                 enable_thinking=_thinking()), history)
+    if isinstance(outcome, str):
+        print(f"[ninfer] rejected: {outcome}", file=sys.stderr)
+        return False
+    first = None
+    for event in outcome:
+        if isinstance(event, Delta) and event.text:
+            first = first or time.perf_counter()
+            target = sys.stderr if event.channel is Channel.THINKING else sys.stdout
+            target.write(event.text)
+            target.flush()
+    r = outcome.result()
+    print(flush=True)
+    elapsed = time.perf_counter() - start
+    ttft = (first or time.perf_counter()) - start
+    print(f"[ninfer] {r.usage.completion_tokens} tokens, TTFT {ttft:.2f}s, "
+          f"{r.usage.completion_tokens / max(elapsed, 1e-9):.1f} tok/s, "
+          f"cached {r.usage.cached_tokens}, finish {r.finish_reason.value}", file=sys.stderr)
+    if r.error is not None:
+        print(f"[ninfer] failed: {r.error}", file=sys.stderr)
+        return False
+    history.append({"role": "assistant", "content": r.text})
+    return True

@@ -1,4 +1,5 @@
-"""`ninfer generate` and `ninfer chat` on the embedded demo model, as a user runs them."""
+"""`ninfer generate` and `ninfer chat` on the embedded demo model, as a user runs them; the
+JSONL window (queue capacity, one answer per line, in order) over the FakeProgram Engine."""
 
 from __future__ import annotations
 
@@ -6,13 +7,16 @@ import json
 import subprocess
 import sys
 
+from ninfer_jax.gateway import generate
+from ninfer_jax.gateway.files import iter_lines
 from tests.conftest import REPO
+from tests.gateway.conftest import assert_fully_free, make_engine
 
 COMMON = ["--max_new_tokens=12", "--temperature=0", "--max_concurrency=2", "--max_seq_len=256"]
 
 
 def _ninfer(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ninfer_jax.gateway.cli", *args],
+    return subprocess.run([sys.executable, "-m", "ninfer_jax.gateway.cli", *args], check=False,
                           capture_output=True, text=True, input=stdin, cwd=REPO, timeout=600)
 
 
@@ -39,3 +43,85 @@ def test_chat_keeps_history_and_reuses_it():
     turns = [line for line in out.stderr.splitlines() if "TTFT" in line]
     assert len(turns) == 2
     assert "cached 0" in turns[0] and "cached 0" not in turns[1]  # the second turn hit
+
+
+# One of every kind of JSONL line that cannot run, each of which must get its own error line.
+BAD_LINES = [
+    b"",  # blank
+    b"not json",
+    b"\xff\xfe not UTF-8",
+    b'{"prompt": "\\ud800 lone surrogate"}',
+    b'{"prompt": 5}',
+    b'{"prompt": "a", "messages": []}',
+    b"[" * 100_000,  # deeper than the JSON parser's recursion limit
+    b'["a list"]',
+    # Last, so only files of more than 56 lines have it: the demo model's template cannot
+    # render it, the FakeProgram's test template can.
+    b'{"messages": [{"role": "user", "content": 5}]}',
+]
+
+
+def _jsonl(path, n: int) -> list[bool]:
+    """Writes n lines, every 7th a bad one; returns which lines are good."""
+    lines, good = [], []
+    for i in range(n):
+        if i % 7 == 3:
+            lines.append(BAD_LINES[(i // 7) % len(BAD_LINES)])
+        else:
+            lines.append(json.dumps({"prompt": f"story {i}"}).encode())
+        good.append(i % 7 != 3)
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return good
+
+
+def test_jsonl_keeps_at_most_the_queue_capacity_outstanding(tmp_path):
+    engine = make_engine(max_concurrency=2, max_queue=3, step_seconds=0.001)
+    good = _jsonl(tmp_path / "in.jsonl", 40)
+    submitted = consumed = most = 0
+
+    def submit(req):
+        nonlocal submitted, most
+        handle = engine.submit(req.get("prompt"), messages=req.get("messages"),
+                               sampling={"max_new_tokens": 3})
+        submitted += 1
+        most = max(most, submitted - consumed)
+        return handle
+
+    try:
+        capacity = engine.stats().capacity
+        requests = generate._jsonl_requests(iter_lines("input_jsonl", tmp_path / "in.jsonl"))
+        answers = []
+        for index, outcome in generate.submit_windowed(capacity, requests, submit):
+            line, result = generate._answer_line(index, outcome)
+            consumed += result is not None
+            answers.append(json.loads(line))
+        assert [a["index"] for a in answers] == list(range(40))
+        for a, ok in zip(answers, good):
+            assert (a["error"] is None) if ok else (set(a) == {"index", "error"} and a["error"])
+        assert capacity == 3 and most == capacity
+        assert_fully_free(engine)
+    finally:
+        engine.close()
+
+
+def test_jsonl_longer_than_the_queue_gets_one_answer_per_line(tmp_path):
+    path = tmp_path / "in.jsonl"
+    good = _jsonl(path, 70)  # the Engine's queue holds 64
+    out = _ninfer("generate", f"--input_jsonl={path}", *COMMON[1:], "--max_new_tokens=2")
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["index"] for r in rows] == list(range(70)), out.stderr
+    assert [r["error"] is None for r in rows] == good
+    assert "not UTF-8" in rows[17]["error"] and "lone surrogate" in rows[24]["error"]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 1 and errors == ["error: 10 of 70 requests failed (see their answers)"]
+
+
+def test_chat_skips_a_line_that_is_not_utf8():
+    out = subprocess.run([sys.executable, "-m", "ninfer_jax.gateway.cli", "chat", *COMMON],
+                         check=False, capture_output=True, cwd=REPO, timeout=600,
+                         input=b"Tell me a story\n\xff\xfe\n/exit\n")
+    err = out.stderr.decode()
+    assert "Traceback" not in err and err.count("TTFT") == 1
+    assert "not UTF-8" in err and out.returncode == 1
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        "error: 1 chat turn(s) failed"]
