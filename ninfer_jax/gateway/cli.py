@@ -3,17 +3,35 @@
 Owns flags, exit codes and what goes to stdout (answers) versus stderr (progress, timing).
 Commands: convert (HF checkpoint -> artifact), logits (next-token predictions of a model),
 generate and chat (the Generation purpose, `gateway/generate.py`), serve (the HTTP server,
-`gateway/server.py`), export-hf (a model -> HF checkpoint).
+`gateway/server.py`), score (causal scoring, `gateway/score.py`), export-hf (a model -> HF
+checkpoint).
+
+A command that cannot do its work ends with exactly one `error: ...` line on stderr (never a
+traceback) and one of these exit statuses:
+
+    0    done
+    1    runtime error: an input file or the model is missing, unreadable, not UTF-8 or
+         malformed; an output is not writable or the disk is full; an output belongs to another
+         job; the Engine failed; some requests of a generate/chat run failed
+    2    usage error: an unknown command or flag, a flag value out of its range, a missing or
+         conflicting flag, a setting the model cannot take
+    3    internal error: a bug (`--traceback` prints its traceback)
+    130  interrupted (Ctrl-C)
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 import time
+import traceback
 
 from absl import app, flags, logging
 
+from ninfer_jax.errors import ConfigError, NinferError
 from ninfer_jax.gateway import generate, score
+from ninfer_jax.gateway.files import CommandError, os_reason, read_text
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("hf_dir", None, "convert: the HF checkpoint directory to read")
@@ -28,9 +46,10 @@ flags.DEFINE_string("model", None,
                     "artifact or HF checkpoint directory (default: the embedded demo model)")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights/activations dtype")
 flags.DEFINE_list("prompt_ids", None, "logits: comma-separated prompt token ids")
-flags.DEFINE_integer("top", 5, "logits: how many top next tokens to print")
+flags.DEFINE_integer("top", 5, "logits: how many top next tokens to print", lower_bound=1)
 flags.DEFINE_string("host", "127.0.0.1", "serve: the address to listen on")
-flags.DEFINE_integer("port", 8000, "serve: the TCP port to listen on")
+flags.DEFINE_integer("port", 8000, "serve: the TCP port to listen on (0: any free port)",
+                     lower_bound=0, upper_bound=65535)
 flags.DEFINE_multi_string("api_key", [], "serve: when set, requests need `Authorization: Bearer "
                           "KEY` or `x-api-key`; repeat for several keys, one tenant each "
                           "(prefix caches never shared between tenants)")
@@ -46,8 +65,11 @@ flags.DEFINE_float("keepalive_timeout_s", 5.0,
 flags.DEFINE_integer("max_connections", 512, "serve: open connections at most; a new one "
                      "beyond it evicts the one waiting longest for a request head, or is "
                      "closed at once")
+flags.DEFINE_bool("traceback", False, "print the traceback of an internal error")
+app.define_help_flags()
 
 COMMANDS = ("convert", "logits", "generate", "chat", "serve", "export-hf", "score")
+EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 1, 2, 3, 130
 
 
 def _convert() -> int:
@@ -72,11 +94,15 @@ def _logits() -> int:
     if not FLAGS.prompt_ids:
         raise app.UsageError("logits needs --prompt_ids=1,2,3 (and --model=DIR, default: demo)")
     try:
-        ids = np.array([[int(t) for t in FLAGS.prompt_ids]], np.int32)
-    except ValueError as e:
+        ids = np.array([[int(t) for t in FLAGS.prompt_ids]], np.int64)
+    except (ValueError, OverflowError) as e:
         raise app.UsageError(f"--prompt_ids must be integers: {e}") from e
     start = time.perf_counter()
     model = load_model(FLAGS.model, dtype=FLAGS.dtype)
+    vocab = model.config.vocab_size
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise app.UsageError(f"--prompt_ids must be token ids in [0, {vocab}), got "
+                             f"{int(ids.min() if ids.min() < 0 else ids.max())}")
     logits = model.logits(ids)[0, -1]
     print(f"loaded and ran in {time.perf_counter() - start:.2f}s", file=sys.stderr)
     top = np.argsort(-logits)[: FLAGS.top]
@@ -89,16 +115,30 @@ def _logits() -> int:
 def _api_keys() -> list[str]:
     keys = list(FLAGS.api_key)
     if FLAGS.api_key_file:
-        with open(FLAGS.api_key_file, encoding="utf-8") as f:
-            keys += [line.strip() for line in f if line.strip()]
+        text = read_text("api_key_file", FLAGS.api_key_file)
+        keys += [line.strip() for line in text.splitlines() if line.strip()]
         if len(keys) == len(FLAGS.api_key):
             raise app.UsageError(f"--api_key_file {FLAGS.api_key_file} holds no key")
     return keys
 
 
+def _check_listen(host: str, port: int) -> None:
+    """Fails early, before the model loads, when `host:port` cannot be listened on (as uvicorn
+    binds: IPv6 when the host has a colon)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as e:
+        raise CommandError(f"--host {host!r} --port {port}: cannot listen: "
+                           f"{os_reason(e)}") from None
+
+
 def _serve() -> int:
     from ninfer_jax.gateway.server import run_serve
 
+    _check_listen(FLAGS.host, FLAGS.port)
     return run_serve(model=FLAGS.model, host=FLAGS.host, port=FLAGS.port,
                      api_key=_api_keys() or None, max_concurrency=FLAGS.max_concurrency,
                      max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype,
@@ -123,34 +163,101 @@ def _export_hf() -> int:
     return 0
 
 
-def _main(argv: list[str]) -> int:
+_RUNNERS = {"convert": _convert, "logits": _logits, "generate": generate.run_generate,
+            "chat": generate.run_chat, "serve": _serve, "score": score.run_score,
+            "export-hf": _export_hf}
+
+
+def _error(status: int, message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return status
+
+
+class _Stdout:
+    """sys.stdout while a command runs: a failed write (full disk, closed pipe) becomes a
+    CommandError naming stdout, and the rest of the buffer goes to /dev/null so the exit does
+    not fail a second time flushing it."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _failed(self, e: OSError) -> CommandError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+        return CommandError(f"cannot write to stdout: {os_reason(e)}")
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            raise self._failed(e) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as e:
+            raise self._failed(e) from None
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def _run(command: str) -> int:
     from ninfer_jax.compile_cache import enable_persistent_cache
-    from ninfer_jax.errors import NinferError
 
-    if len(argv) != 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}")
     enable_persistent_cache()
-    logging.set_verbosity(logging.WARNING)
+    status = _RUNNERS[command]()
+    sys.stdout.flush()  # a full disk behind a buffered stdout shows here
+    return status
+
+
+def _dispatch(command: str) -> int:
+    """Runs one command and maps every way it can fail to one `error:` line and a status."""
+    stdout, sys.stdout = sys.stdout, _Stdout(sys.stdout)
     try:
-        return {"convert": _convert, "logits": _logits, "generate": generate.run_generate,
-                "chat": generate.run_chat, "serve": _serve, "score": score.run_score,
-                "export-hf": _export_hf}[_COMMAND]()
+        return _run(command)
+    except (app.UsageError, ConfigError) as e:
+        return _error(EXIT_USAGE, str(e))
     except NinferError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _error(EXIT_RUNTIME, str(e))
+    except OSError as e:
+        return _error(EXIT_RUNTIME, os_reason(e) if e.filename is None
+                      else f"{e.filename}: {os_reason(e)}")
+    except UnicodeDecodeError as e:
+        return _error(EXIT_RUNTIME, f"a file is not UTF-8 text: {e}")
+    except KeyboardInterrupt:
+        return _error(EXIT_INTERRUPTED, "interrupted")
+    except Exception as e:  # noqa: BLE001 - a bug still ends with one error line
+        if FLAGS.traceback:
+            traceback.print_exc()
+        return _error(EXIT_INTERNAL, f"internal error: {type(e).__name__}: {e} (a bug; "
+                      "--traceback prints where)")
+    finally:
+        sys.stdout = stdout
 
 
-_COMMAND = ""
+def main(argv: list[str]) -> int:
+    """`ninfer <command> --flags`: `argv` as sys.argv holds it; returns the exit status."""
+    if len(argv) < 2 or argv[1] not in COMMANDS:
+        given = f"unknown command {argv[1]!r}" if len(argv) > 1 else "no command"
+        return _error(EXIT_USAGE, f"{given}; usage: ninfer <{'|'.join(COMMANDS)}> [--flags]")
+    command = argv[1]
+    FLAGS.unparse_flags()  # every call starts from the defaults
+    try:
+        rest = FLAGS([argv[0], *argv[2:]])
+    except flags.Error as e:
+        return _error(EXIT_USAGE, f"{e} (ninfer {command} --helpshort lists the flags)")
+    if len(rest) != 1:
+        return _error(EXIT_USAGE, f"unexpected arguments {rest[1:]}; flags are --name=value")
+    logging.use_absl_handler()
+    logging.set_verbosity(logging.WARNING)
+    return _dispatch(command)
 
 
 def run() -> None:
-    """Console-script entry: the first argument picks the command."""
-    global _COMMAND
-    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
-        print(f"usage: ninfer <{'|'.join(COMMANDS)}> [--flags]", file=sys.stderr)
-        sys.exit(2)
-    _COMMAND = sys.argv.pop(1)
-    app.run(_main)
+    """Console-script entry."""
+    sys.exit(main(sys.argv))
 
 
 if __name__ == "__main__":
