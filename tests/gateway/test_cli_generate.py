@@ -52,12 +52,10 @@ BAD_LINES = [
     b"\xff\xfe not UTF-8",
     b'{"prompt": "\\ud800 lone surrogate"}',
     b'{"prompt": 5}',
+    b'{"messages": [{"role": "user", "content": 5}]}',  # the Frontend refuses it at submit
     b'{"prompt": "a", "messages": []}',
     b"[" * 100_000,  # deeper than the JSON parser's recursion limit
     b'["a list"]',
-    # Last, so only files of more than 56 lines have it: the demo model's template cannot
-    # render it, the FakeProgram's test template can.
-    b'{"messages": [{"role": "user", "content": 5}]}',
 ]
 
 
