@@ -136,8 +136,12 @@ def _check_listen(host: str, port: int) -> None:
 
 
 def _serve() -> int:
+    from ninfer_jax.gateway.http.connections import ConnectionLimits, positive_seconds
     from ninfer_jax.gateway.server import run_serve
 
+    # A bad setting is a usage error before the address is tried (run_serve checks them too).
+    ConnectionLimits(FLAGS.header_timeout_s, FLAGS.keepalive_timeout_s, FLAGS.max_connections)
+    positive_seconds("body_timeout_s", FLAGS.body_timeout_s)
     _check_listen(FLAGS.host, FLAGS.port)
     return run_serve(model=FLAGS.model, host=FLAGS.host, port=FLAGS.port,
                      api_key=_api_keys() or None, max_concurrency=FLAGS.max_concurrency,

@@ -92,8 +92,8 @@ CASES = [
     (["export-hf"], USAGE, "--out"),
     (["export-hf", "--model={out_dir}/none", "--out={out_dir}/hf"], RUNTIME, "does not exist"),
     (["serve", "--port=0", "--model={out_dir}/none"], RUNTIME, "does not exist"),
-    (["serve", "--port=0", "--header_timeout_s=0"], USAGE, "header_timeout_s"),
-    (["serve", "--port=0", "--max_connections=0"], USAGE, "max_connections"),
+    (["serve", "--header_timeout_s=0"], USAGE, "header_timeout_s"),
+    (["serve", "--max_connections=0"], USAGE, "max_connections"),
 ]
 
 
