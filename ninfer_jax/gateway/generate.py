@@ -219,7 +219,7 @@ def run_generate() -> int:
           file=sys.stderr)
     failed = total - sum(r.error is None for r in results)
     if failed:
-        raise CommandError(f"{failed} of {total} requests failed (see their answers)")
+        raise CommandError(f"{failed} of {total} requests failed")
     return 0
 
 

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from ninfer_jax.gateway import cli
-from tests.conftest import REPO
+from tests.conftest import FIXTURES, REPO
 
 USAGE, RUNTIME = cli.EXIT_USAGE, cli.EXIT_RUNTIME
 
@@ -157,9 +157,12 @@ def test_read_only_directory_and_unreadable_input(tmp_path):
     assert done.returncode == RUNTIME
     assert "Permission denied" in _one_error_line(done.stderr)
     assert list(ro.iterdir()) == []
-    done = ninfer("export-hf", f"--out={ro / 'hf'}")
-    assert done.returncode == RUNTIME
-    assert "Permission denied" in _one_error_line(done.stderr)
+    for args in (["export-hf", f"--out={ro / 'hf'}"],
+                 ["convert", f"--hf_dir={FIXTURES / 'dense'}", f"--out={ro / 'artifact'}"]):
+        done = ninfer(*args)
+        assert done.returncode == RUNTIME
+        assert "Permission denied" in _one_error_line(done.stderr)
+    assert list(ro.iterdir()) == []
     src.chmod(0)
     done = ninfer("generate", f"--input_jsonl={src}")
     assert done.returncode == RUNTIME

@@ -111,7 +111,7 @@ def test_jsonl_longer_than_the_queue_gets_one_answer_per_line(tmp_path):
     assert [r["error"] is None for r in rows] == good
     assert "not UTF-8" in rows[17]["error"] and "lone surrogate" in rows[24]["error"]
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
-    assert out.returncode == 1 and errors == ["error: 10 of 70 requests failed (see their answers)"]
+    assert out.returncode == 1 and errors == ["error: 10 of 70 requests failed"]
 
 
 def test_chat_skips_a_line_that_is_not_utf8():
