@@ -139,12 +139,14 @@ def _serve() -> int:
     from ninfer_jax.gateway.http.connections import ConnectionLimits, positive_seconds
     from ninfer_jax.gateway.server import run_serve
 
-    # A bad setting is a usage error before the address is tried (run_serve checks them too).
+    # Bad settings and key files are reported before the address is tried (run_serve checks
+    # the settings too), and all of it before the model loads.
     ConnectionLimits(FLAGS.header_timeout_s, FLAGS.keepalive_timeout_s, FLAGS.max_connections)
     positive_seconds("body_timeout_s", FLAGS.body_timeout_s)
+    keys = _api_keys()
     _check_listen(FLAGS.host, FLAGS.port)
     return run_serve(model=FLAGS.model, host=FLAGS.host, port=FLAGS.port,
-                     api_key=_api_keys() or None, max_concurrency=FLAGS.max_concurrency,
+                     api_key=keys or None, max_concurrency=FLAGS.max_concurrency,
                      max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype,
                      header_timeout_s=FLAGS.header_timeout_s, body_timeout_s=FLAGS.body_timeout_s,
                      keepalive_timeout_s=FLAGS.keepalive_timeout_s,

@@ -28,7 +28,9 @@ def files(tmp_path_factory) -> dict[str, pathlib.Path]:
     paths = {
         "jsonl": d / "in.jsonl", "not_utf8": d / "latin1.txt", "not_json": d / "bad.json",
         "object": d / "object.json", "bad_model": d / "bad_model", "out_dir": d / "out",
+        "empty": d / "empty.txt",
     }
+    paths["empty"].write_text("\n  \n")
     paths["jsonl"].write_text(json.dumps({"text": "the cat"}) + "\n")
     paths["not_utf8"].write_bytes("caf\xe9 au lait".encode("latin-1"))
     paths["not_json"].write_text("[{'role': 'user'}")
@@ -92,6 +94,9 @@ CASES = [
     (["export-hf"], USAGE, "--out"),
     (["export-hf", "--model={out_dir}/none", "--out={out_dir}/hf"], RUNTIME, "does not exist"),
     (["serve", "--port=0", "--model={out_dir}/none"], RUNTIME, "does not exist"),
+    (["serve", "--api_key_file={out_dir}/missing.txt"], RUNTIME, "--api_key_file"),
+    (["serve", "--api_key_file={not_utf8}"], RUNTIME, "not UTF-8"),
+    (["serve", "--api_key_file={empty}"], USAGE, "holds no key"),
     (["serve", "--header_timeout_s=0"], USAGE, "header_timeout_s"),
     (["serve", "--max_connections=0"], USAGE, "max_connections"),
 ]
