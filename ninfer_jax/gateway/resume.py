@@ -90,6 +90,11 @@ def model_sha256(root: pathlib.Path) -> str:
 
 def job_identity(input_path: str, model_dir: pathlib.Path, settings: dict[str, Any]
                  ) -> JobIdentity:
+    """The identity of a job over `input_path`, which must be a regular file: it is read twice
+    (digest, then records), which a pipe or a device cannot be."""
+    if os.path.exists(input_path) and not os.path.isfile(input_path):
+        raise CommandError(f"--input {str(input_path)!r} is not a regular file (a job reads "
+                           "its input twice)")
     digest, num_records = digest_lines("input", input_path)
     return JobIdentity(input_path=str(input_path), input_sha256=digest, num_records=num_records,
                        model_path=str(model_dir), model_sha256=model_sha256(model_dir),
