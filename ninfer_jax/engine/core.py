@@ -473,9 +473,11 @@ class EngineCore:
             r.move(S.FINISHED)
         self._finished += 1
         usage = Usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens)
+        # response_done first: a consumer that has read Finished (consumer_released) has its
+        # capacity back at once, so it may submit again without a spurious overload.
+        self._capacity.pop(r.request_id).response_done()
         self._publish(r, Finished(r.request_id, reason, usage, error, r.stop_string))
         self._sinks.pop(r.request_id, None)
-        self._capacity.pop(r.request_id).response_done()
 
     def _publish(self, r: RequestRecord, event: Any) -> None:
         sink = self._sinks.get(r.request_id)

@@ -56,9 +56,6 @@ flags.DEFINE_integer("max_seq_len", 2048, "prompt + generated tokens per request
 flags.DEFINE_enum("enable_thinking", None, ["true", "false"], "chat template thinking switch")
 flags.DEFINE_bool("prefix_reuse", True, "reuse prefix checkpoints (--noprefix_reuse: recompute)")
 
-# A consumed answer frees its queue slot a moment after its last event: how long to retry.
-_RELEASE_WAIT_S = 10.0
-
 
 def _sampling() -> SamplingParams:
     try:
@@ -131,16 +128,12 @@ def _submit(submit: Callable[[Any], RequestHandle], request: Any) -> RequestHand
     """The request's handle, or why it was not accepted."""
     if isinstance(request, str):
         return request
-    deadline = time.monotonic() + _RELEASE_WAIT_S
-    while True:
-        try:
-            return submit(request)
-        except RejectedError as e:
-            if e.reason != "overload" or time.monotonic() > deadline:
-                return str(e)
-            time.sleep(0.001)
-        except Exception as e:  # noqa: BLE001 - the Frontend refusing this input only
-            return f"{type(e).__name__}: {e}"
+    try:
+        return submit(request)
+    except RejectedError as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - the Frontend refusing this input only
+        return f"{type(e).__name__}: {e}"
 
 
 def submit_windowed(capacity: int, items: Iterable[tuple[int, Any]],
