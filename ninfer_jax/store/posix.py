@@ -12,6 +12,7 @@ and fsyncs the directory, so a reader sees either no file or a complete one (nev
 restart finds every block whose rename happened. A file that is truncated, has a foreign id or a
 wrong checksum is a miss: it is moved to quarantine and never returned as data.
 This store is untokened: a successful dump is its commit (the rename), and it never evicts.
+Life (lifecycle.py): after `close()` every call but `wait`/`get_finished` raises InvalidParam.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ninfer_jax.store.base import Store
+from ninfer_jax.store.base import Prefetchable, Store, TokenAddressed
 from ninfer_jax.store.config import get_int, get_str, require_mapping
 from ninfer_jax.store.errors import InvalidParam, OsApiError
 from ninfer_jax.store.jobs import JobTable
+from ninfer_jax.store.lifecycle import Lifecycle, while_open
 from ninfer_jax.store.transfer import TransferPool
 from ninfer_jax.store.types import BlockId, BlockPayload, IoResult, JobDescriptor
 
@@ -41,7 +43,11 @@ _VERSION = 1
 class PosixStore(Store):
     name = "posix"
 
+    def __init__(self) -> None:
+        self.life = Lifecycle("posix")
+
     def setup(self, config: Mapping[str, Any]) -> None:
+        self.life.require_new("setup")
         config = require_mapping(config, "posix")
         if "piped_lower_store" in config:
             raise InvalidParam("posix: must be the last tier of a pipe (it has no tier below "
@@ -68,35 +74,61 @@ class PosixStore(Store):
         self._jobs = JobTable("posix")
         self._pool = TransferPool("posix", num_threads)
         self._quarantine_lock = threading.Lock()
+        self.life.open()
 
+    @while_open
+    def as_token_addressed(self) -> TokenAddressed | None:
+        return None
+
+    @while_open
+    def as_prefetchable(self) -> Prefetchable | None:
+        return None
+
+    @while_open
     def path_of(self, block_id: BlockId) -> pathlib.Path:
+        return self._path(block_id)
+
+    def _path(self, block_id: BlockId) -> pathlib.Path:
+        """Unguarded: transfers under way when close() begins run to their end."""
         name = block_id.hex()
         return self._blocks / name[:2] / f"{name}.blk"
 
+    @while_open
     def lookup(self, ids: Sequence[BlockId]) -> list[bool]:
         """A hit needs a file whose header names the id and whose length matches the header."""
         return [self._header_ok(block_id) for block_id in ids]
 
+    @while_open
+    def touch(self, ids: Sequence[BlockId], ttl_ms: int | None) -> None:
+        """No retention here: blocks stay until deleted."""
+        del ids, ttl_ms
+
+    @while_open
     def load(self, job_id: int, job: JobDescriptor) -> None:
         self._jobs.accept(job_id)
         self._pool.start(self._jobs, job_id, job.prerequisite,
                          lambda: all(self._read(b, p) for b, p in zip(job.block_ids, job.payloads)))
 
+    @while_open
     def dump(self, job_id: int, job: JobDescriptor) -> None:
         self._jobs.accept(job_id)
         self._pool.start(self._jobs, job_id, job.prerequisite,
                          lambda: all(self._write(b, p) for b, p in zip(job.block_ids, job.payloads)))
 
     def get_finished(self) -> list[IoResult]:
+        self.life.require_set_up("get_finished")
         return self._jobs.get_finished()
 
     def wait(self, job_ids: Sequence[int]) -> list[IoResult]:
+        self.life.require_set_up("wait")
         return self._jobs.wait(job_ids)
 
     def close(self) -> None:
-        self._jobs.wait_all_finished()
-        self._pool.shutdown()
+        """Refuses new calls, cancels jobs not yet moving bytes, waits for the rest; idempotent."""
+        if self.life.close():
+            self._pool.close()
 
+    @while_open
     def quarantined(self) -> list[pathlib.Path]:
         return sorted(self._quarantine.iterdir())
 
@@ -108,7 +140,7 @@ class PosixStore(Store):
             crc = zlib.crc32(view, crc)
         header = _HEADER.pack(_MAGIC, _VERSION, 0, sum(v.nbytes for v in views), crc,
                               block_id.bytes)
-        final = self.path_of(block_id)
+        final = self._path(block_id)
         tmp = self._tmp / f"{block_id.hex()}.{uuid.uuid4().hex}.tmp"
         try:
             final.parent.mkdir(exist_ok=True)
@@ -129,7 +161,7 @@ class PosixStore(Store):
 
     def _read(self, block_id: BlockId, payload: BlockPayload) -> bool:
         views = payload.views()
-        path = self.path_of(block_id)
+        path = self._path(block_id)
         try:
             f = open(path, "rb", buffering=0)
         except FileNotFoundError:
@@ -156,7 +188,7 @@ class PosixStore(Store):
         return True
 
     def _header_ok(self, block_id: BlockId) -> bool:
-        path = self.path_of(block_id)
+        path = self._path(block_id)
         try:
             with open(path, "rb", buffering=0) as f:
                 header = self._parse_header(f.read(_HEADER.size), block_id)

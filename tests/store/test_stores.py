@@ -283,8 +283,8 @@ def test_posix_roundtrip_and_restart(tmp_path):
     np.testing.assert_array_equal(outs[1].buffers[0], block_data(2, 1000))
 
 
-def test_posix_is_untokened():
-    store = PosixStore()
+def test_posix_is_untokened(tmp_path):
+    store = posix_store(tmp_path)
     assert store.as_token_addressed() is None and store.as_prefetchable() is None
 
 
