@@ -7,7 +7,9 @@ completion, G6), `get_finished()`/`wait(ids)` consuming each completion exactly 
 `as_prefetchable()` return a facet object or None, and live as long as the store.
 
 Thread contract: every method may be called from any thread; stores serialize their own state.
-Closing a store waits for its running transfers.
+Life (lifecycle.py): before `setup` and after `close` every call but `close`, `wait` and
+`get_finished` raises InvalidParam at once. Closing a store is idempotent: it cancels the jobs
+that have not begun moving bytes (they complete with success=False) and waits for the rest.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class Store(abc.ABC):
         del ids, ttl_ms
 
     def close(self) -> None:
-        """Waits for running transfers and releases resources."""
+        """Cancels jobs not yet moving bytes, waits for the rest, releases resources; idempotent."""
 
     def as_token_addressed(self) -> TokenAddressed | None:
         return None

@@ -99,7 +99,7 @@ class JobTable:
         return self._consume(consumed)
 
     def wait_all_finished(self) -> None:
-        """Blocks until no accepted job is still running (used when a store closes)."""
+        """Blocks until no accepted job is still running (its completion may be unconsumed)."""
         with self._cv:
             while any(not job.finished for job in self._jobs.values()):
                 self._cv.wait()

@@ -8,7 +8,9 @@ Owns the slab, the CacheBuffer and the job table. With a lower tier it writes th
 completes only once the tier below holds the block too, so an evicted block stays readable from
 there) and is Prefetchable (see memory_prefetch). Safety rules enforced here (G4): a final
 `commit` is refused while a dump of the block is unconsumed, and an `unpin` that would leave a
-block unpinned is refused while a load of it is unconsumed; `commit(True)` publishes only blocks a successful dump wrote (G2).
+block unpinned is refused while a load of it is unconsumed; `commit(True)` publishes only blocks
+a successful dump wrote (G2). Life (lifecycle.py): after `close()` the store and its facets refuse
+every call but `wait`/`get_finished`; jobs in flight at close complete (cancelled ones failed).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ninfer_jax.store.cache_buffer import CacheBuffer
 from ninfer_jax.store.config import get_int, get_str, reject_unknown, require_mapping
 from ninfer_jax.store.errors import InvalidParam
 from ninfer_jax.store.jobs import JobTable
+from ninfer_jax.store.lifecycle import Lifecycle, while_open
 from ninfer_jax.store.policy import known_policies
 from ninfer_jax.store.transfer import TransferPool, gather, scatter
 from ninfer_jax.store.types import (
@@ -48,11 +51,13 @@ class CacheStore(Store):
         self._clock = clock
         self.lock = threading.RLock()
         self.lower: Store | None = None
+        self.life = Lifecycle("cache")
 
     def setup(self, config: Mapping[str, Any]) -> None:
         from ninfer_jax.store import policies  # noqa: F401  (registers lru/clock/fifo)
         from ninfer_jax.store.memory_prefetch import CachePrefetch
 
+        self.life.require_new("setup")
         config = require_mapping(config, "cache")
         reject_unknown(config, _FIELDS, "cache")
         capacity = get_int(config, "capacity", "cache", minimum=1)
@@ -73,22 +78,28 @@ class CacheStore(Store):
         self._lower_job_ids = itertools.count()
         self._token_facet = _CacheTokenFacet(self)
         self._prefetch_facet = CachePrefetch(self) if lower is not None else None
+        self.life.open()
 
+    @while_open
     def as_token_addressed(self) -> TokenAddressed:
         return self._token_facet
 
+    @while_open
     def as_prefetchable(self) -> Prefetchable | None:
         return self._prefetch_facet
 
     # -- base Store: self-guarded transfers ------------------------------------------------------
+    @while_open
     def lookup(self, ids: Sequence[BlockId]) -> list[bool]:
         with self.lock:
             return self.buffer.lookup(ids)
 
+    @while_open
     def touch(self, ids: Sequence[BlockId], ttl_ms: int | None) -> None:
         with self.lock:
             self.buffer.touch(ids, ttl_ms)
 
+    @while_open
     def load(self, job_id: int, job: JobDescriptor) -> None:
         """Pins the blocks for the transfer's duration; a missing block is NotFound."""
         with self.lock:
@@ -101,15 +112,16 @@ class CacheStore(Store):
                 raise
 
         def work() -> bool:
-            try:
-                self.copy_out(slots, job.payloads)
-            finally:
-                with self.lock:
-                    self.buffer.unpin(job.block_ids)
+            self.copy_out(slots, job.payloads)
             return True
 
-        self.pool.start(self.jobs, job_id, job.prerequisite, work)
+        def release(success: bool) -> None:
+            with self.lock:
+                self.buffer.unpin(job.block_ids)
 
+        self.pool.start(self.jobs, job_id, job.prerequisite, work, release)
+
+    @while_open
     def dump(self, job_id: int, job: JobDescriptor) -> None:
         """Reserves, writes (through to the tier below) and commits on the transfer's outcome."""
         with self.lock:
@@ -121,26 +133,25 @@ class CacheStore(Store):
                 self.buffer.commit(job.block_ids, False)
                 raise
 
-        def work() -> bool:
-            ok = False
-            try:
-                ok = self.copy_in(slots, job)
-            finally:
-                with self.lock:
-                    self.buffer.commit(job.block_ids, ok)
-            return ok
+        def release(success: bool) -> None:
+            with self.lock:
+                self.buffer.commit(job.block_ids, success)
 
-        self.pool.start(self.jobs, job_id, job.prerequisite, work)
+        self.pool.start(self.jobs, job_id, job.prerequisite, lambda: self.copy_in(slots, job),
+                        release)
 
     def get_finished(self) -> list[IoResult]:
+        self.life.require_set_up("get_finished")
         return self.jobs.get_finished()
 
     def wait(self, job_ids: Sequence[int]) -> list[IoResult]:
+        self.life.require_set_up("wait")
         return self.jobs.wait(job_ids)
 
     def close(self) -> None:
-        self.jobs.wait_all_finished()
-        self.pool.shutdown()
+        """Refuses new calls, cancels jobs not yet moving bytes, waits for the rest; idempotent."""
+        if self.life.close():
+            self.pool.close()
 
     # -- shared by the facets --------------------------------------------------------------------
     def check_sizes(self, job: JobDescriptor) -> None:
@@ -231,12 +242,15 @@ class _CacheTokenFacet(TokenAddressed):
 
     def __init__(self, store: CacheStore):
         self._s = store
+        self.life = store.life
 
+    @while_open
     def pin(self, ids: Sequence[BlockId]) -> AddressedToken:
         with self._s.lock:
             self._s.buffer.pin(ids)
         return AddressedToken(tuple(ids))
 
+    @while_open
     def unpin(self, ids: Sequence[BlockId]) -> None:
         s = self._s
         with s.lock:
@@ -244,11 +258,13 @@ class _CacheTokenFacet(TokenAddressed):
             s.require_idle(last, False, "unpin")
             s.buffer.unpin(ids)
 
+    @while_open
     def alloc(self, ids: Sequence[BlockId], ctx: RequestContext | None) -> AddressedToken:
         with self._s.lock:
             self._s.buffer.reserve(ids, None if ctx is None else ctx.ttl_ms)
         return AddressedToken(tuple(ids))
 
+    @while_open
     def commit(self, ids: Sequence[BlockId], success: bool) -> None:
         s = self._s
         with s.lock:
@@ -263,6 +279,7 @@ class _CacheTokenFacet(TokenAddressed):
             s.buffer.commit([b for b in ids if votes[b]], True)
             s.buffer.commit([b for b in ids if not votes[b]], False)
 
+    @while_open
     def load(self, job_id: int, job: JobDescriptor, token: AddressedToken) -> None:
         s = self._s
         with s.lock:
@@ -284,6 +301,7 @@ class _CacheTokenFacet(TokenAddressed):
 
         s.pool.start(s.jobs, job_id, job.prerequisite, work)
 
+    @while_open
     def dump(self, job_id: int, job: JobDescriptor, token: AddressedToken) -> None:
         s = self._s
         with s.lock:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from ninfer_jax.store.base import Prefetchable
 from ninfer_jax.store.errors import InvalidParam, NotFound, StoreError
+from ninfer_jax.store.lifecycle import while_open
 from ninfer_jax.store.types import AddressedToken, BlockId, BlockPayload, RequestContext
 
 if TYPE_CHECKING:
@@ -40,10 +41,12 @@ class _Plan:
 class CachePrefetch(Prefetchable):
     def __init__(self, store: CacheStore):
         self._s = store
+        self.life = store.life
         self._signals: dict[str, list[BlockId]] = {}
         self._plans: dict[int, _Plan] = {}
         self._plan_numbers = itertools.count()
 
+    @while_open
     def lookup(self, request_id: str, ids: Sequence[BlockId]) -> list[bool] | None:
         s = self._s
         assert s.lower is not None
@@ -58,6 +61,7 @@ class CachePrefetch(Prefetchable):
             self._signals.pop(request_id, None)
             return hits
 
+    @while_open
     def prepare_prefetch(self, request_id: str, ctx: RequestContext) -> AddressedToken:
         s = self._s
         assert s.lower is not None
@@ -80,10 +84,11 @@ class CachePrefetch(Prefetchable):
             self._plans[number] = _Plan(request_id, ids, slots, facet is not None)
             return AddressedToken(tuple(ids), _PLAN.pack(number))
 
+    @while_open
     def prefetch(self, job_id: int, plan: AddressedToken) -> None:
         s = self._s
         with s.lock:
-            number, record = self._plan(plan)
+            _, record = self._plan(plan)
             record.running.add(job_id)
 
             def consumed(success: bool) -> None:
@@ -104,6 +109,7 @@ class CachePrefetch(Prefetchable):
         s.pool.start(s.jobs, job_id, None,
                      lambda: s.lower_transfer("load", record.ids, rows, pin_token))
 
+    @while_open
     def complete_prefetch(self, plan: AddressedToken, success: bool) -> None:
         s = self._s
         assert s.lower is not None

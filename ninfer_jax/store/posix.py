@@ -3,45 +3,63 @@
 Config: `root` (directory, created if absent), `num_threads` (transfer threads, default 4).
 
 Layout: `root/blocks/<hh>/<hex>.blk` (committed blocks, fanned out by the id's first byte),
-`root/tmp/` (writes in progress; cleared at setup, so a crash leaves no trace), and
-`root/quarantine/` (files that failed verification). A file is a 36-byte header (magic, version,
-data length, crc32 of the data, the block id) followed by the data.
+`root/tmp/` (writes in progress, named per writer; see posix_files), and `root/quarantine/`
+(whatever failed verification or was not a regular file). File format and safe opening live in
+posix_files.
 
-Crash safety: a dump writes a uniquely named temp file, fsyncs it, renames it over the final name
-and fsyncs the directory, so a reader sees either no file or a complete one (never torn), and a
-restart finds every block whose rename happened. A file that is truncated, has a foreign id or a
-wrong checksum is a miss: it is moved to quarantine and never returned as data.
-This store is untokened: a successful dump is its commit (the rename), and it never evicts.
+Crash safety: a dump writes a temp file unique to this writer, fsyncs it, renames it over the
+final name and fsyncs the directory, so a reader sees either no file or a complete one (never
+torn), and a restart finds every block whose rename happened. Several stores (in one process or
+many) may share a root: setup deletes only temp files of writers that are provably gone, and
+concurrent dumps of one block are last-rename-wins over identical content (G1).
+
+Verification: a hit needs a regular file whose header names the id, whose length matches and
+whose data matches its crc32. Anything else is a miss and is moved to quarantine, so it is never
+served; a load of it is a failed job. Lookup verifies a file once per identity (device, inode,
+size, mtime_ns, ctime_ns) and remembers it, so a repeated lookup costs an `lstat` instead of
+reading the whole block; a rewrite, rename or utime changes the identity and forces a new check.
+A file changed in the last SETTLE_NS is checked on every lookup (timestamps are coarse). Every
+load verifies the data it copies, so corruption that keeps the identity (bit rot under an
+unchanged inode) fails the load and quarantines the file. Timestamps must come from this
+machine's clock (a local filesystem). This store is untokened: a successful dump is its commit
+(the rename), and it never evicts.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import itertools
 import os
 import pathlib
-import struct
+import stat
 import threading
 import time
-import uuid
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ninfer_jax.store.base import Store
+from ninfer_jax.store import posix_files as files
+from ninfer_jax.store.base import Prefetchable, Store, TokenAddressed
 from ninfer_jax.store.config import get_int, get_str, require_mapping
 from ninfer_jax.store.errors import InvalidParam, OsApiError
 from ninfer_jax.store.jobs import JobTable
+from ninfer_jax.store.lifecycle import Lifecycle, while_open
 from ninfer_jax.store.transfer import TransferPool
 from ninfer_jax.store.types import BlockId, BlockPayload, IoResult, JobDescriptor
 
-_HEADER = struct.Struct("<4sHHQI16s")
-_MAGIC = b"NJSB"
-_VERSION = 1
+MAX_VERIFIED = 1 << 16  # remembered verifications (oldest forgotten first)
+SETTLE_NS = 2_000_000_000  # a file's timestamps must be this old for its check to be remembered
 
 
 class PosixStore(Store):
     name = "posix"
 
+    def __init__(self) -> None:
+        self.life = Lifecycle("posix")
+
     def setup(self, config: Mapping[str, Any]) -> None:
+        self.life.require_new("setup")
         config = require_mapping(config, "posix")
         if "piped_lower_store" in config:
             raise InvalidParam("posix: must be the last tier of a pipe (it has no tier below "
@@ -60,135 +78,207 @@ class PosixStore(Store):
                 directory.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise OsApiError(f"posix: cannot create directory {directory}: {e}") from e
+        self._owner = files.TempOwner(self._tmp)
         try:
-            for leftover in self._tmp.iterdir():
-                leftover.unlink()
-        except OSError as e:
-            raise OsApiError(f"posix: cannot clear {self._tmp}: {e}") from e
+            files.clear_stale_temps(self._tmp)
+        except OsApiError:
+            self._owner.release()
+            raise
+        self._quarantine_numbers = itertools.count()
+        self._verified: collections.OrderedDict[BlockId, files.Identity] = (
+            collections.OrderedDict())
+        self._verified_lock = threading.Lock()
         self._jobs = JobTable("posix")
         self._pool = TransferPool("posix", num_threads)
-        self._quarantine_lock = threading.Lock()
+        self.life.open()
 
+    @while_open
+    def as_token_addressed(self) -> TokenAddressed | None:
+        return None
+
+    @while_open
+    def as_prefetchable(self) -> Prefetchable | None:
+        return None
+
+    @while_open
     def path_of(self, block_id: BlockId) -> pathlib.Path:
-        name = block_id.hex()
-        return self._blocks / name[:2] / f"{name}.blk"
+        return self._path(block_id)
 
+    @while_open
     def lookup(self, ids: Sequence[BlockId]) -> list[bool]:
-        """A hit needs a file whose header names the id and whose length matches the header."""
-        return [self._header_ok(block_id) for block_id in ids]
+        """Hits are verified block files; a permission or I/O failure raises OsApiError."""
+        return [self._present(block_id) for block_id in ids]
 
+    @while_open
+    def touch(self, ids: Sequence[BlockId], ttl_ms: int | None) -> None:
+        """No retention here: blocks stay until deleted."""
+        del ids, ttl_ms
+
+    @while_open
     def load(self, job_id: int, job: JobDescriptor) -> None:
         self._jobs.accept(job_id)
         self._pool.start(self._jobs, job_id, job.prerequisite,
                          lambda: all(self._read(b, p) for b, p in zip(job.block_ids, job.payloads)))
 
+    @while_open
     def dump(self, job_id: int, job: JobDescriptor) -> None:
         self._jobs.accept(job_id)
         self._pool.start(self._jobs, job_id, job.prerequisite,
                          lambda: all(self._write(b, p) for b, p in zip(job.block_ids, job.payloads)))
 
     def get_finished(self) -> list[IoResult]:
+        self.life.require_set_up("get_finished")
         return self._jobs.get_finished()
 
     def wait(self, job_ids: Sequence[int]) -> list[IoResult]:
+        self.life.require_set_up("wait")
         return self._jobs.wait(job_ids)
 
     def close(self) -> None:
-        self._jobs.wait_all_finished()
-        self._pool.shutdown()
+        """Refuses new calls, cancels jobs not yet moving bytes, waits for the rest; idempotent."""
+        if self.life.close():
+            self._pool.close()
+            self._owner.release()
 
+    @while_open
     def quarantined(self) -> list[pathlib.Path]:
         return sorted(self._quarantine.iterdir())
 
-    # -- file I/O on pool threads ---------------------------------------------------------------
+    # -- verification memory --------------------------------------------------------------------
+    def _is_verified(self, block_id: BlockId, ident: files.Identity) -> bool:
+        with self._verified_lock:
+            return self._verified.get(block_id) == ident
+
+    def _remember(self, block_id: BlockId, ident: files.Identity) -> None:
+        """Records a verification, unless the file changed too recently to be told apart.
+
+        File timestamps are coarse (a clock tick, or a second on some filesystems), so a file
+        rewritten in place right after it was verified could keep its identity; like git's
+        "racily clean" rule, only files unchanged for SETTLE_NS are remembered.
+        """
+        if time.time_ns() - max(ident[3], ident[4]) < SETTLE_NS:
+            return
+        with self._verified_lock:
+            self._verified[block_id] = ident
+            self._verified.move_to_end(block_id)
+            if len(self._verified) > MAX_VERIFIED:
+                self._verified.popitem(last=False)
+
+    def _forget(self, block_id: BlockId) -> None:
+        with self._verified_lock:
+            self._verified.pop(block_id, None)
+
+    # -- file I/O (unguarded: transfers under way when close() begins run to their end) ------
+    def _path(self, block_id: BlockId) -> pathlib.Path:
+        name = block_id.hex()
+        return self._blocks / name[:2] / f"{name}.blk"
+
+    @contextlib.contextmanager
+    def _block_dir(self, block_id: BlockId) -> Iterator[int | None]:
+        fd = files.open_dir(self._blocks / block_id.hex()[:2])
+        try:
+            yield fd
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _present(self, block_id: BlockId) -> bool:
+        name, path = f"{block_id.hex()}.blk", self._path(block_id)
+        with self._block_dir(block_id) as dir_fd:
+            if dir_fd is None:
+                return False
+            st = files.stat_entry(dir_fd, name, path)
+            if st is None:
+                return False
+            if stat.S_ISREG(st.st_mode) and self._is_verified(block_id, files.identity(st)):
+                return True
+            fd = self._open(dir_fd, block_id)
+            if fd is None:
+                return False
+            try:
+                ident = files.identity(os.fstat(fd))
+                ok = files.verify(fd, block_id)
+            finally:
+                os.close(fd)
+            if ok:
+                self._remember(block_id, ident)
+            else:
+                self._quarantine_entry(dir_fd, block_id, ident)
+            return ok
+
+    def _open(self, dir_fd: int, block_id: BlockId) -> int | None:
+        """The block's file opened for reading; None if absent or foreign (then quarantined)."""
+        try:
+            return files.open_block(dir_fd, f"{block_id.hex()}.blk", self._path(block_id))
+        except files.Foreign as e:
+            self._quarantine_entry(dir_fd, block_id, e.identity)
+            return None
+
+    def _quarantine_entry(self, dir_fd: int, block_id: BlockId, ident: files.Identity) -> None:
+        self._forget(block_id)
+        name = f"{block_id.hex()}.blk"
+        dest = self._quarantine / f"{name}.{self._owner.name}.{next(self._quarantine_numbers)}"
+        files.quarantine(dir_fd, name, self._path(block_id), ident, dest)
+
+    def _read(self, block_id: BlockId, payload: BlockPayload) -> bool:
+        views = payload.views()
+        with self._block_dir(block_id) as dir_fd:
+            if dir_fd is None:
+                return False
+            fd = self._open(dir_fd, block_id)
+            if fd is None:
+                return False
+            try:
+                ident = files.identity(os.fstat(fd))
+                header = files.read_header(fd, block_id)
+                if header is None:
+                    self._quarantine_entry(dir_fd, block_id, ident)
+                    return False
+                length, crc = header
+                if sum(v.nbytes for v in views) != length:
+                    raise InvalidParam(f"posix: block {block_id.hex()} has {length} bytes, the "
+                                       f"destination {sum(v.nbytes for v in views)}")
+                actual = files.read_data(fd, views)
+            finally:
+                os.close(fd)
+            if actual != crc:
+                self._quarantine_entry(dir_fd, block_id, ident)
+                return False
+            self._remember(block_id, ident)
+            return True
+
     def _write(self, block_id: BlockId, payload: BlockPayload) -> bool:
         views = payload.views()
         crc = 0
         for view in views:
             crc = zlib.crc32(view, crc)
-        header = _HEADER.pack(_MAGIC, _VERSION, 0, sum(v.nbytes for v in views), crc,
-                              block_id.bytes)
-        final = self.path_of(block_id)
-        tmp = self._tmp / f"{block_id.hex()}.{uuid.uuid4().hex}.tmp"
+        header = files.HEADER.pack(files.MAGIC, files.VERSION, 0, sum(v.nbytes for v in views),
+                                   crc, block_id.bytes)
+        name, final = f"{block_id.hex()}.blk", self._path(block_id)
+        tmp = self._owner.temp_path()
         try:
-            final.parent.mkdir(exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            dir_fd = files.make_dir(final.parent)
             try:
-                for chunk in [memoryview(header), *views]:
-                    while chunk.nbytes:
-                        chunk = chunk[os.write(fd, chunk):]
-                os.fsync(fd)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+                try:
+                    for chunk in [memoryview(header), *views]:
+                        while chunk.nbytes:
+                            chunk = chunk[os.write(fd, chunk):]
+                    os.fsync(fd)
+                    existing = files.stat_entry(dir_fd, name, final)
+                    if existing is not None and not stat.S_ISREG(existing.st_mode):
+                        self._quarantine_entry(dir_fd, block_id, files.identity(existing))
+                    os.replace(tmp, name, dst_dir_fd=dir_fd)
+                    os.fsync(dir_fd)
+                finally:
+                    os.close(fd)
             finally:
-                os.close(fd)
-            os.replace(tmp, final)
-            _fsync_dir(final.parent)
-            return True
-        except OSError:
+                os.close(dir_fd)
+        except OsApiError:
             tmp.unlink(missing_ok=True)
             raise
-
-    def _read(self, block_id: BlockId, payload: BlockPayload) -> bool:
-        views = payload.views()
-        path = self.path_of(block_id)
-        try:
-            f = open(path, "rb", buffering=0)
-        except FileNotFoundError:
-            return False
-        with f:
-            header = self._parse_header(f.read(_HEADER.size), block_id)
-            if header is None or os.fstat(f.fileno()).st_size != _HEADER.size + header[0]:
-                self._quarantine_file(path)
-                return False
-            length, crc = header
-            if sum(v.nbytes for v in views) != length:
-                raise InvalidParam(f"posix: block {block_id.hex()} has {length} bytes, the "
-                                   f"destination {sum(v.nbytes for v in views)}")
-            actual = 0
-            for view in views:
-                got = f.readinto(view)
-                if got != view.nbytes:
-                    self._quarantine_file(path)
-                    return False
-                actual = zlib.crc32(view, actual)
-        if actual != crc:
-            self._quarantine_file(path)
-            return False
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise OsApiError(f"posix: writing block {block_id.hex()} to {final} failed: "
+                             f"{e}") from e
         return True
-
-    def _header_ok(self, block_id: BlockId) -> bool:
-        path = self.path_of(block_id)
-        try:
-            with open(path, "rb", buffering=0) as f:
-                header = self._parse_header(f.read(_HEADER.size), block_id)
-                size = os.fstat(f.fileno()).st_size
-        except FileNotFoundError:
-            return False
-        if header is None or size != _HEADER.size + header[0]:
-            self._quarantine_file(path)
-            return False
-        return True
-
-    @staticmethod
-    def _parse_header(raw: bytes, block_id: BlockId) -> tuple[int, int] | None:
-        """(data length, crc32) of a well-formed header for `block_id`, else None."""
-        if len(raw) != _HEADER.size:
-            return None
-        magic, version, _, length, crc, stored_id = _HEADER.unpack(raw)
-        if magic != _MAGIC or version != _VERSION or stored_id != block_id.bytes:
-            return None
-        return length, crc
-
-    def _quarantine_file(self, path: pathlib.Path) -> None:
-        with self._quarantine_lock:
-            try:
-                os.replace(path, self._quarantine / f"{path.stem}.{time.time_ns()}")
-            except FileNotFoundError:
-                pass
-
-
-def _fsync_dir(directory: pathlib.Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -1,15 +1,22 @@
 """Moving bytes off the caller's thread: a per-store thread pool plus gather/scatter copies.
 
-`TransferPool.start(table, job_id, prerequisite, work)` runs `work() -> bool` on a pool thread
-after the optional prerequisite, records the success bit in the JobTable and never lets an
-exception escape (a failed transfer is a completion with success=False, G6). numpy copies release
-the GIL, so transfers overlap with the caller's compute.
+`TransferPool.start(table, job_id, prerequisite, work, release)` runs `work() -> bool` on a pool
+thread once the optional prerequisite fired, then `release(success)` (the owner's cleanup: unpin,
+commit), then records the success bit in the JobTable; no exception escapes (a failed transfer is
+a completion with success=False, G6). numpy copies release the GIL, so transfers overlap with the
+caller's compute.
+
+Closing: `close()` cancels every job that has not begun moving bytes (still queued, or waiting on
+its prerequisite, which is polled so close never hangs on one that never fires): each completes
+with success=False after its `release`. Transfers already moving bytes run to the end and keep
+their outcome; `close()` returns once they have. A `start` after close cancels the job at once.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -18,6 +25,7 @@ from ninfer_jax.store.jobs import JobTable
 from ninfer_jax.store.types import Prerequisite
 
 _log = logging.getLogger(__name__)
+PREREQUISITE_POLL_S = 0.02  # how soon a job parked on its prerequisite notices close()
 
 
 class TransferPool:
@@ -25,25 +33,48 @@ class TransferPool:
 
     def __init__(self, name: str, num_threads: int):
         self._name = name
+        self._closing = threading.Event()
+        self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix=name)
 
     def start(
         self, table: JobTable, job_id: int, prerequisite: Prerequisite | None,
-        work: Callable[[], bool],
+        work: Callable[[], bool], release: Callable[[bool], None] | None = None,
     ) -> None:
         def run() -> None:
             success = False
             try:
-                if prerequisite is not None:
-                    prerequisite.wait()
-                success = bool(work())
-            except Exception:
+                if self._ready(prerequisite):
+                    success = bool(work())
+                else:
+                    _log.info("%s: job %d cancelled by close() before it moved bytes",
+                              self._name, job_id)
+            except Exception:  # noqa: BLE001 (a failure is a completion, never an escape: G6)
                 _log.exception("%s: job %d failed", self._name, job_id)
+            if release is not None:
+                try:
+                    release(success)
+                except Exception:  # noqa: BLE001 (the completion must still be recorded)
+                    _log.exception("%s: releasing job %d failed", self._name, job_id)
             table.finish(job_id, success)
 
-        self._pool.submit(run)
+        with self._lock:
+            if not self._closing.is_set():
+                self._pool.submit(run)
+                return
+        run()  # closed: `_ready` refuses, so this only cancels the job
 
-    def shutdown(self) -> None:
+    def _ready(self, prerequisite: Prerequisite | None) -> bool:
+        """True once the prerequisite fired; False if the pool closes first."""
+        while not self._closing.is_set():
+            if prerequisite is None or prerequisite.wait(PREREQUISITE_POLL_S):
+                return True
+        return False
+
+    def close(self) -> None:
+        """Cancels jobs that have not started and waits for running ones; idempotent."""
+        with self._lock:
+            self._closing.set()
         self._pool.shutdown(wait=True)
 
 

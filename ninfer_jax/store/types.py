@@ -146,9 +146,20 @@ class RequestContext:
 
 
 class Prerequisite(Protocol):
-    """Something a transfer waits on before moving bytes (an event, a future's done flag)."""
+    """Something a transfer waits on before moving bytes, shaped like `threading.Event`.
 
-    def wait(self) -> Any: ...
+    `wait(timeout)` returns True once fired, False when `timeout` seconds passed first; the store
+    polls it, so closing the store never hangs on a prerequisite that never fires.
+    """
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+def check_prerequisite(prerequisite: Any, field: str) -> None:
+    """A prerequisite must be None or offer `wait(timeout)`; anything else is InvalidParam."""
+    if prerequisite is not None and not callable(getattr(prerequisite, "wait", None)):
+        raise InvalidParam(f"{field} must be None or have wait(timeout) -> bool (like "
+                           f"threading.Event), got {type(prerequisite).__name__}")
 
 
 @dataclasses.dataclass
@@ -169,6 +180,7 @@ class JobDescriptor:
             if not isinstance(payload, BlockPayload):
                 raise InvalidParam(f"payloads[{i}] must be a BlockPayload, "
                                    f"got {type(payload).__name__}")
+        check_prerequisite(self.prerequisite, "JobDescriptor.prerequisite")
 
 
 @dataclasses.dataclass
@@ -176,6 +188,9 @@ class IoContext:
     """Per-submit context for the worker: an optional prerequisite the transfer waits on."""
 
     prerequisite: Prerequisite | None = None
+
+    def __post_init__(self) -> None:
+        check_prerequisite(self.prerequisite, "IoContext.prerequisite")
 
 
 @dataclasses.dataclass(frozen=True)

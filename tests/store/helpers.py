@@ -1,8 +1,11 @@
-"""Shared test helpers: ids, payloads, a fake monotonic clock, small stores."""
+"""Shared test helpers: ids, payloads, a fake monotonic clock, small stores, time bounds."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
+import pytest
 
 from ninfer_jax.store import BlockId, BlockPayload, CacheBuffer
 from ninfer_jax.store.memory import CacheStore
@@ -57,3 +60,24 @@ def cache_store(capacity: int = 4, policy: str = "lru", clock=None, lower=None) 
 def admit(buf: CacheBuffer, numbers, ttl_ms=None) -> None:
     buf.reserve(ids(*numbers), ttl_ms)
     buf.commit(ids(*numbers), True)
+
+
+def within(seconds: float, fn, *args):
+    """fn(*args) run on a daemon thread; its result, its exception, or a test failure if it is
+    still running after `seconds` (a hang must fail the test, not stall the suite)."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 (re-raised on the test's thread)
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"{getattr(fn, '__name__', fn)} did not return within {seconds} s (hang)")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("result")

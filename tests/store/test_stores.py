@@ -283,8 +283,8 @@ def test_posix_roundtrip_and_restart(tmp_path):
     np.testing.assert_array_equal(outs[1].buffers[0], block_data(2, 1000))
 
 
-def test_posix_is_untokened():
-    store = PosixStore()
+def test_posix_is_untokened(tmp_path):
+    store = posix_store(tmp_path)
     assert store.as_token_addressed() is None and store.as_prefetchable() is None
 
 
@@ -319,9 +319,12 @@ def test_posix_missing_block_load_fails(tmp_path):
 
 
 def test_posix_clears_temp_leftovers_at_setup(tmp_path):
-    posix_store(tmp_path)
+    posix_store(tmp_path).close()
     (tmp_path / "tmp" / "junk.tmp").write_bytes(b"half")
-    posix_store(tmp_path)
+    store = posix_store(tmp_path)
+    left = [p.name for p in (tmp_path / "tmp").iterdir()]
+    assert len(left) == 1 and left[0].endswith(".lock")  # only the live store's writer lock
+    store.close()
     assert list((tmp_path / "tmp").iterdir()) == []
 
 

@@ -5,7 +5,9 @@ Dispatches by capability: lookups go to the Prefetchable facet when present, els
 lookup; transfers go to the TokenAddressed facet when present, else the base load/dump. For an
 untokened store, prepare_get/put mint keys-only tokens without calling the store; for a store
 that cannot prefetch, submit_prefetch synthesizes a successful completion. Leftover windows are
-closed best-effort when a request finishes (G11).
+closed best-effort when a request finishes (G11). After `close()` (idempotent; the first call
+closes the store) every call but `wait`/`get_finished` raises InvalidParam at once, and the
+completions of jobs that were in flight stay consumable.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 from ninfer_jax.store.base import Store, lookup_on_prefix, lookup_on_reverse
 from ninfer_jax.store.errors import InvalidParam, NotFound, StoreError
 from ninfer_jax.store.jobs import JobTable
+from ninfer_jax.store.lifecycle import Lifecycle, while_open
 from ninfer_jax.store.proxy.api import Keys, StoreNode
 from ninfer_jax.store.types import (
     AddressedToken,
@@ -48,8 +51,10 @@ class StoreEntry(StoreNode):
         self._requests: dict[str, _Request] = {}
         self._in_flight: dict[int, bool] = {}  # job id -> synthesized here (not in the store)
         self._synthesized = JobTable(f"{store.name} entry")
+        self.life = Lifecycle(f"{store.name} entry", opened=True)
 
     # -- requests -------------------------------------------------------------------------------
+    @while_open
     def on_new_request(self, ctx: RequestContext) -> None:
         snapshot = ctx.validated()
         with self._lock:
@@ -57,6 +62,7 @@ class StoreEntry(StoreNode):
                 raise InvalidParam(f"request {snapshot.request_id!r} is already registered")
             self._requests[snapshot.request_id] = _Request(snapshot)
 
+    @while_open
     def on_request_finished(self, request_id: str) -> None:
         with self._lock:
             request = self._request(request_id)
@@ -69,11 +75,13 @@ class StoreEntry(StoreNode):
                                      request_id, kind, e)
             del self._requests[request_id]
 
+    @while_open
     def context(self, request_id: str) -> RequestContext:
         with self._lock:
             return self._request(request_id).ctx
 
     # -- lookups --------------------------------------------------------------------------------
+    @while_open
     def lookup(self, request_id: str, keys: Keys) -> list[bool] | None:
         ids = as_block_ids(keys)
         with self._lock:
@@ -82,38 +90,47 @@ class StoreEntry(StoreNode):
             return self._prefetchable.lookup(request_id, ids)
         return self.store.lookup(ids)
 
+    @while_open
     def lookup_on_prefix(self, request_id: str, keys: Keys) -> int | None:
         return lookup_on_prefix(self.lookup(request_id, keys))
 
+    @while_open
     def lookup_on_reverse(self, request_id: str, keys: Keys) -> int | None:
         return lookup_on_reverse(self.lookup(request_id, keys))
 
+    @while_open
     def touch(self, request_id: str, keys: Keys) -> None:
         ids = as_block_ids(keys)
         self.store.touch(ids, self.context(request_id).ttl_ms)
 
     # -- windows --------------------------------------------------------------------------------
+    @while_open
     def prepare_get(self, request_id: str, keys: Keys) -> AddressedToken:
         ids = as_block_ids(keys)
         return self._open(request_id, "get", lambda ctx: (
             self._tokened.pin(ids) if self._tokened else AddressedToken(tuple(ids))))
 
+    @while_open
     def prepare_put(self, request_id: str, keys: Keys) -> AddressedToken:
         ids = as_block_ids(keys)
         return self._open(request_id, "put", lambda ctx: (
             self._tokened.alloc(ids, ctx) if self._tokened else AddressedToken(tuple(ids))))
 
+    @while_open
     def prepare_prefetch(self, request_id: str) -> AddressedToken:
         return self._open(request_id, "prefetch", lambda ctx: (
             self._prefetchable.prepare_prefetch(request_id, ctx) if self._prefetchable
             else AddressedToken(())))
 
+    @while_open
     def complete_get(self, request_id: str) -> None:
         self._complete(request_id, "get", True)
 
+    @while_open
     def complete_put(self, request_id: str, success: bool = True) -> None:
         self._complete(request_id, "put", success)
 
+    @while_open
     def complete_prefetch(self, request_id: str, success: bool = True) -> None:
         self._complete(request_id, "prefetch", success)
 
@@ -151,14 +168,17 @@ class StoreEntry(StoreNode):
         return request
 
     # -- data plane -----------------------------------------------------------------------------
+    @while_open
     def submit_get(self, job_id: int, payloads: Sequence[BlockPayload], token: AddressedToken,
                    io: IoContext | None = None) -> None:
         self._submit("load", job_id, payloads, token, io)
 
+    @while_open
     def submit_put(self, job_id: int, payloads: Sequence[BlockPayload], token: AddressedToken,
                    io: IoContext | None = None) -> None:
         self._submit("dump", job_id, payloads, token, io)
 
+    @while_open
     def submit_prefetch(self, job_id: int, token: AddressedToken) -> None:
         self._claim(job_id, synthesized=self._prefetchable is None)
         try:
@@ -221,4 +241,5 @@ class StoreEntry(StoreNode):
         return [by_id[j] for j in job_ids]
 
     def close(self) -> None:
-        self.store.close()
+        if self.life.close():
+            self.store.close()

@@ -8,7 +8,8 @@ sees requests, can route jobs:
            | UCP1 | branch (u64 LE)    | branch token payload ... |
 
 Unframed, truncated or out-of-range tokens are InvalidParam. Job ids are unique across branches;
-get_finished aggregates all branches, wait groups ids by branch.
+get_finished aggregates all branches, wait groups ids by branch. After `close()` (idempotent; the
+first call closes every branch) every call but `wait`/`get_finished` raises InvalidParam at once.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import threading
 from collections.abc import Sequence
 
 from ninfer_jax.store.errors import General, InvalidParam, NotFound
+from ninfer_jax.store.lifecycle import Lifecycle, while_open
 from ninfer_jax.store.proxy.api import Keys, StoreNode
 from ninfer_jax.store.proxy.routing import RoutingStrategy
 from ninfer_jax.store.types import AddressedToken, BlockPayload, IoContext, IoResult, RequestContext
@@ -53,8 +55,10 @@ class StorePeer(StoreNode):
         self._lock = threading.Lock()
         self._routes: dict[str, int] = {}
         self._jobs: dict[int, int] = {}  # job id -> branch
+        self.life = Lifecycle("peer", opened=True)
 
     # -- control plane --------------------------------------------------------------------------
+    @while_open
     def on_new_request(self, ctx: RequestContext) -> None:
         snapshot = ctx.validated()
         branch = self._strategy.select(snapshot)
@@ -71,6 +75,7 @@ class StorePeer(StoreNode):
                 del self._routes[snapshot.request_id]
             raise
 
+    @while_open
     def branch_of(self, request_id: str) -> int:
         with self._lock:
             if request_id not in self._routes:
@@ -78,6 +83,7 @@ class StorePeer(StoreNode):
                                    "(on_new_request first)")
             return self._routes[request_id]
 
+    @while_open
     def on_request_finished(self, request_id: str) -> None:
         self.branches[self.branch_of(request_id)].on_request_finished(request_id)
         with self._lock:
@@ -86,50 +92,63 @@ class StorePeer(StoreNode):
     def _node(self, request_id: str) -> StoreNode:
         return self.branches[self.branch_of(request_id)]
 
+    @while_open
     def lookup(self, request_id: str, keys: Keys) -> list[bool] | None:
         return self._node(request_id).lookup(request_id, keys)
 
+    @while_open
     def lookup_on_prefix(self, request_id: str, keys: Keys) -> int | None:
         return self._node(request_id).lookup_on_prefix(request_id, keys)
 
+    @while_open
     def lookup_on_reverse(self, request_id: str, keys: Keys) -> int | None:
         return self._node(request_id).lookup_on_reverse(request_id, keys)
 
+    @while_open
     def touch(self, request_id: str, keys: Keys) -> None:
         self._node(request_id).touch(request_id, keys)
 
+    @while_open
     def prepare_get(self, request_id: str, keys: Keys) -> AddressedToken:
         branch = self.branch_of(request_id)
         return frame_token(branch, self.branches[branch].prepare_get(request_id, keys))
 
+    @while_open
     def prepare_put(self, request_id: str, keys: Keys) -> AddressedToken:
         branch = self.branch_of(request_id)
         return frame_token(branch, self.branches[branch].prepare_put(request_id, keys))
 
+    @while_open
     def prepare_prefetch(self, request_id: str) -> AddressedToken:
         branch = self.branch_of(request_id)
         return frame_token(branch, self.branches[branch].prepare_prefetch(request_id))
 
+    @while_open
     def complete_get(self, request_id: str) -> None:
         self._node(request_id).complete_get(request_id)
 
+    @while_open
     def complete_put(self, request_id: str, success: bool = True) -> None:
         self._node(request_id).complete_put(request_id, success)
 
+    @while_open
     def complete_prefetch(self, request_id: str, success: bool = True) -> None:
         self._node(request_id).complete_prefetch(request_id, success)
 
     # -- data plane -----------------------------------------------------------------------------
+    @while_open
     def submit_get(self, job_id: int, payloads: Sequence[BlockPayload], token: AddressedToken,
                    io: IoContext | None = None) -> None:
         branch, inner = self._claim(job_id, token)
         self._run(job_id, lambda: self.branches[branch].submit_get(job_id, payloads, inner, io))
 
+    @while_open
     def submit_put(self, job_id: int, payloads: Sequence[BlockPayload], token: AddressedToken,
                    io: IoContext | None = None) -> None:
         branch, inner = self._claim(job_id, token)
         self._run(job_id, lambda: self.branches[branch].submit_put(job_id, payloads, inner, io))
 
+    @while_open
     def submit_prefetch(self, job_id: int, token: AddressedToken) -> None:
         branch, inner = self._claim(job_id, token)
         self._run(job_id, lambda: self.branches[branch].submit_prefetch(job_id, inner))
@@ -173,5 +192,6 @@ class StorePeer(StoreNode):
         return [by_id[j] for j in job_ids]
 
     def close(self) -> None:
-        for branch in self.branches:
-            branch.close()
+        if self.life.close():
+            for branch in self.branches:
+                branch.close()
