@@ -40,7 +40,7 @@ flags.DEFINE_string("out", None, "convert: the artifact directory to write; expo
 flags.DEFINE_bool("overwrite", False, "convert, export-hf: replace --out when it holds exactly "
                   "what the same command wrote before (the old copy goes only once the new one "
                   "is in place)")
-flags.DEFINE_bool("verify_weights", True, "generate, chat, export-hf: check the weights' digests "
+flags.DEFINE_bool("verify_weights", True, "every command that loads a model: check the weights' digests "
                   "and finiteness while loading; --noverify_weights skips it")
 flags.DEFINE_string("model", None,
                     "artifact or HF checkpoint directory (default: the embedded demo model)")
@@ -98,7 +98,7 @@ def _logits() -> int:
     except (ValueError, OverflowError) as e:
         raise app.UsageError(f"--prompt_ids must be integers: {e}") from e
     start = time.perf_counter()
-    model = load_model(FLAGS.model, dtype=FLAGS.dtype)
+    model = load_model(FLAGS.model, dtype=FLAGS.dtype, verify=FLAGS.verify_weights)
     vocab = model.config.vocab_size
     if ids.min() < 0 or ids.max() >= vocab:
         raise app.UsageError(f"--prompt_ids must be token ids in [0, {vocab}), got "
@@ -148,6 +148,7 @@ def _serve() -> int:
     return run_serve(model=FLAGS.model, host=FLAGS.host, port=FLAGS.port,
                      api_key=keys or None, max_concurrency=FLAGS.max_concurrency,
                      max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype,
+                     verify_weights=FLAGS.verify_weights,
                      header_timeout_s=FLAGS.header_timeout_s, body_timeout_s=FLAGS.body_timeout_s,
                      keepalive_timeout_s=FLAGS.keepalive_timeout_s,
                      max_connections=FLAGS.max_connections)

@@ -21,6 +21,7 @@ import os
 import pathlib
 from typing import Any
 
+from ninfer_jax.artifact.format import MANIFEST, WEIGHTS
 from ninfer_jax.gateway.files import CommandError, digest_lines, os_reason, write_atomic
 
 JOB_SUFFIX = ".job.json"
@@ -70,10 +71,14 @@ class JobIdentity:
 
 def model_sha256(root: pathlib.Path) -> str:
     """A digest of every file under the model directory (relative name, size and bytes), hidden
-    entries (.git, .cache) aside. Symlinked files count by their target's content."""
+    entries (.git, .cache) aside. Symlinked files count by their target's content. An artifact
+    whose manifest carries per-tensor digests (checked at load) stands for its weights/ files,
+    so they are not read again (seconds per GB)."""
     h = hashlib.sha256()
+    skip = WEIGHTS if _manifest_has_digests(root) else None
     files = sorted(p for p in root.rglob("*")
-                   if p.is_file() and not any(s.startswith(".") for s in p.relative_to(root).parts))
+                   if p.is_file() and not any(s.startswith(".") for s in p.relative_to(root).parts)
+                   and p.relative_to(root).parts[0] != skip)
     try:
         for path in files:
             name = path.relative_to(root).as_posix().encode()
@@ -86,6 +91,14 @@ def model_sha256(root: pathlib.Path) -> str:
         raise CommandError(f"--model {str(root)!r}: cannot read {e.filename}: "
                            f"{os_reason(e)}") from None
     return h.hexdigest()
+
+
+def _manifest_has_digests(root: pathlib.Path) -> bool:
+    try:
+        manifest = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and bool(manifest.get("tensors"))
 
 
 def job_identity(input_path: str, model_dir: pathlib.Path, settings: dict[str, Any]

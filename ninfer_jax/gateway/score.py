@@ -72,7 +72,7 @@ def _open_scorer():
     start = time.perf_counter()
     config = {"window": FLAGS.window, "stride": FLAGS.stride, "max_len": FLAGS.max_len,
               "max_batch_tokens": FLAGS.max_batch_tokens, "dtype": FLAGS.dtype}
-    scorer = Scorer.open(FLAGS.model, **config)
+    scorer = Scorer.open(FLAGS.model, verify_weights=FLAGS.verify_weights, **config)
     print(f"[ninfer] scoring {scorer.model_path}: windows {scorer.core.keys()} compiled in "
           f"{time.perf_counter() - start:.1f}s", file=sys.stderr)
     return scorer

@@ -275,7 +275,7 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000,
 
 
 def run_serve(*, model: str | None, host: str, port: int, api_key: str | Sequence[str] | None,
-              max_concurrency: int, max_seq_len: int, dtype: str,
+              max_concurrency: int, max_seq_len: int, dtype: str, verify_weights: bool = True,
               header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
               keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
               max_connections: int = MAX_CONNECTIONS) -> int:
@@ -288,7 +288,7 @@ def run_serve(*, model: str | None, host: str, port: int, api_key: str | Sequenc
 
     start = time.perf_counter()
     engine = Engine.open(model, max_concurrency=max_concurrency, max_seq_len=max_seq_len,
-                         dtype=dtype)
+                         dtype=dtype, verify_weights=verify_weights)
     print(f"[ninfer] model {engine.model_path} ready in {time.perf_counter() - start:.1f}s "
           f"(max_concurrency={max_concurrency})", file=sys.stderr)
     try:

@@ -79,11 +79,13 @@ class Scorer:
         self.core, self.tokenizer, self.model_path = core, tokenizer, model_path
 
     @classmethod
-    def open(cls, model: str | pathlib.Path | None = None, **config: Any) -> Scorer:
+    def open(cls, model: str | pathlib.Path | None = None, *, verify_weights: bool = True,
+             **config: Any) -> Scorer:
         """Loads `model` (artifact or HF checkpoint directory; None = the embedded demo model)
         and compiles its scoring windows. Settings: window, stride, max_len, min_len,
-        max_batch_tokens, dtype (see `ScoringConfig`). Texts need the model's tokenizer; a
-        directory without one scores token ids only."""
+        max_batch_tokens, dtype (see `ScoringConfig`); verify_weights (see `load_model`'s
+        `verify`). Texts need the model's tokenizer; a directory without one scores token ids
+        only."""
         from ninfer_jax.frontend import load_tokenizer
         from ninfer_jax.loader import load_model
 
@@ -92,7 +94,7 @@ class Scorer:
         if unknown:
             raise ConfigError(f"unknown Scorer setting(s) {unknown}; known: {sorted(known)}")
         scfg = ScoringConfig(**config)
-        loaded = load_model(model, dtype=scfg.dtype)
+        loaded = load_model(model, dtype=scfg.dtype, verify=verify_weights)
         try:
             tokenizer = load_tokenizer(loaded.path)
         except FileNotFoundError:
