@@ -50,79 +50,79 @@ LONG_LEN, LONG_NEW_TOKENS = 160, 8
 # neighbours, and the last position of every prefill chunk of 24 tokens.
 LONG_POSITIONS = (0, 1, 23, 47, 63, 64, 65, 71, 95, 119, 127, 128, 129, 143, 158, 159)
 
-DENSE = dict(
-    vocab_size=384,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=5,
-    layer_types=[
+DENSE = {
+    "vocab_size": 384,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 5,
+    "layer_types": [
         "linear_attention",
         "linear_attention",
         "full_attention",
         "linear_attention",
         "full_attention",
     ],
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    linear_conv_kernel_dim=3,
-    linear_key_head_dim=16,
-    linear_value_head_dim=24,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    max_position_embeddings=4096,
-    rope_parameters={
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "linear_conv_kernel_dim": 3,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 24,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 4096,
+    "rope_parameters": {
         "rope_type": "default",
         "rope_theta": 10000.0,
         "partial_rotary_factor": 0.5,
         "mrope_section": [2, 1, 1],
         "mrope_interleaved": True,
     },
-    initializer_range=0.1,
-)
+    "initializer_range": 0.1,
+}
 
-MOE = dict(
-    vocab_size=320,
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=1,
-    head_dim=32,
-    linear_conv_kernel_dim=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=2,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    shared_expert_intermediate_size=48,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    max_position_embeddings=4096,
-    rope_parameters={
+MOE = {
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 2,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 4096,
+    "rope_parameters": {
         "rope_type": "default",
         "rope_theta": 1e6,
         "partial_rotary_factor": 0.25,
         "mrope_section": [1, 1, 0],
         "mrope_interleaved": True,
     },
-    initializer_range=0.1,
-)
+    "initializer_range": 0.1,
+}
 
-VISION = dict(
-    depth=1,
-    hidden_size=32,
-    intermediate_size=64,
-    num_heads=2,
-    patch_size=4,
-    temporal_patch_size=2,
-    spatial_merge_size=2,
-    out_hidden_size=64,
-    num_position_embeddings=16,
-)
+VISION = {
+    "depth": 1,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "patch_size": 4,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "out_hidden_size": 64,
+    "num_position_embeddings": 16,
+}
 
 
 def perturb(model: torch.nn.Module, seed: int) -> None:
