@@ -1,11 +1,17 @@
 """Builds the transformers reference fixtures in tests/fixtures/ (dev tier: needs torch).
 
     pip install -e '.[dev]' && python scripts/make_reference.py
+    python scripts/make_reference.py --long_only   # only reference_long.npz, from the
+                                                   # checkpoints already in tests/fixtures/
 
 For each tiny random model it writes an HF checkpoint directory as transformers saves it, plus
 `reference.npz` with the token ids, fp32 logits and greedy continuations. The weights that
 commonly hide bugs (norms, q/k norms, the gated norm, dt_bias, A_log) are perturbed so they
-matter. Fixtures:
+matter. `dense` and `moe` also get `reference_long.npz`: one sequence of LONG_LEN tokens, longer
+than two GDN chunks (our `gdn_chunk_size` of 64, and transformers' own chunk of 64), so the GDN
+state carried from chunk to chunk is compared too. To stay small (tens of KB) it keeps the logits
+only at LONG_POSITIONS (around the chunk boundaries and at the end), plus the greedy
+continuation of the whole sequence and each greedy token's log-probability. Fixtures:
 
 - `dense`: text-only `qwen3_5_text`, tied embeddings, q != kv heads, GDN k-heads != v-heads,
   k_dim != v_dim, partial rotary 0.5, conv kernel 3, layer pattern L L F L F.
@@ -22,6 +28,7 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
+import sys
 
 import numpy as np
 import torch
@@ -38,80 +45,84 @@ from transformers import (
 
 OUT = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures"
 BATCH, SEQ_LEN, NEW_TOKENS = 3, 40, 12
+LONG_LEN, LONG_NEW_TOKENS = 160, 8
+# The first and last positions of GDN chunks [0, 64), [64, 128), [128, 160) and their
+# neighbours, and the last position of every prefill chunk of 24 tokens.
+LONG_POSITIONS = (0, 1, 23, 47, 63, 64, 65, 71, 95, 119, 127, 128, 129, 143, 158, 159)
 
-DENSE = dict(
-    vocab_size=384,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=5,
-    layer_types=[
+DENSE = {
+    "vocab_size": 384,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 5,
+    "layer_types": [
         "linear_attention",
         "linear_attention",
         "full_attention",
         "linear_attention",
         "full_attention",
     ],
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    linear_conv_kernel_dim=3,
-    linear_key_head_dim=16,
-    linear_value_head_dim=24,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    max_position_embeddings=4096,
-    rope_parameters={
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "linear_conv_kernel_dim": 3,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 24,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 4096,
+    "rope_parameters": {
         "rope_type": "default",
         "rope_theta": 10000.0,
         "partial_rotary_factor": 0.5,
         "mrope_section": [2, 1, 1],
         "mrope_interleaved": True,
     },
-    initializer_range=0.1,
-)
+    "initializer_range": 0.1,
+}
 
-MOE = dict(
-    vocab_size=320,
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=1,
-    head_dim=32,
-    linear_conv_kernel_dim=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=2,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    shared_expert_intermediate_size=48,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    max_position_embeddings=4096,
-    rope_parameters={
+MOE = {
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 2,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 4096,
+    "rope_parameters": {
         "rope_type": "default",
         "rope_theta": 1e6,
         "partial_rotary_factor": 0.25,
         "mrope_section": [1, 1, 0],
         "mrope_interleaved": True,
     },
-    initializer_range=0.1,
-)
+    "initializer_range": 0.1,
+}
 
-VISION = dict(
-    depth=1,
-    hidden_size=32,
-    intermediate_size=64,
-    num_heads=2,
-    patch_size=4,
-    temporal_patch_size=2,
-    spatial_merge_size=2,
-    out_hidden_size=64,
-    num_position_embeddings=16,
-)
+VISION = {
+    "depth": 1,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "patch_size": 4,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "out_hidden_size": 64,
+    "num_position_embeddings": 16,
+}
 
 
 def perturb(model: torch.nn.Module, seed: int) -> None:
@@ -150,6 +161,37 @@ def reference(model, vocab_size: int, seed: int) -> dict[str, np.ndarray]:
         "greedy_prompt_len": np.array(SEQ_LEN // 2, np.int32),
         "greedy_tokens": out[:, SEQ_LEN // 2 :].numpy().astype(np.int32),
     }
+
+
+def long_reference(model, vocab_size: int, seed: int) -> dict[str, np.ndarray]:
+    """One LONG_LEN-token sequence: fp32 logits at LONG_POSITIONS, its greedy continuation with
+    each greedy token's log-probability, and the smallest top-1/top-2 logit gap of those steps
+    (to show they are decided)."""
+    rng = np.random.default_rng(seed)
+    token_ids = rng.integers(0, vocab_size, size=(1, LONG_LEN), dtype=np.int64)
+    ids = torch.from_numpy(token_ids)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float().numpy()
+        out = model.generate(ids, max_new_tokens=LONG_NEW_TOKENS, do_sample=False,
+                             attention_mask=torch.ones_like(ids), pad_token_id=0,
+                             eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+    steps = np.stack([s.float().numpy()[0] for s in out.logits])  # [new, V]
+    top2 = np.sort(steps, axis=-1)[:, -2:]
+    return {
+        "token_ids": token_ids.astype(np.int32),
+        "positions": np.array(LONG_POSITIONS, np.int32),
+        "logits": logits[:, list(LONG_POSITIONS)].astype(np.float32),
+        "greedy_tokens": out.sequences[:, LONG_LEN:].numpy().astype(np.int32),
+        "greedy_logprobs": torch.log_softmax(torch.from_numpy(steps), -1).max(-1).values.numpy(),
+        "greedy_min_margin": np.array((top2[:, 1] - top2[:, 0]).min(), np.float32),
+    }
+
+
+def save_long(model, name: str, vocab_size: int, seed: int) -> None:
+    ref = long_reference(model, vocab_size, seed)
+    np.savez_compressed(OUT / name / "reference_long.npz", **ref)
+    print(name, "reference_long.npz", f"{(OUT / name / 'reference_long.npz').stat().st_size} bytes",
+          f"greedy min margin {float(ref['greedy_min_margin']):.4f}")
 
 
 def save(model, name: str, ref: dict[str, np.ndarray], **save_kwargs) -> pathlib.Path:
@@ -200,12 +242,19 @@ def main() -> None:
     torch.manual_seed(0)
     OUT.mkdir(parents=True, exist_ok=True)
     print("transformers", transformers.__version__, "torch", torch.__version__)
+    if "--long_only" in sys.argv[1:]:
+        for name, cls, vocab_size, seed in (("dense", Qwen3_5ForCausalLM, DENSE["vocab_size"], 6),
+                                            ("moe", Qwen3_5MoeForCausalLM, MOE["vocab_size"], 7)):
+            save_long(cls.from_pretrained(OUT / name, dtype=torch.float32).eval(), name,
+                      vocab_size, seed)
+        return
 
     dense_cfg = Qwen3_5TextConfig(**DENSE)
     dense = Qwen3_5ForCausalLM(dense_cfg).eval()
     perturb(dense, seed=1)
     dense_ref = reference(dense, DENSE["vocab_size"], seed=2)
     save(dense, "dense", dense_ref)
+    save_long(dense, "dense", DENSE["vocab_size"], seed=6)
 
     moe_cfg = Qwen3_5MoeTextConfig(**MOE)
     moe = Qwen3_5MoeForCausalLM(moe_cfg).eval()
@@ -215,6 +264,7 @@ def main() -> None:
         for layer in moe.model.layers:
             layer.mlp.gate.weight.normal_(0.0, 0.5)
     save(moe, "moe", reference(moe, MOE["vocab_size"], seed=4))
+    save_long(moe, "moe", MOE["vocab_size"], seed=7)
 
     vl_cfg = Qwen3_5Config(text_config=DENSE, vision_config=VISION, tie_word_embeddings=True)
     vl = Qwen3_5ForConditionalGeneration(vl_cfg).eval()

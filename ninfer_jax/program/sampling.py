@@ -202,6 +202,12 @@ def truncation_mask(scaled: jax.Array, arrays: SamplingArrays) -> jax.Array:
     top token always stays; min-p keeps p >= min_p * p_max. The sort (the costly part) runs only
     when some row sets top-k or top-p; without it every row's threshold is -inf, which keeps the
     same set as the sorted path does for a row with both off.
+
+    The top-p boundary, exactly: the kept set is the smallest set of most likely tokens whose
+    mass is >= top_p (OpenAI's and Hugging Face's rule), so a set whose mass equals top_p exactly
+    is complete and the next token is dropped; then every token tied with the smallest kept
+    value is kept too (Hugging Face keeps whichever of them its sort puts first). The min-p
+    boundary keeps p == min_p * p_max.
     """
     needs_sort = jnp.any((arrays.top_k > 0) | (arrays.top_p < 1))
     threshold = jax.lax.cond(

@@ -6,16 +6,42 @@ running a network. The state lives where the real one does (committed per slot, 
 batch row until commit, checkpoint slots), so a wrong reuse, a lost commit or a leaked
 provisional state changes the tokens. Admission, reservations, pages, slots, checkpoints,
 revisions and PendingBatch rules are the real ones (`HostProgram`). Failures can be injected.
+
+Hook points let a test act at an exact moment of the worker instead of after a sleep. Each runs
+on the worker thread, in the middle of the Engine's iteration, with the sequences concerned:
+
+    after_materialize  a sequence was created: its request is Materializing in the Engine
+    after_prefill      a prefill chunk ran (after the last chunk, its PendingBatch is pending)
+    after_decode       a decode round ran: its PendingBatch is pending
+    before_commit      the Engine decided the pending batch's rows and is committing them
+    after_commit       Program state is committed; the Engine has not published it yet
+
+`on(point, fn)` calls `fn(seqs)` there every time; `pause(point, when)` returns a `Gate` that
+holds the worker the first time `when(seqs)` holds, until the test releases it.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ninfer_jax.program.host import CheckpointRecord, HostProgram, ProgramLimits, SeqRecord
+from ninfer_jax.program.host import (
+    GREEDY,
+    CheckpointRecord,
+    HostProgram,
+    ProgramLimits,
+    ResourcePlan,
+    SeqRecord,
+)
+from ninfer_jax.program.pending import PendingBatch, SequenceHandle
+from ninfer_jax.sampling_params import SamplingParams
+
+HOOK_POINTS = ("after_materialize", "after_prefill", "after_decode", "before_commit",
+               "after_commit")
+Hook = Callable[[list[SeqRecord]], None]
 
 
 def mix(state: int, token: int) -> int:
@@ -56,9 +82,42 @@ class InjectedFailure(RuntimeError):
     """Raised by FakeProgram where a test asked it to fail."""
 
 
+class Gate:
+    """Holds the worker at a hook point: the test `wait()`s until the worker is there, acts (the
+    worker stands still meanwhile), then `release()`s it. A gate never released fails the worker
+    after `timeout_s` (the Engine then fails every request) instead of hanging it."""
+
+    def __init__(self, point: str, timeout_s: float):
+        self.point, self.timeout_s = point, timeout_s
+        self.seqs: list[SeqRecord] = []  # the sequences of the held call
+        self._reached = threading.Event()
+        self._go = threading.Event()
+
+    @property
+    def reached(self) -> bool:
+        return self._reached.is_set()
+
+    def hold(self, seqs: list[SeqRecord]) -> None:
+        """On the worker: stop here until released."""
+        self.seqs = seqs
+        self._reached.set()
+        if not self._go.wait(self.timeout_s):
+            raise AssertionError(f"gate at {self.point} was not released in {self.timeout_s} s")
+
+    def wait(self, timeout: float = 30.0) -> list[SeqRecord]:
+        """Blocks until the worker is held here; returns the held sequences."""
+        if not self._reached.wait(timeout):
+            raise AssertionError(f"the worker did not reach {self.point} in {timeout} s")
+        return self.seqs
+
+    def release(self) -> None:
+        self._go.set()
+
+
 class FakeProgram(HostProgram):
     """A Program double. `fail_commit_at`: the n-th commit (0-based) raises InjectedFailure;
-    `step_seconds`: each prefill/decode sleeps this long (to let cancels land mid-step)."""
+    `step_seconds`: each prefill/decode sleeps this long (a stand-in for model time in load
+    tests and benchmarks; tests of exact moments use hooks)."""
 
     def __init__(self, limits: ProgramLimits, *, eos_id: int | None = None,
                  fail_commit_at: int | None = None, step_seconds: float = 0.0):
@@ -73,7 +132,58 @@ class FakeProgram(HostProgram):
         self._provisional: list[int] = []  # batch row -> state
         self._ckpt_states: dict[int, int] = {}  # checkpoint slot -> state
         self._worker: threading.Thread | None = None
+        self._hooks: dict[str, list[Hook]] = {point: [] for point in HOOK_POINTS}
 
+    # Hooks -------------------------------------------------------------------------------------
+    def on(self, point: str, fn: Hook) -> None:
+        """Calls `fn(seqs)` on the worker thread every time it reaches `point`."""
+        if point not in self._hooks:
+            raise ValueError(f"point must be one of {HOOK_POINTS}, got {point!r}")
+        self._hooks[point].append(fn)
+
+    def pause(self, point: str, when: Callable[[list[SeqRecord]], bool] | None = None, *,
+              timeout_s: float = 30.0) -> Gate:
+        """A gate that holds the worker the first time it reaches `point` with `when(seqs)`
+        true (any sequences when `when` is None)."""
+        gate = Gate(point, timeout_s)
+
+        def hook(seqs: list[SeqRecord]) -> None:
+            if not gate.reached and (when is None or when(seqs)):
+                gate.hold(seqs)
+
+        self.on(point, hook)
+        return gate
+
+    def _at(self, point: str, seqs: list[SeqRecord]) -> None:
+        for fn in list(self._hooks[point]):
+            fn(seqs)
+
+    def materialize(self, plan: ResourcePlan, prompt_ids: Sequence[int],
+                    sampling: SamplingParams = GREEDY) -> SequenceHandle:
+        handle = super().materialize(plan, prompt_ids, sampling)
+        self._at("after_materialize", [self._seq(handle)])
+        return handle
+
+    def prefill(self, handle: SequenceHandle) -> PendingBatch | None:
+        batch = super().prefill(handle)
+        self._at("after_prefill", [self._seq(handle)])
+        return batch
+
+    def decode(self, handles: Sequence[SequenceHandle]) -> PendingBatch:
+        batch = super().decode(handles)
+        self._at("after_decode", [self._seq(h) for h in handles])
+        return batch
+
+    def commit(self, batch: PendingBatch, accepted: Sequence[int]) -> None:
+        if batch is not self.pending:  # the base class refuses it; no hook sees a stray batch
+            super().commit(batch, accepted)
+            return
+        seqs = [self._seq(h) for h in batch.handles]
+        self._at("before_commit", seqs)
+        super().commit(batch, accepted)
+        self._at("after_commit", seqs)
+
+    # Model -------------------------------------------------------------------------------------
     def _touch(self) -> None:
         """Asserts the Engine's rule that only its worker thread drives the Program."""
         me = threading.current_thread()

@@ -5,7 +5,6 @@ storms, eviction under pressure, backfill, and the switch."""
 from __future__ import annotations
 
 import contextlib
-import time
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -13,14 +12,14 @@ from hypothesis import strategies as st
 from ninfer_jax.engine import EngineCore, EngineCoreConfig, FinishReason
 from ninfer_jax.sampling_params import SamplingParams
 from ninfer_jax.testing.fake_program import FakeProgram, expected_tokens
-from tests.engine.conftest import FRONTEND, TOKENIZER, limits
+from tests.engine.conftest import FRONTEND, TOKENIZER, limits, settle
 
 
 @contextlib.contextmanager
-def engine(max_concurrency=4, reuse=True, ckpt_slots=8, step_seconds=0.0, **limit_kw):
-    kw = dict(max_seq_len=256, total_pages=64 * max_concurrency, total_checkpoint_slots=ckpt_slots)
-    program = FakeProgram(limits(max_concurrency, **{**kw, **limit_kw}), eos_id=None,
-                          step_seconds=step_seconds)
+def engine(max_concurrency=4, reuse=True, ckpt_slots=8, **limit_kw):
+    kw = {"max_seq_len": 256, "total_pages": 64 * max_concurrency,
+          "total_checkpoint_slots": ckpt_slots}
+    program = FakeProgram(limits(max_concurrency, **{**kw, **limit_kw}), eos_id=None)
     core = EngineCore(program, FRONTEND, EngineCoreConfig(max_queue=64, idle_wait_s=0.005,
                                                           prefix_reuse=reuse))
     try:
@@ -48,12 +47,6 @@ def refs_explained(program):
         for p in ck.pages:
             held[p] = held.get(p, 0) + 1
     return all(program.pages.refcount(p) == held.get(p, 0) for p in range(program.pages.num_pages))
-
-
-def drain(core):
-    end = time.monotonic() + 10
-    while time.monotonic() < end and (core.stats().outstanding or core.stats().active):
-        time.sleep(0.005)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
@@ -86,7 +79,7 @@ def test_multi_turn_outputs_equal_reuse_off(data, concurrency):
                     continue
                 assert got == want(ids, budget, seed)
                 histories[conv] = ids + got
-        drain(core)
+        assert settle(core).outstanding == 0
         assert refs_explained(program)
         core.clear_prefix_cache()
         s = program.stats()
@@ -130,19 +123,33 @@ def test_eviction_under_pressure_never_fails_active_requests():
             assert r.finish_reason is FinishReason.LENGTH and list(r.token_ids) == want(
                 [10 + i] * 12, 8)
         assert core.stats().prefix.evictions > 0
-        drain(core)
+        assert settle(core).outstanding == 0
         assert refs_explained(program)
+
+
+def test_without_a_session_the_longest_cataloged_prefix_is_reused():
+    with engine(2) as (core, program):
+        stream = list(range(60, 110))
+        for n in (10, 30, 20):  # budget 1: each leaves one checkpoint, at its prompt
+            submit(core, stream[:n], 1).result(timeout=10)
+        assert program.stats().num_checkpoints == 3
+        r = submit(core, stream, 4).result(timeout=10)
+        assert r.usage.cached_tokens == 30 and list(r.token_ids) == want(stream, 4)
+        r = submit(core, stream[:25] + [1, 2], 4).result(timeout=10)
+        assert r.usage.cached_tokens == 20 and list(r.token_ids) == want(stream[:25] + [1, 2], 4)
 
 
 def test_backfill_admits_small_requests_without_starving_the_head():
     # 16 pages of 4. Incumbent: 40 tokens (10 pages). Head: 40 tokens, blocked.
     # Small requests (2 pages) may borrow: 10 + 10 would not fit with the incumbent, but
     # head (10) + borrower (2) <= 16 once the incumbent finishes.
-    with engine(3, reuse=False, total_pages=16, max_seq_len=48, step_seconds=0.01) as (core, _):
+    with engine(3, reuse=False, total_pages=16, max_seq_len=48) as (core, program):
+        gate = program.pause("after_decode")  # the incumbent is active and decoding
         incumbent = submit(core, list(range(60, 90)), 10)
-        time.sleep(0.02)
+        gate.wait()
         head = submit(core, list(range(100, 130)), 10)
         small = [submit(core, [120 + i, 121], 6) for i in range(3)]
+        gate.release()
         results = [h.result(timeout=30) for h in [incumbent, head, *small]]
         assert all(r.finish_reason is FinishReason.LENGTH for r in results)
         assert core.scheduler.protected is None and core.stats().backfilled >= 1

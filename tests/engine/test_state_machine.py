@@ -1,11 +1,17 @@
 """A hypothesis state machine over the Engine with FakeProgram: random submits, cancels at random
-moments, deadlines and dropped handles. Every accepted request ends exactly once, nothing follows
-its ending, and after draining every lane, page and slot is free and capacity is full."""
+moments and at exact worker points (FakeProgram hooks: Materializing, mid-prefill, a pending
+batch, committed but not yet published), deadlines and dropped handles. Every accepted request
+ends exactly once, nothing follows its ending, and once the worker has nothing left to do every
+lane, page and slot is free and capacity is full (checked as soon as the worker is idle, so a
+leak fails at once rather than after a timeout)."""
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import time
+import weakref
+from typing import Any
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -13,10 +19,21 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from ninfer_jax.engine import EngineCore, EngineCoreConfig, Finished, FinishReason, RejectedError
 from ninfer_jax.sampling_params import SamplingParams
-from ninfer_jax.testing.fake_program import FakeProgram, expected_tokens
-from tests.engine.conftest import EOS, FRONTEND, TOKENIZER, limits
+from ninfer_jax.testing.fake_program import HOOK_POINTS, FakeProgram, expected_tokens
+from tests.engine.conftest import EOS, FRONTEND, TOKENIZER, limits, settle
 
 WORDS = st.text(alphabet="abcdefgh xyz", min_size=1, max_size=30)
+
+
+@dataclasses.dataclass(eq=False)
+class Live:
+    """A request the machine still holds (dropping it drops the handle's last reference)."""
+
+    handle: Any
+    ids: list[int]
+    sampling: SamplingParams
+    deadline: float | None
+    cancelled: bool = False
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -27,7 +44,8 @@ class EngineMachine(RuleBasedStateMachine):
         self.program = FakeProgram(limits(self.max_concurrency), eos_id=EOS, step_seconds=0.0002)
         self.core = EngineCore(self.program, FRONTEND, EngineCoreConfig(max_queue=12,
                                                                         idle_wait_s=0.005))
-        self.live = []  # (handle, prompt ids, sampling, cancelled?)
+        self.live: list[Live] = []
+        self.ended = []  # handles read to their Finished: nothing may follow it
         self.dropped = 0
         self.accepted = 0
 
@@ -42,15 +60,33 @@ class EngineMachine(RuleBasedStateMachine):
             assert e.reason == "overload" and "max_queue is 12" in str(e)
             return
         self.accepted += 1
-        self.live.append([h, list(p.token_ids), sp, False, deadline])
+        self.live.append(Live(h, list(p.token_ids), sp, deadline))
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 10**6), pause=st.sampled_from([0, 0, 0.001, 0.003]))
     def cancel(self, i, pause):
         time.sleep(pause)
         entry = self.live[i % len(self.live)]
-        entry[0].cancel()
-        entry[3] = True
+        entry.cancelled = True
+        entry.handle.cancel()
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 10**6), point=st.sampled_from(HOOK_POINTS))
+    def cancel_at(self, i, point):
+        """Cancels the request when the worker reaches `point` with its sequence (once; never,
+        if it ends first). A twin request (same prompt and sampling) may trigger it earlier:
+        still a valid moment to cancel."""
+        ref = weakref.ref(self.live[i % len(self.live)])  # a hook must not keep it alive
+
+        def hook(seqs):
+            entry = ref()
+            if entry is not None and not entry.cancelled and any(
+                    s.tokens[: s.prompt_len] == entry.ids and s.sampling == entry.sampling
+                    for s in seqs):
+                entry.cancelled = True  # before the cancel: the consumer reads it after Finished
+                entry.handle.cancel()
+
+        self.program.on(point, hook)
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 10**6))
@@ -72,14 +108,16 @@ class EngineMachine(RuleBasedStateMachine):
         s = self.core.stats()
         assert s.outstanding <= s.capacity and s.free_lanes <= s.total_lanes
 
-    def _check(self, entry):
-        handle, ids, sp, cancelled, deadline = entry
-        events = list(handle)  # ends with Finished (a bounded wait: the worker always finishes)
+    def _check(self, entry: Live):
+        handle, sp = entry.handle, entry.sampling
+        events = []
+        while not handle.done:  # bounded: a request the worker never finishes fails here
+            events.append(handle.next_event(timeout=10))
         finished = [e for e in events if isinstance(e, Finished)]
         assert len(finished) == 1 and events[-1] is finished[0]
         with_text = "".join(getattr(e, "text", "") for e in events)
         got = [t for e in events for t in getattr(e, "token_ids", ())]
-        want = expected_tokens(ids, sp.max_new_tokens, seed=sp.seed or 0,
+        want = expected_tokens(entry.ids, sp.max_new_tokens, seed=sp.seed or 0,
                                vocab_size=TOKENIZER.vocab_size, eos_id=EOS)
         reason = finished[0].finish_reason
         assert got == want[: len(got)]  # a prefix of the single-request output, always
@@ -87,27 +125,24 @@ class EngineMachine(RuleBasedStateMachine):
             assert got == want
         else:
             assert reason in (FinishReason.CANCELLED, FinishReason.DEADLINE)
-            assert cancelled or deadline is not None
+            assert entry.cancelled or entry.deadline is not None
         assert finished[0].usage.completion_tokens == len(got)
         assert "\ufffd" not in with_text
-        try:
-            extra = handle._sink.get(timeout=0.01)
-        except queue.Empty:
-            extra = None
-        assert extra is None, f"event after Finished: {extra}"
+        self.ended.append(handle)
 
     def teardown(self):
         try:
             for entry in self.live:
                 self._check(entry)
             self.live.clear()
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                s, p = self.core.stats(), self.program.stats()
-                if s.outstanding == 0 and s.active == 0 and s.waiting == 0:
-                    break
-                time.sleep(0.005)
-            s, p = self.core.stats(), self.program.stats()
+            s = settle(self.core)  # every consumer is done: returns once the worker is idle
+            p = self.program.stats()
+            for handle in self.ended:  # the worker is idle: anything after Finished is there now
+                try:
+                    extra = handle._sink.get(timeout=0)
+                except queue.Empty:
+                    extra = None
+                assert extra is None, f"event after Finished: {extra}"
             assert s.available and s.outstanding == 0 and s.active == 0 and s.waiting == 0, s
             assert s.free_lanes == s.total_lanes
             assert p.free_pages == p.total_pages and p.reserved_pages == 0

@@ -1,4 +1,5 @@
-"""Sampling: greedy, filter sets against a numpy reference (ties included), draw frequencies,
+"""Sampling: greedy, filter sets against a numpy reference (ties included), the top-p and min-p
+boundaries at exactly equal mass (probabilities exact in float32), draw frequencies,
 penalties against OpenAI's and Hugging Face's formulas, batch invariance, seed/step streams, one
 compilation for mixed rows, and validation of bad settings."""
 
@@ -139,6 +140,56 @@ def test_boundary_ties_are_kept_together():
         arrays = sampling_arrays([{"top_k": k, "top_p": p, "min_p": m, "seed": 0}])
         got = np.flatnonzero(np.asarray(jit_mask(scaled, arrays))[0])
         assert got.tolist() == kept, (k, p, m)
+
+
+def _exact_row(probs: list[float]) -> np.ndarray:
+    """Tempered logits [1, V] (row max 0) whose softmax is exactly `probs` (powers of two), in
+    a shuffled vocab order; the rest of the vocab gets probability exactly 0."""
+    want = np.zeros(V)
+    want[: len(probs)] = probs
+    order = np.random.default_rng(7).permutation(V)
+    want = want[order][None]
+    ratios = want / want.max()
+    scaled = np.where(ratios > 0, np.log(np.maximum(ratios, 1e-300)), -200.0).astype(np.float32)
+    # The premise: float32 computes these probabilities exactly, so equal mass is equality.
+    np.testing.assert_array_equal(np.asarray(jax.nn.softmax(jnp.asarray(scaled))), want)
+    return scaled
+
+
+def _kept_probs(scaled: np.ndarray, **row) -> list[float]:
+    mask = np.asarray(jit_mask(scaled, sampling_arrays([{"seed": 0, **row}])))[0]
+    p = np.asarray(jax.nn.softmax(jnp.asarray(scaled)))[0]
+    return sorted(p[mask].tolist(), reverse=True)
+
+
+def test_top_p_boundary_at_exactly_equal_mass():
+    """Smallest set whose mass >= top_p; equal mass completes the set; boundary ties stay."""
+    up, down = np.nextafter(np.float32(0.5), 1), np.nextafter(np.float32(0.5), 0)
+    row = _exact_row([1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 16])
+    all5 = [1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 16]
+    cases = [
+        (0.5, [1 / 2]),  # the top token's mass is exactly 0.5: nothing else
+        (float(down), [1 / 2]),
+        (float(up), [1 / 2, 1 / 4]),
+        (0.75, [1 / 2, 1 / 4]),
+        (0.875, [1 / 2, 1 / 4, 1 / 8]),
+        (float(np.nextafter(np.float32(0.875), 1)), all5),  # one 1/16 needed: its twin stays
+        (0.9375, all5),
+    ]
+    for top_p, kept in cases:
+        assert _kept_probs(row, top_p=top_p) == kept, top_p
+    assert len(_kept_probs(row, top_p=1.0)) == V  # off: the zero-probability tokens too
+
+    ties = _exact_row([1 / 4, 1 / 4, 1 / 4, 1 / 8, 1 / 8])
+    for top_p, kept in [(0.25, [1 / 4] * 3), (0.75, [1 / 4] * 3),
+                        (float(np.nextafter(np.float32(0.75), 1)), [1 / 4] * 3 + [1 / 8] * 2)]:
+        assert _kept_probs(ties, top_p=top_p) == kept, top_p
+
+
+def test_min_p_boundary_keeps_equal_ratio():
+    row = _exact_row([1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 16])
+    assert _kept_probs(row, min_p=0.25) == [1 / 2, 1 / 4, 1 / 8]  # 1/8 == 0.25 * 1/2
+    assert _kept_probs(row, min_p=float(np.nextafter(np.float32(0.25), 1))) == [1 / 2, 1 / 4]
 
 
 def test_skipping_the_sort_keeps_the_same_set_and_token():

@@ -1,6 +1,7 @@
-"""The `ninfer` lm-evaluation-harness model (needs the eval extra; skipped without it): its
-answers against the Scorer and our own greedy oracle, and a local multiple-choice task run by the
-harness itself (local data, no network; in the slow tier)."""
+"""The `ninfer` lm-evaluation-harness model: its answers against the Scorer and our own greedy
+oracle, and a local multiple-choice task run by the harness itself (local data, no network; in
+the slow tier). lm-eval is in the test extra (it installs without torch), so these run in the
+default tier; without it they fail at import, never skip."""
 
 from __future__ import annotations
 
@@ -8,16 +9,13 @@ import json
 
 import numpy as np
 import pytest
+from lm_eval.api.instance import Instance
 
-pytest.importorskip("lm_eval")
+from ninfer_jax.gateway.lm_eval_adapter import NinferLM
+from tests.program.conftest import reference_greedy
+from tests.scoring.conftest import WIDTH, scorer
 
-from lm_eval.api.instance import Instance  # noqa: E402
-
-from ninfer_jax.gateway.lm_eval_adapter import NinferLM  # noqa: E402
-from tests.program.conftest import reference_greedy  # noqa: E402
-from tests.scoring.conftest import WIDTH, scorer  # noqa: E402
-
-SHAPE = dict(max_batch_tokens=3 * WIDTH)  # the scoring tests' window executable
+SHAPE = {"max_batch_tokens": 3 * WIDTH}  # the scoring tests' window executable
 
 
 @pytest.fixture(scope="module")

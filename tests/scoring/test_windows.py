@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import numpy as np
@@ -29,7 +28,6 @@ def test_spans_match_the_committed_lm_eval_fixture():
         assert as_lm_eval(got) == case["spans"], case
 
 
-@pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="needs the eval extra")
 def test_spans_match_lm_eval_on_random_lengths():
     rng = np.random.default_rng(1)
     for _ in range(500):
