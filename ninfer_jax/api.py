@@ -40,7 +40,8 @@ class Engine:
     def open(cls, model: str | pathlib.Path | None = None, *, max_concurrency: int = 4,
              verify_weights: bool = True, **config: Any) -> "Engine":
         """Loads `model` (artifact or HF checkpoint directory; None = the embedded default) and
-        compiles every step before returning. Settings: max_seq_len, page_size, num_pages,
+        compiles the prefill step before returning; the other steps compile on a background
+        thread in the order they are first needed (a request waits only for what it uses). Settings: max_seq_len, page_size, num_pages,
         prefill_chunk, attention_impl, dtype, num_checkpoint_slots (Program); max_queue,
         queue_timeout_s, prefix_reuse (Engine; on by default); verify_weights (check digests
         and finiteness while loading, see `load_model`'s `verify`)."""

@@ -207,6 +207,8 @@ class EngineCore:
         self._stop.set()
         self.wake()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.program.close()
 
     def stats(self) -> EngineStats:
         return self._stats

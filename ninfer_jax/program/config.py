@@ -8,6 +8,7 @@ from ninfer_jax.errors import ConfigError
 
 ATTENTION_IMPLS = ("reference", "pallas")
 DTYPES = ("float32", "bfloat16")
+LAYER_LOOPS = ("auto", "unrolled", "scan")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +23,10 @@ class ProgramConfig:
     attention_impl: str = "reference"  # "reference" (jnp) or "pallas"
     dtype: str = "float32"  # weights, activations and KV pages
     num_checkpoint_slots: int = 0  # GDN state images of prefix checkpoints (0 = no reuse)
+    # "unrolled": one weight array per layer, a Python loop (fastest steps on XLA:CPU, slower
+    # compiles); "scan": lax.scan over stacked weights; "auto": unrolled on CPU, scan elsewhere.
+    layer_loop: str = "auto"
+    background_compile: bool = True  # compile all but the prefill step on a background thread
 
     def __post_init__(self):
         def is_int(v) -> bool:
@@ -36,17 +41,27 @@ class ProgramConfig:
             "attention_impl": lambda v: v in ATTENTION_IMPLS,
             "dtype": lambda v: v in DTYPES,
             "num_checkpoint_slots": lambda v: is_int(v) and v >= 0,
+            "layer_loop": lambda v: v in LAYER_LOOPS,
+            "background_compile": lambda v: isinstance(v, bool),
         }
         limits = {
             "max_concurrency": "an integer in 1..64", "page_size": "a power-of-two integer",
             "num_pages": "an integer >= 1", "max_seq_len": "an integer >= 2",
             "prefill_chunk": "an integer >= 1", "attention_impl": f"one of {ATTENTION_IMPLS}",
             "dtype": f"one of {DTYPES}", "num_checkpoint_slots": "an integer >= 0",
+            "layer_loop": f"one of {LAYER_LOOPS}", "background_compile": "a bool",
         }
         for name, ok in checks.items():
             value = getattr(self, name)
             if not ok(value):
                 raise ConfigError(f"{name} must be {limits[name]}, got {value!r:.60}")
+
+    def resolved_layer_loop(self) -> str:
+        if self.layer_loop != "auto":
+            return self.layer_loop
+        import jax  # resolved when the Program is built, on the backend it will run on
+
+        return "unrolled" if jax.default_backend() == "cpu" else "scan"
 
     @property
     def max_pages_per_seq(self) -> int:

@@ -1,17 +1,26 @@
 """The table of ahead-of-time compiled step executables, keyed by a typed key (STYLE §3).
 
-Owns compilation: every executable the Program will ever run is compiled at start-up (prefill
-chunk, decode and commit for every exact B in 1..max_concurrency), with the pools donated. A key
-that was not compiled raises; nothing compiles after start-up.
+Owns compilation: every executable the Program will ever run is compiled at start-up, with the
+pools donated. A key can be compiled in the foreground (the call returns when it is ready) or
+queued for a background thread, in the order the Program expects to need them (prefill and
+B = 1 first, the largest B last); a call of a key still compiling waits for it. A key that was
+never requested raises; nothing compiles outside this table.
 """
 
 from __future__ import annotations
 
+import atexit
+import concurrent.futures
 import dataclasses
 import enum
 import functools
+import os
+import queue
+import threading
 import time
-from typing import Any, Callable
+import weakref
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -36,31 +45,122 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
+def _lower_priority() -> None:
+    """Background compiles yield the cores to the steps serving requests (Linux: per thread)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
+
+
 class ExecutableTable:
     """StepKey -> compiled executable. Pools are always donated (argument `pools`)."""
 
     def __init__(self):
         self._table: dict[StepKey, Callable] = {}
+        self._pending: dict[StepKey, concurrent.futures.Future] = {}
+        self._queue: queue.SimpleQueue | None = None  # (key, fn, abstract, future) or None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # the worker and a waiting thread may both resolve a key
         self.compile_seconds: dict[StepKey, float] = {}
 
-    def compile(self, key: StepKey, fn: Callable, *example_args: Any) -> None:
-        """Lowers `fn(*example_args)` for those shapes with `pools` donated, and stores it."""
+    def compile(self, key: StepKey, fn: Callable, *example_args: Any,
+                background: bool = False) -> None:
+        """Lowers `fn(*example_args)` for those shapes with `pools` donated and stores it; with
+        `background`, on the table's compile thread (keys compile in the order given)."""
+        abstract = tuple(map(_abstract, example_args))  # shapes only: no buffer is kept
+        if not background:
+            self._table[key] = self._build(key, fn, abstract)
+            return
+        if self._queue is None:
+            self._queue = queue.SimpleQueue()
+            # A daemon, so a process that ends need not wait for compiles it will never use;
+            # at exit the one in progress is waited for (see _close_at_exit).
+            self._thread = threading.Thread(target=self._compile_loop, args=(self._queue,),
+                                            daemon=True, name="ninfer-compile")
+            self._thread.start()
+            _LIVE.add(self)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._pending[key] = future
+        self._queue.put((key, fn, abstract, future))
+
+    def _compile_loop(self, jobs: queue.SimpleQueue) -> None:
+        _lower_priority()
+        while (job := jobs.get()) is not None:
+            key, fn, abstract, future = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self._build(key, fn, abstract))
+            except BaseException as e:  # delivered to whoever calls the key
+                future.set_exception(e)
+
+    def close(self, wait: bool = False) -> None:
+        """Drops the compiles not started yet (a call of such a key then raises); `wait` also
+        waits for the one in progress."""
+        with self._lock:
+            for future in self._pending.values():
+                future.cancel()
+        if self._queue is not None:
+            self._queue.put(None)
+            if wait:
+                self._thread.join()
+
+    def _build(self, key: StepKey, fn: Callable, abstract: tuple) -> Callable:
         start = time.perf_counter()
         jitted = jax.jit(fn, donate_argnames=("pools",))
-        self._table[key] = jitted.lower(*map(_abstract, example_args)).compile()
+        executable = jitted.lower(*abstract).compile()
         self.compile_seconds[key] = time.perf_counter() - start
+        return executable
+
+    def _get(self, key: StepKey) -> Callable:
+        executable = self._table.get(key)
+        if executable is not None:
+            return executable
+        with self._lock:
+            future = self._pending.get(key)
+        if future is None:
+            if key in self._table:
+                return self._table[key]
+            raise MissingExecutableError(
+                f"no executable for {key}; compiled: {sorted(map(str, self.keys()))}")
+        try:
+            executable = future.result()  # a compile error surfaces here
+        except concurrent.futures.CancelledError:
+            raise MissingExecutableError(f"{key} was dropped: the Program is closed") from None
+        with self._lock:
+            self._table[key] = executable
+            self._pending.pop(key, None)
+        return executable
 
     def __call__(self, key: StepKey, *args: Any) -> Any:
-        try:
-            executable = self._table[key]
-        except KeyError:
-            raise MissingExecutableError(
-                f"no executable for {key}; compiled: {sorted(map(str, self._table))}"
-            ) from None
-        return executable(*args)
+        return self._get(key)(*args)
+
+    def wait(self) -> None:
+        """Returns once every queued compile is done (raises the first compile error)."""
+        for key in list(self._pending):
+            self._get(key)
+
+    @property
+    def ready(self) -> bool:
+        with self._lock:
+            return all(f.done() for f in self._pending.values())
 
     def keys(self) -> list[StepKey]:
-        return list(self._table)
+        with self._lock:
+            return list(self._table) + list(self._pending)
+
+
+_LIVE: weakref.WeakSet[ExecutableTable] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Interpreter exit: a compile still running in a daemon thread would abort the process
+    when finalization stops it, so drop the queued ones and let the running one finish."""
+    for table in list(_LIVE):
+        table.close(wait=True)
 
 
 def bind(fn: Callable, **static: Any) -> Callable:

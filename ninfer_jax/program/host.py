@@ -159,6 +159,9 @@ class HostProgram(abc.ABC):
         """Loads `ckpt`'s state into the sequence's slot (fresh penalty state, the checkpoint's
         tokens marked as prompt) and copies page copy_page[0] to copy_page[1] when given."""
 
+    def close(self) -> None:
+        """Releases what the execution side holds beyond its pools (nothing by default)."""
+
     # Feasibility and admission -------------------------------------------------------------
     def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         return -(-(prompt_len + max_new_tokens) // self.limits.page_size)

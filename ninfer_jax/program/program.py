@@ -2,7 +2,14 @@
 
 Owns the device pools and the compiled step table; the host bookkeeping it shares with its test
 double lives in `host.py`. It knows nothing of requests, queues, text or users. All executables
-(prefill chunk, decode and commit for every exact B) are compiled here at start-up.
+(prefill chunk, decode for every exact B, commit, capture, restore) are compiled at start-up:
+the prefill step before the constructor returns, the rest on a background thread in the order
+they are first needed (decode B = 1 first), unless `ProgramConfig.background_compile` is off;
+`wait_compiled()` waits for all of them.
+
+A commit is applied by the next prefill or decode step (its `commit` input) rather than by a
+dispatch of its own; `pools` (and every step that takes no commit) flushes it first, so the
+committed state anyone reads is always current.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import jax
 import numpy as np
 
 from ninfer_jax.models.qwen3_6 import ModelConfig
+from ninfer_jax.models.qwen3_6.model import unstack_layers
 from ninfer_jax.program.config import ProgramConfig
 from ninfer_jax.program.errors import InfeasibleError
 from ninfer_jax.program.executables import ExecutableTable, StepKey, StepKind, bind
@@ -55,78 +63,129 @@ class Program(HostProgram):
             checkpoint_state_bytes=(pools.ck_conv.nbytes + pools.ck_rec.nbytes)
             // max(pcfg.num_checkpoint_slots, 1)))
         self.cfg, self.pcfg = cfg, pcfg
-        self.params = jax.tree.map(lambda a: jax.numpy.asarray(a, pcfg.dtype), params)
-        self.pools = pools
+        params = jax.tree.map(lambda a: jax.numpy.asarray(a, pcfg.dtype), params)
+        self.params = unstack_layers(params, cfg) if pcfg.resolved_layer_loop() == "unrolled" \
+            else params
+        self._pools = pools
+        self._deferred = self._no_commit()  # the last commit, applied by the next step
+        self._has_deferred = False
         self.executables = ExecutableTable()
         self._compile_all()
+
+    @property
+    def pools(self) -> Pools:
+        """The device pools with every commit applied."""
+        self._flush()
+        return self._pools
+
+    def wait_compiled(self) -> None:
+        """Returns once every executable is compiled (they compile in the background)."""
+        self.executables.wait()
+
+    def close(self) -> None:
+        """Drops the background compiles not started yet; the Program serves no more steps."""
+        self.executables.close()
 
     def _compile_all(self) -> None:
         cfg, pcfg = self.cfg, self.pcfg
         c, w = pcfg.prefill_chunk, pcfg.max_pages_per_seq
+        later = pcfg.background_compile
+
+        def decode(b: int) -> None:
+            example = DecodeInputs(
+                commit=self._no_commit(), token_ids=np.zeros(b, np.int32),
+                positions=np.zeros(b, np.int32), slots=np.arange(b, dtype=np.int32),
+                page_tables=np.zeros((b, w), np.int32), sampling=sampling_arrays([GREEDY] * b),
+                step_index=np.zeros(b, np.int32))
+            self.executables.compile(StepKey(StepKind.DECODE, b),
+                                     bind(decode_step, cfg=cfg, pcfg=pcfg), self.params,
+                                     self._pools, example, background=later)
+
         prefill_example = PrefillInputs(
-            token_ids=np.zeros((1, c), np.int32), start_pos=np.zeros(1, np.int32),
-            num_valid=np.ones(1, np.int32), page_table=np.zeros((1, w), np.int32),
-            slot=np.zeros(1, np.int32), reset=np.ones(1, bool),
-            sampling=sampling_arrays([GREEDY]), step_index=np.zeros(1, np.int32))
+            commit=self._no_commit(), token_ids=np.zeros((1, c), np.int32),
+            start_pos=np.zeros(1, np.int32), num_valid=np.ones(1, np.int32),
+            page_table=np.zeros((1, w), np.int32), slot=np.zeros(1, np.int32),
+            reset=np.ones(1, bool), sampling=sampling_arrays([GREEDY]),
+            step_index=np.zeros(1, np.int32))
+        # In the order of first need: the prompt's checkpoint right after its prefill (a
+        # commit, then a capture), then decoding one row; the background thread starts on them
+        # while the prefill compiles here.
+        bmax = pcfg.max_concurrency
+        self.executables.compile(StepKey(StepKind.COMMIT, bmax), commit_step, self._pools,
+                                 self._no_commit(), background=later)
+        one = np.zeros(1, np.int32)
+        if pcfg.num_checkpoint_slots:
+            self.executables.compile(StepKey(StepKind.CAPTURE, 1), capture_step, self._pools,
+                                     CaptureInputs(slot=one, ckpt_slot=one), background=later)
+        decode(1)
         self.executables.compile(StepKey(StepKind.PREFILL, 1),
                                  bind(prefill_step, cfg=cfg, pcfg=pcfg),
-                                 self.params, self.pools, prefill_example)
-        for b in range(1, pcfg.max_concurrency + 1):
-            decode_example = DecodeInputs(
-                token_ids=np.zeros(b, np.int32), positions=np.zeros(b, np.int32),
-                slots=np.arange(b, dtype=np.int32), page_tables=np.zeros((b, w), np.int32),
-                sampling=sampling_arrays([GREEDY] * b), step_index=np.zeros(b, np.int32))
-            self.executables.compile(StepKey(StepKind.DECODE, b),
-                                     bind(decode_step, cfg=cfg, pcfg=pcfg),
-                                     self.params, self.pools, decode_example)
-            commit_example = _commit_inputs(np.zeros(b, np.int32), np.zeros(b, bool),
-                                            np.zeros(b, np.int32), False)
-            self.executables.compile(StepKey(StepKind.COMMIT, b), commit_step, self.pools,
-                                     commit_example)
+                                 self.params, self._pools, prefill_example)
         if pcfg.num_checkpoint_slots:
-            one = np.zeros(1, np.int32)
-            self.executables.compile(StepKey(StepKind.CAPTURE, 1), capture_step, self.pools,
-                                     CaptureInputs(slot=one, ckpt_slot=one))
             self.executables.compile(
-                StepKey(StepKind.RESTORE, 1), restore_step, self.pools,
+                StepKey(StepKind.RESTORE, 1), restore_step, self._pools,
                 RestoreInputs(ckpt_slot=one, slot=one,
                               prefix_ids=np.zeros((1, pcfg.max_seq_len), np.int32),
-                              prefix_len=one, copy_src=one, copy_dst=one))
+                              prefix_len=one, copy_src=one, copy_dst=one), background=later)
+        for b in range(2, bmax + 1):
+            decode(b)
+
+    def _no_commit(self) -> CommitInputs:
+        b = self.pcfg.max_concurrency
+        return CommitInputs(slots=np.full(b, self.pcfg.num_slots, np.int32),
+                            accept=np.zeros(b, bool), tokens=np.zeros(b, np.int32),
+                            count=np.zeros(b, bool))
+
+    def _take_commit(self) -> CommitInputs:
+        """The deferred commit, handed to the step that will apply it."""
+        commit, self._deferred, self._has_deferred = self._deferred, self._no_commit(), False
+        return commit
+
+    def _flush(self) -> None:
+        if self._has_deferred:
+            self._pools = self.executables(StepKey(StepKind.COMMIT, self.pcfg.max_concurrency),
+                                           self._pools, self._take_commit())
 
     def _run_prefill(self, seq: SeqRecord, start: int, chunk: list[int]) -> int:
         c, n = self.pcfg.prefill_chunk, len(chunk)
         inputs = PrefillInputs(
-            token_ids=np.array([chunk + [0] * (c - n)], np.int32),
+            commit=self._take_commit(), token_ids=np.array([chunk + [0] * (c - n)], np.int32),
             start_pos=np.array([start], np.int32), num_valid=np.array([n], np.int32),
             page_table=self._page_table([seq]), slot=np.array([seq.slot], np.int32),
             reset=np.array([start == 0]), sampling=sampling_arrays([seq.sampling]),
             step_index=np.array([seq.generated], np.int32))
-        self.pools, out = self.executables(StepKey(StepKind.PREFILL, 1), self.params, self.pools,
-                                           inputs)
+        self._pools, out = self.executables(StepKey(StepKind.PREFILL, 1), self.params,
+                                            self._pools, inputs)
         return int(np.asarray(out.tokens)[0])
 
     def _run_decode(self, seqs: list[SeqRecord]) -> np.ndarray:
         inputs = DecodeInputs(
+            commit=self._take_commit(),
             token_ids=np.array([s.tokens[-1] for s in seqs], np.int32),
             positions=np.array([s.frontier for s in seqs], np.int32),
             slots=np.array([s.slot for s in seqs], np.int32),
             page_tables=self._page_table(seqs),
             sampling=sampling_arrays([s.sampling for s in seqs]),
             step_index=np.array([s.generated for s in seqs], np.int32))
-        self.pools, out = self.executables(StepKey(StepKind.DECODE, len(seqs)), self.params,
-                                           self.pools, inputs)
+        self._pools, out = self.executables(StepKey(StepKind.DECODE, len(seqs)), self.params,
+                                            self._pools, inputs)
         return np.asarray(out.tokens)
 
     def _run_commit(self, seqs: list[SeqRecord], accept: np.ndarray, tokens: np.ndarray,
                     count: bool) -> None:
-        inputs = _commit_inputs(np.array([s.slot for s in seqs], np.int32), accept,
-                                tokens.astype(np.int32), count)
-        self.pools = self.executables(StepKey(StepKind.COMMIT, len(seqs)), self.pools, inputs)
+        self._flush()  # at most one commit waits for the next step
+        b = len(seqs)
+        commit = self._no_commit()
+        commit.slots[:b] = [s.slot for s in seqs]
+        commit.accept[:b] = accept
+        commit.tokens[:b] = tokens
+        commit.count[:b] = count
+        self._deferred, self._has_deferred = commit, True
 
     def _run_capture(self, seq: SeqRecord, ckpt_slot: int) -> None:
         inputs = CaptureInputs(slot=np.array([seq.slot], np.int32),
                                ckpt_slot=np.array([ckpt_slot], np.int32))
-        self.pools = self.executables(StepKey(StepKind.CAPTURE, 1), self.pools, inputs)
+        self._pools = self.executables(StepKey(StepKind.CAPTURE, 1), self.pools, inputs)
 
     def _run_restore(self, ckpt: CheckpointRecord, seq: SeqRecord,
                      copy_page: tuple[int, int] | None) -> None:
@@ -137,16 +196,10 @@ class Program(HostProgram):
             ckpt_slot=np.array([ckpt.slot], np.int32), slot=np.array([seq.slot], np.int32),
             prefix_ids=prefix, prefix_len=np.array([ckpt.frontier], np.int32),
             copy_src=np.array([src], np.int32), copy_dst=np.array([dst], np.int32))
-        self.pools = self.executables(StepKey(StepKind.RESTORE, 1), self.pools, inputs)
+        self._pools = self.executables(StepKey(StepKind.RESTORE, 1), self.pools, inputs)
 
     def _page_table(self, seqs: list[SeqRecord]) -> np.ndarray:
         table = np.zeros((len(seqs), self.pcfg.max_pages_per_seq), np.int32)
         for row, seq in enumerate(seqs):
             table[row, : len(seq.pages)] = seq.pages
         return table
-
-
-def _commit_inputs(slots, accept, tokens, count: bool) -> CommitInputs:
-    b = len(slots)
-    return CommitInputs(slots=slots, accept=np.asarray(accept, bool), tokens=tokens,
-                        count=np.full(b, count))

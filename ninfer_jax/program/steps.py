@@ -3,7 +3,10 @@
 Pools are donated by the executable table; every step writes only K/V pages (at positions past
 the committed frontier) and the provisional GDN rows. `commit_step` is the only function that
 changes committed state (GDN slots, penalty counts), for exactly the rows it is told to accept.
-Page ids, slot ids and positions are data; only the batch size and chunk length are shapes.
+Prefill and decode begin by applying the previous step's commit (their `commit` input), so a
+steady decode is one dispatch per round; the standalone commit runs only before a step that
+takes no commit (capture, restore). Page ids, slot ids and positions are data; only the batch
+size and chunk length are shapes.
 """
 
 from __future__ import annotations
@@ -30,10 +33,23 @@ def _register(data, meta=()):
                              meta_fields=list(meta))
 
 
-@_register(["token_ids", "start_pos", "num_valid", "page_table", "slot", "reset", "sampling",
-            "step_index"])
+@_register(["slots", "accept", "tokens", "count"])
+@dataclasses.dataclass(frozen=True)
+class CommitInputs:
+    """Which provisional rows of the last step become committed state. Always max_concurrency
+    rows (one per provisional row); unused rows carry an out-of-range slot and are dropped."""
+
+    slots: jax.Array  # [Bmax] int32, the slot of provisional row r (num_slots: nothing)
+    accept: jax.Array  # [Bmax] bool, adopt row r's provisional state
+    tokens: jax.Array  # [Bmax] int32, row r's sampled token
+    count: jax.Array  # [Bmax] bool, the token counts toward penalties (False for mid-prefill)
+
+
+@_register(["commit", "token_ids", "start_pos", "num_valid", "page_table", "slot", "reset",
+            "sampling", "step_index"])
 @dataclasses.dataclass(frozen=True)
 class PrefillInputs:
+    commit: CommitInputs  # the previous step's commit, applied first
     token_ids: jax.Array  # [1, C] int32, the chunk (padded past num_valid)
     start_pos: jax.Array  # [1] int32, absolute position of token_ids[0, 0]
     num_valid: jax.Array  # [1] int32, real tokens in the chunk
@@ -44,24 +60,17 @@ class PrefillInputs:
     step_index: jax.Array  # [1] int32, generated tokens committed so far (the RNG stream index)
 
 
-@_register(["token_ids", "positions", "slots", "page_tables", "sampling", "step_index"])
+@_register(["commit", "token_ids", "positions", "slots", "page_tables", "sampling",
+            "step_index"])
 @dataclasses.dataclass(frozen=True)
 class DecodeInputs:
+    commit: CommitInputs  # the previous step's commit, applied first
     token_ids: jax.Array  # [B] int32, each row's last committed token
     positions: jax.Array  # [B] int32, its absolute position (= committed frontier)
     slots: jax.Array  # [B] int32, distinct state slots
     page_tables: jax.Array  # [B, max_pages_per_seq] int32
     sampling: SamplingArrays  # [B]
     step_index: jax.Array  # [B] int32
-
-
-@_register(["slots", "accept", "tokens", "count"])
-@dataclasses.dataclass(frozen=True)
-class CommitInputs:
-    slots: jax.Array  # [B] int32, the pending batch's rows' slots
-    accept: jax.Array  # [B] bool, adopt the row's provisional state
-    tokens: jax.Array  # [B] int32, the row's sampled token
-    count: jax.Array  # [B] bool, the token counts toward penalties (False for mid-prefill)
 
 
 @_register(["slot", "ckpt_slot"])
@@ -106,6 +115,7 @@ def _write_provisional(pools: Pools, gdn: GDNState) -> Pools:
 def prefill_step(params: dict, pools: Pools, inputs: PrefillInputs, *, cfg: ModelConfig,
                  pcfg: ProgramConfig) -> tuple[Pools, StepOutputs]:
     """One staged-prefill chunk of one sequence; samples from the last valid position."""
+    pools = commit_step(pools, inputs.commit)
     slot = inputs.slot
     keep = ~inputs.reset[:, None, None, None, None]
     gdn = GDNState(conv=jnp.where(keep[..., 0], pools.conv[:, slot], 0),
@@ -130,6 +140,7 @@ def prefill_step(params: dict, pools: Pools, inputs: PrefillInputs, *, cfg: Mode
 def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelConfig,
                 pcfg: ProgramConfig) -> tuple[Pools, StepOutputs]:
     """One token for each of B rows, each at its own position with its own pages and slot."""
+    pools = commit_step(pools, inputs.commit)
     slots = inputs.slots
     gdn = GDNState(conv=pools.conv[:, slots], recurrent=pools.rec[:, slots])
     b = slots.shape[0]
@@ -144,16 +155,15 @@ def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
 
 
 def commit_step(pools: Pools, inputs: CommitInputs) -> Pools:
-    """Adopts the provisional GDN rows of accepted rows into their slots; counts their tokens."""
-    b = inputs.slots.shape[0]
-    slots, accept = inputs.slots, inputs.accept
+    """Adopts the provisional GDN rows of accepted rows into their slots; counts their tokens.
+    Rows with an out-of-range slot (or not accepted) change nothing."""
+    slots = jnp.where(inputs.accept, inputs.slots, pools.conv.shape[1])  # rejected: dropped
 
     def adopt(committed, provisional):
-        rows = provisional[:, :b]
-        keep = accept.reshape((1, b) + (1,) * (rows.ndim - 2))
-        return committed.at[:, slots].set(jnp.where(keep, rows, committed[:, slots]))
+        return committed.at[:, slots].set(provisional, mode="drop")
 
-    counts = pools.output_counts.at[slots, inputs.tokens].add((accept & inputs.count).astype(jnp.int32))
+    counted = jnp.where(inputs.count, slots, pools.output_counts.shape[0])
+    counts = pools.output_counts.at[counted, inputs.tokens].add(1, mode="drop")
     return dataclasses.replace(pools, conv=adopt(pools.conv, pools.prov_conv),
                                rec=adopt(pools.rec, pools.prov_rec), output_counts=counts)
 

@@ -72,6 +72,7 @@ def test_every_batch_size_gives_reference_greedy_with_zero_compilations():
     ids = reference("dense")["token_ids"]
     prompts = [ids[i % 3, : 3 + 5 * i].tolist() for i in range(8)]
     budgets = [10 - i + i % 3 for i in range(8)]
+    prog.wait_compiled()  # start-up is over once the background compiles are done
     COUNTER.active = True
     try:
         live, handles = [], []

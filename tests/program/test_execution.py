@@ -1,0 +1,96 @@
+"""How the Program executes: one dispatch per steady decode round (the commit rides in the next
+step), background compilation in order of need, and the two layer loops computing the same
+tokens."""
+
+from __future__ import annotations
+
+import threading
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ninfer_jax.program.errors import MissingExecutableError
+from ninfer_jax.program.executables import ExecutableTable, StepKey, StepKind
+from ninfer_jax.program.host import GREEDY
+from tests.models.conftest import reference
+from tests.program.conftest import program, run_to_completion
+
+
+class _Counting:
+    """Wraps an ExecutableTable and records the kinds it runs."""
+
+    def __init__(self, table):
+        self.table, self.kinds = table, []
+
+    def __call__(self, key, *args):
+        self.kinds.append(key.kind)
+        return self.table(key, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.table, name)
+
+
+def test_a_steady_decode_round_is_one_dispatch_and_commits_stay_exact():
+    prog = program()
+    prompt = reference("dense")["token_ids"][0, :9].tolist()
+    h = prog.materialize(prog.plan_admission(len(prompt), 8), prompt, GREEDY)
+    counting = _Counting(prog.executables)
+    prog.executables = counting
+    try:
+        while (pb := prog.prefill(h)) is None:
+            pass
+        prog.commit(pb, [1])
+        counting.kinds.clear()
+        for _ in range(5):
+            prog.commit(prog.decode([h]), [1])
+        assert counting.kinds == [StepKind.DECODE] * 5  # each commit rode in the next step
+        # Reading the pools applies the last commit: the committed state is never stale.
+        before = np.asarray(prog.pools.output_counts[prog._seq(h).slot]).sum()
+        assert counting.kinds[-1] is StepKind.COMMIT and before == 6  # 1 prefill + 5 decode
+        prog.abort_pending(prog.decode([h]))
+        assert np.asarray(prog.pools.output_counts[prog._seq(h).slot]).sum() == before
+    finally:
+        prog.executables = counting.table
+        prog.release(h)
+
+
+def test_layer_loops_agree():
+    ids = reference("dense")["token_ids"]
+    outs = {}
+    for loop in ("unrolled", "scan"):
+        prog = program(layer_loop=loop, max_concurrency=2, num_checkpoint_slots=0)
+        assert ("layers" in prog.params) == (loop == "unrolled")
+        handles = {prog.materialize(prog.plan_admission(n, 6), ids[r, :n].tolist(), GREEDY): 6
+                   for r, n in ((0, 9), (1, 14))}
+        run_to_completion(prog, handles)
+        outs[loop] = [prog.tokens(h) for h in handles]
+        for h in handles:
+            prog.release(h)
+    assert outs["unrolled"] == outs["scan"]
+
+
+def test_background_compiles_follow_need_and_close_drops_the_rest():
+    prog = program(max_concurrency=3, num_checkpoint_slots=2, prefill_chunk=4)
+    prog.wait_compiled()
+    keys = prog.executables.keys()
+    assert StepKey(StepKind.PREFILL, 1) in keys
+    assert {StepKey(StepKind.DECODE, b) for b in (1, 2, 3)} <= set(keys)
+    # A fresh table: queue compiles, close before they run, and their keys then refuse.
+    table = ExecutableTable()
+    entered, gate = threading.Event(), threading.Event()
+
+    def held(pools):  # traced on the compile thread, which it holds until the gate opens
+        entered.set()
+        gate.wait(10)
+        return pools
+
+    table.compile(StepKey(StepKind.COMMIT, 1), held, np.zeros(2, np.float32), background=True)
+    table.compile(StepKey(StepKind.COMMIT, 2), lambda pools: pools + 1,
+                  np.zeros(2, np.float32), background=True)
+    assert entered.wait(10)
+    table.close()
+    gate.set()
+    with pytest.raises(MissingExecutableError, match="dropped"):
+        table(StepKey(StepKind.COMMIT, 2), jnp.zeros(2))
+    assert float(table(StepKey(StepKind.COMMIT, 1), jnp.ones(2))[0]) == 1.0  # it was running
