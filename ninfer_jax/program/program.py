@@ -8,8 +8,8 @@ they are first needed (decode B = 1 first), unless `ProgramConfig.background_com
 `wait_compiled()` waits for all of them.
 
 A commit is applied by the next prefill or decode step (its `commit` input) rather than by a
-dispatch of its own; `pools` (and every step that takes no commit) flushes it first, so the
-committed state anyone reads is always current.
+dispatch of its own, so a steady decode round is one dispatch; `pools` (and every step that
+takes no commit) applies it first, so the committed state anyone reads is always current.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class Program(HostProgram):
             total_slots=pcfg.num_slots, max_concurrency=pcfg.max_concurrency,
             prefill_chunk=pcfg.prefill_chunk, vocab_size=cfg.vocab_size,
             total_checkpoint_slots=pcfg.num_checkpoint_slots,
-            page_bytes=2 * pools.k.nbytes // pcfg.num_pages,
+            page_bytes=2 * pools.k.nbytes // (pcfg.num_pages + 1),
             checkpoint_state_bytes=(pools.ck_conv.nbytes + pools.ck_rec.nbytes)
             // max(pcfg.num_checkpoint_slots, 1)))
         self.cfg, self.pcfg = cfg, pcfg
@@ -123,7 +123,7 @@ class Program(HostProgram):
                                  self.params, self._pools, prefill_example)
         if pcfg.num_checkpoint_slots:
             self.executables.compile(
-                StepKey(StepKind.RESTORE, 1), restore_step, self._pools,
+                StepKey(StepKind.RESTORE, 1), bind(restore_step, pcfg=pcfg), self._pools,
                 RestoreInputs(ckpt_slot=one, slot=one,
                               prefix_ids=np.zeros((1, pcfg.max_seq_len), np.int32),
                               prefix_len=one, copy_src=one, copy_dst=one), background=later)
@@ -131,10 +131,10 @@ class Program(HostProgram):
             decode(b)
 
     def _no_commit(self) -> CommitInputs:
+        """A commit that moves nothing: every provisional row goes to the sink slot."""
         b = self.pcfg.max_concurrency
         return CommitInputs(slots=np.full(b, self.pcfg.num_slots, np.int32),
-                            accept=np.zeros(b, bool), tokens=np.zeros(b, np.int32),
-                            count=np.zeros(b, bool))
+                            tokens=np.zeros(b, np.int32), count=np.zeros(b, bool))
 
     def _take_commit(self) -> CommitInputs:
         """The deferred commit, handed to the step that will apply it."""
@@ -176,8 +176,7 @@ class Program(HostProgram):
         self._flush()  # at most one commit waits for the next step
         b = len(seqs)
         commit = self._no_commit()
-        commit.slots[:b] = [s.slot for s in seqs]
-        commit.accept[:b] = accept
+        commit.slots[:b] = np.where(accept, [s.slot for s in seqs], self.pcfg.num_slots)
         commit.tokens[:b] = tokens
         commit.count[:b] = count
         self._deferred, self._has_deferred = commit, True

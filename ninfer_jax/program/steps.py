@@ -1,12 +1,13 @@
 """The Program's pure step functions: `(params, pools, inputs) -> (pools, outputs)`.
 
-Pools are donated by the executable table; every step writes only K/V pages (at positions past
-the committed frontier) and the provisional GDN rows. `commit_step` is the only function that
-changes committed state (GDN slots, penalty counts), for exactly the rows it is told to accept.
-Prefill and decode begin by applying the previous step's commit (their `commit` input), so a
-steady decode is one dispatch per round; the standalone commit runs only before a step that
-takes no commit (capture, restore). Page ids, slot ids and positions are data; only the batch
-size and chunk length are shapes.
+Pools are donated by the executable table. A step reads committed GDN state and penalty counts
+from slot rows and writes its results only to the provisional rows (one per batch row) and to
+K/V positions past the committed frontier. Committing copies accepted provisional rows into
+their slots; prefill and decode do that first, for the previous step (their `commit` input), so
+a steady decode round is one dispatch. Every row write is an in-bounds dynamic-update-slice
+(unused or rejected rows go to a sink row), which XLA does in place: a scatter that dropped
+indices, or a pool read and written by the same step, made it copy whole pools.
+Page ids, slot ids and positions are data; only the batch size and chunk length are shapes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 
 from ninfer_jax.models.qwen3_6 import GDNState, ModelConfig, step
 from ninfer_jax.program.config import ProgramConfig
-from ninfer_jax.program.pools import PagedKV, Pools
+from ninfer_jax.program.pools import PagedKV, Pools, write_rows
 from ninfer_jax.program.sampling import (
     SamplingArrays,
     apply_penalties,
@@ -33,14 +34,13 @@ def _register(data, meta=()):
                              meta_fields=list(meta))
 
 
-@_register(["slots", "accept", "tokens", "count"])
+@_register(["slots", "tokens", "count"])
 @dataclasses.dataclass(frozen=True)
 class CommitInputs:
-    """Which provisional rows of the last step become committed state. Always max_concurrency
-    rows (one per provisional row); unused rows carry an out-of-range slot and are dropped."""
+    """What the last step's provisional rows become. Always max_concurrency rows, one per
+    provisional row; a row not accepted (or unused) names the sink slot `num_slots`."""
 
-    slots: jax.Array  # [Bmax] int32, the slot of provisional row r (num_slots: nothing)
-    accept: jax.Array  # [Bmax] bool, adopt row r's provisional state
+    slots: jax.Array  # [Bmax] int32, where provisional row r goes (num_slots: nowhere)
     tokens: jax.Array  # [Bmax] int32, row r's sampled token
     count: jax.Array  # [Bmax] bool, the token counts toward penalties (False for mid-prefill)
 
@@ -98,18 +98,40 @@ class StepOutputs:
     logprobs: jax.Array  # [B] float32 their log-probabilities (after penalties, temperature)
 
 
-def _next_tokens(pools: Pools, slots, logits, sampling, step_index) -> StepOutputs:
-    logits = apply_penalties(logits, sampling, pools.output_counts[slots], pools.prompt_mask[slots])
-    out = sample(logits, sampling, step_index)
-    return StepOutputs(tokens=out.tokens, logprobs=out.logprobs)
-
-
-def _write_provisional(pools: Pools, gdn: GDNState) -> Pools:
+def commit_step(pools: Pools, inputs: CommitInputs) -> Pools:
+    """Copies each provisional row to its slot (rejected and unused rows to the sink slot) and
+    counts its token toward penalties where `count` says so."""
+    rows = jnp.arange(inputs.slots.shape[0], dtype=jnp.int32)
+    sink = pools.output_counts.shape[0] - 1
+    counted = jnp.where(inputs.count, inputs.slots, sink)
+    counts = pools.output_counts
+    for r in range(inputs.slots.shape[0]):  # one element each: in place, no scatter
+        at = (counted[r], inputs.tokens[r])
+        counts = jax.lax.dynamic_update_slice(counts, (counts[at] + 1)[None, None], at)
     return dataclasses.replace(
-        pools,
-        prov_conv=jax.lax.dynamic_update_slice_in_dim(pools.prov_conv, gdn.conv, 0, axis=1),
-        prov_rec=jax.lax.dynamic_update_slice_in_dim(pools.prov_rec, gdn.recurrent, 0, axis=1),
-    )
+        pools, conv=write_rows(pools.conv, inputs.slots, pools.prov_conv[rows]),
+        rec=write_rows(pools.rec, inputs.slots, pools.prov_rec[rows]), output_counts=counts)
+
+
+def _gdn_state(pools: Pools, slots: jax.Array) -> GDNState:
+    """The committed GDN state of B slots, in the model's layout [L, B, ...]."""
+    return GDNState(conv=jnp.swapaxes(pools.conv[slots], 0, 1),
+                    recurrent=jnp.swapaxes(pools.rec[slots], 0, 1))
+
+
+def _finish(pools: Pools, out, logits: jax.Array, counts: jax.Array, masks: jax.Array,
+            inputs) -> tuple[Pools, StepOutputs]:
+    """Writes the new K/V and the provisional GDN rows, and samples one token per row under its
+    penalties."""
+    b = logits.shape[0]
+    rows = jnp.arange(b, dtype=jnp.int32)
+    pools = dataclasses.replace(
+        pools, k=out.kv.layers[0], v=out.kv.layers[1],
+        prov_conv=write_rows(pools.prov_conv, rows, jnp.swapaxes(out.gdn.conv, 0, 1)),
+        prov_rec=write_rows(pools.prov_rec, rows, jnp.swapaxes(out.gdn.recurrent, 0, 1)))
+    sampled = sample(apply_penalties(logits, inputs.sampling, counts, masks), inputs.sampling,
+                     inputs.step_index)
+    return pools, StepOutputs(tokens=sampled.tokens, logprobs=sampled.logprobs)
 
 
 def prefill_step(params: dict, pools: Pools, inputs: PrefillInputs, *, cfg: ModelConfig,
@@ -117,24 +139,23 @@ def prefill_step(params: dict, pools: Pools, inputs: PrefillInputs, *, cfg: Mode
     """One staged-prefill chunk of one sequence; samples from the last valid position."""
     pools = commit_step(pools, inputs.commit)
     slot = inputs.slot
-    keep = ~inputs.reset[:, None, None, None, None]
-    gdn = GDNState(conv=jnp.where(keep[..., 0], pools.conv[:, slot], 0),
-                   recurrent=jnp.where(keep, pools.rec[:, slot], 0.0))
+    fresh = inputs.reset[:, None]  # [1, 1]
+    state = _gdn_state(pools, slot)
+    gdn = GDNState(conv=jnp.where(fresh[None, :, :, None], 0, state.conv),
+                   recurrent=jnp.where(fresh[None, :, :, None, None], 0.0, state.recurrent))
     # A sequence from root starts with no generated tokens and this chunk's prompt tokens.
-    fresh = inputs.reset[:, None]
     counts = jnp.where(fresh, 0, pools.output_counts[slot])
     chunk_valid = jnp.arange(inputs.token_ids.shape[1])[None, :] < inputs.num_valid[:, None]
     mask = mark_prompt_tokens(jnp.where(fresh, False, pools.prompt_mask[slot]),
                               inputs.token_ids, chunk_valid)
-    pools = dataclasses.replace(pools, output_counts=pools.output_counts.at[slot].set(counts),
-                                prompt_mask=pools.prompt_mask.at[slot].set(mask))
+    pools = dataclasses.replace(pools, output_counts=write_rows(pools.output_counts, slot, counts),
+                                prompt_mask=write_rows(pools.prompt_mask, slot, mask))
     kv = PagedKV(layers=(pools.k, pools.v), page_tables=inputs.page_table,
-                 lengths=inputs.start_pos, num_valid=inputs.num_valid, impl=pcfg.attention_impl)
+                 lengths=inputs.start_pos, num_valid=inputs.num_valid, impl=pcfg.attention_impl,
+                 pages_per_layer=pcfg.num_pages + 1)
     out = step(params, cfg, inputs.token_ids, inputs.start_pos, gdn, kv, inputs.num_valid)
-    pools = dataclasses.replace(pools, k=out.kv.layers[0], v=out.kv.layers[1])
-    pools = _write_provisional(pools, out.gdn)
     last = jnp.take_along_axis(out.logits, (inputs.num_valid - 1)[:, None, None], axis=1)[:, 0]
-    return pools, _next_tokens(pools, slot, last, inputs.sampling, inputs.step_index)
+    return _finish(pools, out, last, counts, mask, inputs)
 
 
 def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelConfig,
@@ -142,51 +163,39 @@ def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
     """One token for each of B rows, each at its own position with its own pages and slot."""
     pools = commit_step(pools, inputs.commit)
     slots = inputs.slots
-    gdn = GDNState(conv=pools.conv[:, slots], recurrent=pools.rec[:, slots])
     b = slots.shape[0]
     kv = PagedKV(layers=(pools.k, pools.v), page_tables=inputs.page_tables,
                  lengths=inputs.positions, num_valid=jnp.ones((b,), jnp.int32),
-                 impl=pcfg.attention_impl)
-    out = step(params, cfg, inputs.token_ids[:, None], inputs.positions, gdn, kv)
-    pools = dataclasses.replace(pools, k=out.kv.layers[0], v=out.kv.layers[1])
-    pools = _write_provisional(pools, out.gdn)
-    return pools, _next_tokens(pools, slots, out.logits[:, 0], inputs.sampling,
-                               inputs.step_index)
-
-
-def commit_step(pools: Pools, inputs: CommitInputs) -> Pools:
-    """Adopts the provisional GDN rows of accepted rows into their slots; counts their tokens.
-    Rows with an out-of-range slot (or not accepted) change nothing."""
-    slots = jnp.where(inputs.accept, inputs.slots, pools.conv.shape[1])  # rejected: dropped
-
-    def adopt(committed, provisional):
-        return committed.at[:, slots].set(provisional, mode="drop")
-
-    counted = jnp.where(inputs.count, slots, pools.output_counts.shape[0])
-    counts = pools.output_counts.at[counted, inputs.tokens].add(1, mode="drop")
-    return dataclasses.replace(pools, conv=adopt(pools.conv, pools.prov_conv),
-                               rec=adopt(pools.rec, pools.prov_rec), output_counts=counts)
+                 impl=pcfg.attention_impl, pages_per_layer=pcfg.num_pages + 1)
+    out = step(params, cfg, inputs.token_ids[:, None], inputs.positions,
+               _gdn_state(pools, slots), kv)
+    return _finish(pools, out, out.logits[:, 0], pools.output_counts[slots],
+                   pools.prompt_mask[slots], inputs)
 
 
 def capture_step(pools: Pools, inputs: CaptureInputs) -> Pools:
     """Copies a sequence's committed GDN state into a checkpoint slot (its K/V pages are shared)."""
     return dataclasses.replace(
-        pools, ck_conv=pools.ck_conv.at[:, inputs.ckpt_slot].set(pools.conv[:, inputs.slot]),
-        ck_rec=pools.ck_rec.at[:, inputs.ckpt_slot].set(pools.rec[:, inputs.slot]))
+        pools, ck_conv=write_rows(pools.ck_conv, inputs.ckpt_slot, pools.conv[inputs.slot]),
+        ck_rec=write_rows(pools.ck_rec, inputs.ckpt_slot, pools.rec[inputs.slot]))
 
 
-def restore_step(pools: Pools, inputs: RestoreInputs) -> Pools:
+def restore_step(pools: Pools, inputs: RestoreInputs, *, pcfg: ProgramConfig) -> Pools:
     """Starts a sequence from a checkpoint: its GDN state, fresh penalty state with the prefix
-    marked as prompt, and its own copy of the checkpoint's partial last page."""
+    marked as prompt, and its own copy of the checkpoint's partial last page (in every
+    attention layer)."""
     slot, ck = inputs.slot, inputs.ckpt_slot
     valid = jnp.arange(inputs.prefix_ids.shape[1])[None, :] < inputs.prefix_len[:, None]
     mask = mark_prompt_tokens(jnp.zeros_like(pools.prompt_mask[slot]), inputs.prefix_ids, valid)
-    src, dst = inputs.copy_src, inputs.copy_dst
+    per_layer = pcfg.num_pages + 1
+    layers = jnp.arange(pools.k.shape[0] // per_layer, dtype=jnp.int32) * per_layer
+    src, dst = layers + inputs.copy_src, layers + inputs.copy_dst
     return dataclasses.replace(
         pools,
-        conv=pools.conv.at[:, slot].set(pools.ck_conv[:, ck]),
-        rec=pools.rec.at[:, slot].set(pools.ck_rec[:, ck]),
-        output_counts=pools.output_counts.at[slot].set(0),
-        prompt_mask=pools.prompt_mask.at[slot].set(mask),
-        k=pools.k.at[:, dst].set(pools.k[:, src]),
-        v=pools.v.at[:, dst].set(pools.v[:, src]))
+        conv=write_rows(pools.conv, slot, pools.ck_conv[ck]),
+        rec=write_rows(pools.rec, slot, pools.ck_rec[ck]),
+        output_counts=write_rows(pools.output_counts, slot,
+                                 jnp.zeros_like(pools.output_counts[slot])),
+        prompt_mask=write_rows(pools.prompt_mask, slot, mask),
+        k=pools.k.at[dst].set(pools.k[src]),
+        v=pools.v.at[dst].set(pools.v[src]))

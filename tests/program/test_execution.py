@@ -85,12 +85,12 @@ def test_background_compiles_follow_need_and_close_drops_the_rest():
         gate.wait(10)
         return pools
 
-    table.compile(StepKey(StepKind.COMMIT, 1), held, np.zeros(2, np.float32), background=True)
-    table.compile(StepKey(StepKind.COMMIT, 2), lambda pools: pools + 1,
+    table.compile(StepKey(StepKind.CAPTURE, 1), held, np.zeros(2, np.float32), background=True)
+    table.compile(StepKey(StepKind.CAPTURE, 2), lambda pools: pools + 1,
                   np.zeros(2, np.float32), background=True)
     assert entered.wait(10)
     table.close()
     gate.set()
     with pytest.raises(MissingExecutableError, match="dropped"):
-        table(StepKey(StepKind.COMMIT, 2), jnp.zeros(2))
-    assert float(table(StepKey(StepKind.COMMIT, 1), jnp.ones(2))[0]) == 1.0  # it was running
+        table(StepKey(StepKind.CAPTURE, 2), jnp.zeros(2))
+    assert float(table(StepKey(StepKind.CAPTURE, 1), jnp.ones(2))[0]) == 1.0  # it was running

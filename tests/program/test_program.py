@@ -123,10 +123,12 @@ def _committed_state(prog, h):
     pools = prog.pools
     positions = np.arange(seq.frontier)
     pages = np.array(seq.pages)[positions // prog.pcfg.page_size]
+    per_layer = prog.pcfg.num_pages + 1
+    flat = (np.arange(pools.k.shape[0] // per_layer)[:, None] * per_layer + pages[None, :])
     return [np.asarray(a) for a in (
-        pools.conv[:, seq.slot], pools.rec[:, seq.slot], pools.output_counts[seq.slot],
-        pools.prompt_mask[seq.slot], pools.k[:, pages, positions % prog.pcfg.page_size],
-        pools.v[:, pages, positions % prog.pcfg.page_size])] + [list(seq.tokens), seq.frontier]
+        pools.conv[seq.slot], pools.rec[seq.slot], pools.output_counts[seq.slot],
+        pools.prompt_mask[seq.slot], pools.k[flat, positions % prog.pcfg.page_size],
+        pools.v[flat, positions % prog.pcfg.page_size])] + [list(seq.tokens), seq.frontier]
 
 
 def test_abort_leaves_committed_state_bit_identical_and_commit_advances():

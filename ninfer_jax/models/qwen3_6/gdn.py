@@ -56,6 +56,9 @@ def recurrent_delta_rule(q, k, v, g, beta, state):
         s = s + k_t[..., :, None] * delta[..., None, :]
         return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
 
+    if q.shape[1] == 1:  # one token (decode): no loop, which also compiles faster
+        state, out = step(state, tuple(a[:, 0] for a in (q, k, v, g, beta)))
+        return out[:, None], state
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
     state, out = jax.lax.scan(step, state, xs)
     return jnp.moveaxis(out, 0, 1), state
