@@ -3,8 +3,10 @@
     python scripts/bench.py --suite=SUITE [--out=DIR]
 
 Each suite lives in `scripts/benchmarks/<suite>.py` and exposes `run(out_dir) -> dict`; this
-script prints its table and writes `<out_dir>/<suite>.json` (and whatever plots the suite makes).
-Competitors run side by side in the same process and run; results are ratios of medians.
+script writes the result to `<out_dir>/<suite>.json` (the suite prints its table). A suite that
+compares engines runs each one in its own long-lived worker process and alternates repetitions
+between them (`scripts/benchmarks/_abab.py`); results are medians with their min and max, per-pair
+ratios and the load average. Suites take their settings from BENCH_* environment variables.
 """
 
 from __future__ import annotations
