@@ -45,8 +45,8 @@ def test_alternates_abab_and_reports_medians_spread_ratio_and_load(capsys):
     assert sb["seconds"] == {"median": 2.0, "min": 2.0, "max": 8.0, "n": 5}
     assert sa["rate"] == {"median": 4.0, "min": 2.4, "max": 12.0, "n": 5}
     # Per pair: a's rate over b's = b_seconds / a_seconds = 2, 0.5, 4, 0.4, 2/3.
-    ratio = r["ratio"]
-    assert ratio["of"] == "a/b"
+    assert list(r["ratios"]) == ["a/b"]
+    ratio = r["ratios"]["a/b"]
     assert ratio["median"] == pytest.approx(2 / 3)
     assert (ratio["min"], ratio["max"]) == pytest.approx((0.4, 4.0))
 
@@ -139,7 +139,7 @@ def test_local_sides_alternate_in_one_process():
     assert log[0] == ("prepare", "m") and log[-1] == ("finish", "m")
     assert r["sides"]["one"]["outputs"] == [2, 3, 4]
     assert r["sides"]["one"]["rate"]["median"] == 2.0
-    assert r["ratio"]["median"] == 1.0
+    assert r["ratios"] == {"one/two": {"median": 1.0, "min": 1.0, "max": 1.0, "n": 3}}
 
 
 @pytest.mark.parametrize("var, value, message", [

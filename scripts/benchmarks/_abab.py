@@ -12,8 +12,9 @@ repetitions between them, A B A B ..., so that both see the same machine load.
 
 `alternate` also takes in-process sides (`LocalSide`) for comparisons inside one process.
 A measurement's result holds, per side, the seconds and rates (work / seconds) of every
-repetition with their median, min and max; the per-pair ratio (first side's rate over the
-second's, pair by pair) with its median, min and max; the order the repetitions ran in; the
+repetition with their median, min and max; per other side, the per-pair ratio (the first
+side's rate over that side's, round by round, key "first/other" in "ratios") with its median,
+min and max; the order the repetitions ran in; the
 1/5/15-minute load average before and after each repetition; and the sides' outputs, for the
 suite to check agreement.
 
@@ -263,10 +264,10 @@ def alternate(sides: Sequence[Side], name: str, args: dict, *, reps: int,
     result = {"measurement": name, "reps": reps, "warmup": warmup, "order": order,
               "sides": per_side, "wall_s": time.perf_counter() - started,
               "load_1min": spread(one_min), "load": loads}
-    if len(names) == 2:
-        a, b = (per_side[n]["rates"] for n in names)
-        result["ratio"] = {"of": f"{names[0]}/{names[1]}",
-                           **spread([x / y for x, y in zip(a, b)])}
+    first = per_side[names[0]]["rates"]
+    result["ratios"] = {f"{names[0]}/{n}": spread([x / y for x, y in
+                                                   zip(first, per_side[n]["rates"])])
+                        for n in names[1:]}
     return result
 
 

@@ -241,13 +241,13 @@ def format_demo(result: dict) -> str:
         e, p = r["sides"]["engine"]["rate"], r["sides"]["program"]["rate"]
         load = r["load_1min"]
         lines.append(f"{c:>3}{fmt_spread(e):>24}{fmt_spread(p):>24}"
-                     f"{fmt_spread(r['ratio'], 2):>20}{r['identical_tokens']!s:>13}"
+                     f"{fmt_spread(r['ratios']['engine/program'], 2):>20}{r['identical_tokens']!s:>13}"
                      f"{load['min']:>7.1f}-{load['max']:<5.1f}")
     rb = cmp["round_b1"]
     lines.append(f"Program B=1 round (decode + commit): {fmt_spread(rb['ms'], 2)} ms "
                  f"(load {rb['load_1min']['min']:.1f}-{rb['load_1min']['max']:.1f})")
     for c, r in cmp["levels"].items():
-        got = r["ratio"]["median"]
+        got = r["ratios"]["engine/program"]["median"]
         lines.append(f"target Engine/Program >= 0.85 at C={c}: {got:.2f} "
                      f"({'met' if got >= 0.85 else 'NOT met'})")
     if "startup" in result:

@@ -16,9 +16,10 @@ turn (ours, transformers, ours, ...), recording the load average around each:
   across repetitions, so the greedy tokens of both sides are compared over the whole run.
 - prefill of a PREFILL_LEN random prompt to its first token (ours: staged prefill in chunks of
   PREFILL_CHUNK; transformers: one forward with a fresh cache, `logits_to_keep=1`).
-- floor: a decode step must read every weight once: B=1 tok/s <= copy bandwidth / weight bytes,
-  the bandwidth measured here by numpy copies of a 1 GiB buffer (bytes read + written), on one
-  thread and on all cores; the faster counts.
+- floor: a decode step must read every weight once: B=1 tok/s <= copy bandwidth / weight bytes.
+  The bandwidth is measured in turn with the engines, as a third side of decode B=1 (`CopyFloor`,
+  in this process): numpy copies of a 1 GiB buffer, bytes read + written, on one thread and
+  split over every core, the faster counting; so ours/floor is a per-round ratio too.
 
 Settings (environment): BENCH_PROGRAM_CONFIGS=tiny,medium  BENCH_PROGRAM_BATCHES=1,2,4,8
 BENCH_PROGRAM_REPS=5  BENCH_PROGRAM_WARMUP=1  BENCH_PROGRAM_STEPS=16  BENCH_PROGRAM_PREFILL_LEN=512
@@ -38,7 +39,15 @@ import time
 
 import numpy as np
 
-from scripts.benchmarks._abab import Worker, alternate, fmt_spread, progress, strip_outputs
+from scripts.benchmarks._abab import (
+    LocalSide,
+    Worker,
+    alternate,
+    fmt_spread,
+    progress,
+    spread,
+    strip_outputs,
+)
 from scripts.benchmarks._checkpoint import CONFIG_NAMES, write_random_checkpoint
 from scripts.benchmarks._env import env_choices, env_int, env_ints, torch_worker_env
 
@@ -73,34 +82,43 @@ class Settings:
             timeout_s=env_int("BENCH_TIMEOUT_S", d.timeout_s), torch_env=torch_worker_env())
 
 
-def copy_bandwidth(nbytes: int = COPY_BYTES, reps: int = 5) -> dict:
-    """GB/s of bytes read + written by numpy copies of an nbytes buffer (median of reps), on one
-    thread and split over every core."""
-    src = np.ones(nbytes // 4, np.float32)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    parts = np.array_split(np.arange(len(src)), os.cpu_count() or 1)
-    bounds = [(int(p[0]), int(p[-1]) + 1) for p in parts if len(p)]
+class CopyFloor:
+    """The bandwidth floor as an in-process side of `alternate`. A repetition copies a
+    COPY_BYTES buffer with numpy on one thread and split over every core, and keeps the faster;
+    its work is the bytes moved (read + written) counted in decode steps' worth of weight reads,
+    so its rate is the B=1 floor in tok/s."""
 
-    def threaded() -> None:
-        threads = [threading.Thread(target=np.copyto, args=(dst[a:b], src[a:b]))
-                   for a, b in bounds]
+    def __init__(self, weight_bytes: int):
+        self.weight_bytes = weight_bytes
+
+    def prepare(self, name: str, args: dict) -> None:
+        self.src = np.ones(COPY_BYTES // 4, np.float32)
+        self.dst = np.empty_like(self.src)
+        np.copyto(self.dst, self.src)
+        parts = np.array_split(np.arange(len(self.src)), os.cpu_count() or 1)
+        self.bounds = [(int(p[0]), int(p[-1]) + 1) for p in parts if len(p)]
+
+    def _threaded(self) -> None:
+        threads = [threading.Thread(target=np.copyto, args=(self.dst[a:b], self.src[a:b]))
+                   for a, b in self.bounds]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
 
-    result = {}
-    for name, fn in (("one_thread_gbps", lambda: np.copyto(dst, src)),
-                     ("all_cores_gbps", threaded)):
-        times = []
-        for _ in range(reps):
+    def rep(self, name: str) -> dict:
+        seconds = {}
+        for key, fn in (("one_thread", lambda: np.copyto(self.dst, self.src)),
+                        ("all_cores", self._threaded)):
             start = time.perf_counter()
             fn()
-            times.append(time.perf_counter() - start)
-        result[name] = 2 * nbytes / float(np.median(times)) / 1e9
-    result["gbps"] = max(result["one_thread_gbps"], result["all_cores_gbps"])
-    return result
+            seconds[key] = time.perf_counter() - start
+        moved = 2 * COPY_BYTES
+        return {"seconds": min(seconds.values()), "work": moved / self.weight_bytes,
+                "outputs": {f"{k}_gbps": moved / v / 1e9 for k, v in seconds.items()}}
+
+    def finish(self, name: str) -> None:
+        self.src = self.dst = None
 
 
 def _agreement(ours: dict, hf: dict) -> dict:
@@ -119,7 +137,7 @@ def _agreement(ours: dict, hf: dict) -> dict:
     return {"tokens_per_row": len(rows(ours)[0]), "common_prefix_per_row": common}
 
 
-def measure(name: str, s: Settings, bandwidth_gbps: float, workdir: pathlib.Path) -> dict:
+def measure(name: str, s: Settings, workdir: pathlib.Path) -> dict:
     """Every number of one config: set-up, each measurement ABAB, floor, agreement, targets."""
     path = workdir / name
     info = write_random_checkpoint(name, path)
@@ -144,7 +162,10 @@ def measure(name: str, s: Settings, bandwidth_gbps: float, workdir: pathlib.Path
         jobs.append((f"prefill_{s.prefill_len}", {"kind": "prefill", "prompt": prefill_prompt}))
         for job, args in jobs:
             progress(f"{name}: {job}")
-            r = alternate([ours, hf], job, args, reps=s.reps, warmup=s.warmup)
+            sides = [ours, hf]
+            if job == "decode_b1":
+                sides.append(LocalSide("floor", CopyFloor(info["decode_weight_bytes"])))
+            r = alternate(sides, job, args, reps=s.reps, warmup=s.warmup)
             o, t = r["sides"]["ours"], r["sides"]["transformers"]
             if args["kind"] == "decode":
                 r["greedy_agreement"] = _agreement(o, t)
@@ -153,13 +174,21 @@ def measure(name: str, s: Settings, bandwidth_gbps: float, workdir: pathlib.Path
                                  t["warmup_outputs"] + t["outputs"]))
                 r["first_token_agreement"] = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
             out["measurements"][job] = strip_outputs(r)
-    out["floor_b1_tokens_per_s"] = bandwidth_gbps * 1e9 / info["decode_weight_bytes"]
-    if 1 in s.batches:
-        rates = out["measurements"]["decode_b1"]["sides"]
-        out["b1_over_floor"] = {side: rates[side]["rate"]["median"]
-                                / out["floor_b1_tokens_per_s"] for side in rates}
+            if job == "decode_b1":
+                out["floor_b1"] = _floor(r)
     out["targets"] = _targets(out, s)
     return out
+
+
+def _floor(r: dict) -> dict:
+    """The floor side of decode B=1: its tok/s, the bandwidths, each engine's per-round ratio."""
+    floor = r["sides"]["floor"]
+    copies = floor["warmup_outputs"] + floor["outputs"]
+    hf = [x / y for x, y in zip(r["sides"]["transformers"]["rates"], floor["rates"])]
+    return {"tokens_per_s": floor["rate"], "ours/floor": r["ratios"]["ours/floor"],
+            "transformers/floor": spread(hf),
+            **{f"{k}_gbps": spread([c[f"{k}_gbps"] for c in copies])
+               for k in ("one_thread", "all_cores")}}
 
 
 def _targets(out: dict, s: Settings) -> list[dict]:
@@ -168,46 +197,47 @@ def _targets(out: dict, s: Settings) -> list[dict]:
     for b in (1, max(s.batches)):
         if f"decode_b{b}" in m:
             rows.append({"what": f"decode B={b} ours/transformers", "need": 1.0,
-                         "got": m[f"decode_b{b}"]["ratio"]["median"]})
-    if "b1_over_floor" in out:
+                         "got": m[f"decode_b{b}"]["ratios"]["ours/transformers"]["median"]})
+    if "floor_b1" in out:
         rows.append({"what": "decode B=1 ours/floor", "need": 0.6,
-                     "got": out["b1_over_floor"]["ours"]})
+                     "got": out["floor_b1"]["ours/floor"]["median"]})
     rows.append({"what": f"prefill {s.prefill_len} ours/transformers", "need": 1.2,
-                 "got": m[f"prefill_{s.prefill_len}"]["ratio"]["median"]})
+                 "got": m[f"prefill_{s.prefill_len}"]["ratios"]["ours/transformers"]["median"]})
     return [{**r, "met": r["got"] >= r["need"]} for r in rows]
 
 
-def format_table(results: list[dict], bandwidth: dict) -> str:
-    lines = [(f"copy bandwidth (read+write): one thread {bandwidth['one_thread_gbps']:.1f} "
-              f"GB/s, all cores {bandwidth['all_cores_gbps']:.1f} GB/s; the floor uses "
-              f"{bandwidth['gbps']:.1f}")]
+def format_table(results: list[dict]) -> str:
+    lines = []
     for r in results:
         su = r["setup"]
         lines += ["", (f"{r['config']}: {r['num_params'] / 1e6:.1f}M params, "
-                       f"{r['decode_weight_bytes'] / 1e6:.0f} MB read per decode step, floor "
-                       f"B=1 {r['floor_b1_tokens_per_s']:.1f} tok/s"),
+                       f"{r['decode_weight_bytes'] / 1e6:.0f} MB read per decode step"),
                   (f"  set-up: ours {su['ours']['wall_s']:.1f} s (load {su['ours']['load_s']:.1f}"
                    f", compile decode {su['ours']['decode_compile_s']:.1f}, prefill "
                    f"{su['ours']['prefill_compile_s']:.1f}); transformers "
                    f"{su['transformers']['wall_s']:.1f} s ({su['transformers']['threads']} "
                    f"torch threads, {su['transformers']['env'] or 'inherited environment'})"),
-                  (f"  {'measurement':<14}{'ours tok/s':>22}{'transformers tok/s':>24}"
+                  (f"  {'measurement':<14}{'ours tok/s':>24}{'transformers tok/s':>26}"
                    f"{'ours/hf':>20}{'agree':>9}{'load 1-min':>13}")]
         for job, m in r["measurements"].items():
-            o, t, q = m["sides"]["ours"], m["sides"]["transformers"], m["ratio"]
+            o, t = m["sides"]["ours"], m["sides"]["transformers"]
+            q = m["ratios"]["ours/transformers"]
             if "greedy_agreement" in m:
                 g = m["greedy_agreement"]
                 agree = f"{min(g['common_prefix_per_row'])}/{g['tokens_per_row']}"
             else:
                 agree = m["first_token_agreement"]
             load = m["load_1min"]
-            lines.append(f"  {job:<14}{fmt_spread(o['rate']):>22}{fmt_spread(t['rate']):>24}"
+            lines.append(f"  {job:<14}{fmt_spread(o['rate']):>24}{fmt_spread(t['rate']):>26}"
                          f"{fmt_spread(q, 2):>20}{agree:>9}"
                          f"{load['min']:>6.1f}-{load['max']:<6.1f}")
-        if "b1_over_floor" in r:
-            f = r["b1_over_floor"]
-            lines.append(f"  B=1 / floor: ours {f['ours']:.2f}, transformers "
-                         f"{f['transformers']:.2f}")
+        if "floor_b1" in r:
+            f = r["floor_b1"]
+            lines += [(f"  floor B=1 {fmt_spread(f['tokens_per_s'])} tok/s (copy read+write, "
+                       f"GB/s: one thread {fmt_spread(f['one_thread_gbps'])}, all cores "
+                       f"{fmt_spread(f['all_cores_gbps'])})"),
+                      (f"  B=1 / floor per round: ours {fmt_spread(f['ours/floor'], 2)}, "
+                       f"transformers {fmt_spread(f['transformers/floor'], 2)}")]
         for t in r["targets"]:
             lines.append(f"  target {t['what']} >= {t['need']}: {t['got']:.2f} "
                          f"({'met' if t['met'] else 'NOT met'})")
@@ -222,11 +252,10 @@ def run(out_dir: str) -> dict:
     start = time.perf_counter()
     load_start = os.getloadavg()
     progress(f"settings {s}")
-    bandwidth = copy_bandwidth()
     with tempfile.TemporaryDirectory(prefix="ninfer_bench_program_") as tmp:
-        results = [measure(name, s, bandwidth["gbps"], pathlib.Path(tmp)) for name in s.configs]
-    table = format_table(results, bandwidth)
+        results = [measure(name, s, pathlib.Path(tmp)) for name in s.configs]
+    table = format_table(results)
     print(table)
-    return {"settings": dataclasses.asdict(s), "bandwidth": bandwidth, "results": results,
+    return {"settings": dataclasses.asdict(s), "results": results,
             "load_average_start": load_start, "load_average_end": os.getloadavg(),
             "cpu_count": os.cpu_count(), "wall_s": time.perf_counter() - start, "table": table}

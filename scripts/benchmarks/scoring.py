@@ -99,7 +99,7 @@ def format_table(results: list[dict]) -> str:
             f"{r['config']:<8}{r['num_params'] / 1e6:>8.1f}M{windows:>16}"
             f"{fmt_spread(m['sides']['ours']['rate']):>26}"
             f"{fmt_spread(m['sides']['transformers']['rate']):>24}"
-            f"{fmt_spread(m['ratio'], 2):>20}{r['logprob_rel_err']:>9.1e}"
+            f"{fmt_spread(m['ratios']['ours/transformers'], 2):>20}{r['logprob_rel_err']:>9.1e}"
             f"{r['greedy_flags_agree']:>8.1%}{load['min']:>6.1f}-{load['max']:<5.1f}")
     for r in results:
         su = r["setup"]
