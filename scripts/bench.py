@@ -21,6 +21,8 @@ from absl import app, flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from scripts.benchmarks._env import SettingError
+
 FLAGS = flags.DEFINE_string("suite", None, "benchmark suite: a module in scripts/benchmarks/")
 OUT = flags.DEFINE_string("out", "bench_out", "directory for JSON results and plots")
 
@@ -35,7 +37,10 @@ def main(argv):
         raise app.UsageError(f"--suite must be one of {known}, got {FLAGS.value!r}")
     module = importlib.import_module(f"scripts.benchmarks.{FLAGS.value}")
     os.makedirs(OUT.value, exist_ok=True)
-    result = module.run(OUT.value)
+    try:
+        result = module.run(OUT.value)
+    except SettingError as e:
+        raise app.UsageError(str(e)) from None
     path = os.path.join(OUT.value, f"{FLAGS.value}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=2)

@@ -150,7 +150,7 @@ def test_local_sides_alternate_in_one_process():
     ("BENCH_PROGRAM_CONFIGS", "tiny,huge",
      "BENCH_PROGRAM_CONFIGS must list distinct names out of ['tiny', 'medium'], got 'tiny,huge'"),
     ("BENCH_TORCH_OMP_WAIT_POLICY", "spin",
-     "BENCH_TORCH_OMP_WAIT_POLICY must list distinct names out of ['passive', 'active', "),
+     "BENCH_TORCH_OMP_WAIT_POLICY must be one of ['passive', 'active', 'inherit'], got 'spin'"),
 ])
 def test_bad_settings_are_errors_naming_the_variable(monkeypatch, var, value, message):
     from scripts.benchmarks import program

@@ -56,6 +56,14 @@ def env_choices(name: str, default: Sequence[str], choices: Sequence[str]) -> tu
     return values
 
 
+def env_choice(name: str, default: str, choices: Sequence[str]) -> str:
+    """One name out of `choices` from $name, or `default` when unset or empty."""
+    raw = os.environ.get(name, "").strip()
+    if raw and raw not in choices:
+        raise SettingError(f"{name} must be one of {list(choices)}, got {raw!r:.40}")
+    return raw or default
+
+
 def torch_worker_env() -> dict[str, str]:
     """Environment for a worker running torch: OMP_WAIT_POLICY from
     $BENCH_TORCH_OMP_WAIT_POLICY (passive, the default; active; or inherit = leave as is).
@@ -66,8 +74,5 @@ def torch_worker_env() -> dict[str, str]:
     B=1, load 4 on 2 cores, ABAB) and 12x slower on the tiny config. Passive waiting is
     transformers at its best here, so the comparison does not flatter us.
     """
-    policy = env_choices("BENCH_TORCH_OMP_WAIT_POLICY", ("passive",),
-                         ("passive", "active", "inherit"))
-    if len(policy) != 1:
-        raise SettingError(f"BENCH_TORCH_OMP_WAIT_POLICY must name one policy, got {policy}")
-    return {} if policy[0] == "inherit" else {"OMP_WAIT_POLICY": policy[0].upper()}
+    policy = env_choice("BENCH_TORCH_OMP_WAIT_POLICY", "passive", ("passive", "active", "inherit"))
+    return {} if policy == "inherit" else {"OMP_WAIT_POLICY": policy.upper()}

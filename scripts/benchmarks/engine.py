@@ -37,7 +37,7 @@ from ninfer_jax.program.program import Program
 from ninfer_jax.sampling_params import SamplingParams
 from ninfer_jax.testing.tokenizer import ByteTokenizer
 from scripts.benchmarks._engine_vs_program import run_demo
-from scripts.benchmarks._env import env_choices
+from scripts.benchmarks._env import env_choice
 
 
 def _config(name: str):
@@ -148,7 +148,7 @@ def multi_turn(cfg, params, frontend, conversations=3, turns=3, history=2048, us
 
 def run(out_dir: str) -> dict:
     enable_persistent_cache()
-    (name,) = env_choices("BENCH_ENGINE_MODEL", ("demo",), ("demo", "tiny", "medium"))
+    name = env_choice("BENCH_ENGINE_MODEL", "demo", ("demo", "tiny", "medium"))
     if name == "demo":
         return run_demo()
     cfg = _config(name)
