@@ -3,8 +3,10 @@
     python scripts/bench.py --suite=SUITE [--out=DIR]
 
 Each suite lives in `scripts/benchmarks/<suite>.py` and exposes `run(out_dir) -> dict`; this
-script prints its table and writes `<out_dir>/<suite>.json` (and whatever plots the suite makes).
-Competitors run side by side in the same process and run; results are ratios of medians.
+script writes the result to `<out_dir>/<suite>.json` (the suite prints its table). A suite that
+compares engines runs each one in its own long-lived worker process and alternates repetitions
+between them (`scripts/benchmarks/_abab.py`); results are medians with their min and max, per-pair
+ratios and the load average. Suites take their settings from BENCH_* environment variables.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import sys
 from absl import app, flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from scripts.benchmarks._env import SettingError
 
 FLAGS = flags.DEFINE_string("suite", None, "benchmark suite: a module in scripts/benchmarks/")
 OUT = flags.DEFINE_string("out", "bench_out", "directory for JSON results and plots")
@@ -33,7 +37,10 @@ def main(argv):
         raise app.UsageError(f"--suite must be one of {known}, got {FLAGS.value!r}")
     module = importlib.import_module(f"scripts.benchmarks.{FLAGS.value}")
     os.makedirs(OUT.value, exist_ok=True)
-    result = module.run(OUT.value)
+    try:
+        result = module.run(OUT.value)
+    except SettingError as e:
+        raise app.UsageError(str(e)) from None
     path = os.path.join(OUT.value, f"{FLAGS.value}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=2)

@@ -1,27 +1,57 @@
-"""The `program` benchmark suite on the tiny config: both engines produce the same greedy tokens
-and every reported number is a positive rate (slow + dev tier: it needs transformers)."""
+"""The `program` and `scoring` benchmark suites on the tiny config, each engine in its own worker
+process: both engines give the same greedy tokens and log-probs, every measurement alternates
+and reports its spread (slow + dev tier: the transformers workers need torch)."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
-from ninfer_jax.testing import tiny_dense
-from scripts.benchmarks import program as bench
+from scripts.benchmarks import program, scoring
+
+PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 @pytest.mark.slow
 @pytest.mark.dev
-def test_tiny_run_agrees_with_transformers_and_reports_rates():
-    s = bench.Settings(batches=(1, 2), decode_steps=4, reps=1, prefill_len=24,
-                       prefill_chunks=(8, 16), prefill_reps=1)
-    r = bench.measure("tiny", tiny_dense(), s, bandwidth_gbps=10.0)
-    assert r["greedy_prefix_agreement"] == f"{s.decode_steps + 1}/{s.decode_steps + 1}"
-    assert set(r["ours"]["decode_tokens_per_s"]) == set(s.batches)
-    assert set(r["transformers"]["decode_tokens_per_s"]) == set(s.batches)
-    assert set(r["ours"]["prefill"]["tokens_per_s"]) == set(s.prefill_chunks)
-    rates = [*r["ours"]["decode_tokens_per_s"].values(),
-             *r["ours"]["prefill"]["tokens_per_s"].values(),
-             r["transformers"]["prefill_tokens_per_s"], r["floor_decode_tokens_per_s_b1"]]
-    assert all(v > 0 for v in rates)
-    assert r["ratios"]["decode_b1_ours_over_floor"] == pytest.approx(
-        r["ours"]["decode_tokens_per_s"][1] / r["floor_decode_tokens_per_s_b1"])
+def test_tiny_program_suite_agrees_with_transformers(tmp_path):
+    s = program.Settings(configs=("tiny",), batches=(1, 2), reps=2, warmup=1, steps=4,
+                         prefill_len=24, prefill_chunk=8, timeout_s=600, torch_env=PASSIVE)
+    r = program.measure("tiny", s, workdir=tmp_path)
+    assert list(r["measurements"]) == ["decode_b1", "decode_b2", "prefill_24"]
+    assert r["measurements"]["decode_b2"]["order"] == ["ours", "transformers"] * 2
+    for b in (1, 2):
+        m = r["measurements"][f"decode_b{b}"]
+        tokens = 1 + s.steps * (s.warmup + s.reps)  # the prefill's token, then every round's
+        assert m["greedy_agreement"] == {"tokens_per_row": tokens,
+                                         "common_prefix_per_row": [tokens] * b}
+        ours, hf = m["sides"]["ours"], m["sides"]["transformers"]
+        assert ours["work"] == hf["work"] == b * s.steps
+        pairs = sorted(x / y for x, y in zip(ours["rates"], hf["rates"]))
+        ratio = m["ratios"]["ours/transformers"]
+        assert ratio["min"] == pairs[0] and ratio["max"] == pairs[-1]
+    assert r["measurements"]["prefill_24"]["first_token_agreement"] == "3/3"
+    b1 = r["measurements"]["decode_b1"]
+    assert b1["order"] == ["ours", "transformers", "floor"] * 2  # the floor measured in turn
+    assert b1["sides"]["floor"]["work"] == 2 * program.COPY_BYTES / r["decode_weight_bytes"]
+    ours = [x / y for x, y in zip(b1["sides"]["ours"]["rates"], b1["sides"]["floor"]["rates"])]
+    assert r["floor_b1"]["ours/floor"]["median"] == pytest.approx(statistics.median(ours))
+    assert [t["what"] for t in r["targets"]] == [
+        "decode B=1 ours/transformers", "decode B=2 ours/transformers", "decode B=1 ours/floor",
+        "prefill 24 ours/transformers"]
+    assert set(r["setup"]) == {"ours", "transformers"}
+    assert r["setup"]["transformers"]["env"] == PASSIVE
+
+
+@pytest.mark.slow
+@pytest.mark.dev
+def test_tiny_scoring_suite_agrees_with_transformers(tmp_path):
+    s = scoring.Settings(configs=("tiny",), windows=4, window=32, rows=2, reps=2, warmup=1,
+                         timeout_s=600, torch_env=PASSIVE)
+    r = scoring.measure("tiny", s, tmp_path)
+    assert r["logprob_rel_err"] < 1e-5
+    assert r["greedy_flags_agree"] == 1.0
+    m = r["measurement"]
+    assert m["order"] == ["ours", "transformers"] * 2
+    assert m["sides"]["ours"]["work"] == m["sides"]["transformers"]["work"] == 4 * 32

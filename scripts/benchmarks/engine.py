@@ -1,10 +1,14 @@
-"""Engine benchmarks: TTFT and aggregate tokens/s at concurrency 1..8, and multi-turn prefix reuse.
+"""Engine benchmarks.
 
-    python scripts/bench.py --suite=engine --out=DIR        (env BENCH_ENGINE_MODEL=tiny|medium)
+    python scripts/bench.py --suite=engine --out=DIR   (env BENCH_ENGINE_MODEL=demo|tiny|medium)
 
-Both run the real EngineCore over the real Program with random weights of the chosen config
-(MEDIUM by default: ~470M parameters, fp32) and a byte-level test tokenizer (answers are token
-ids; text is irrelevant here).
+`demo` (the default) runs `_engine_vs_program.py` on the embedded demo model: the Engine's tok/s
+against its own Program's at C = 1 and 8 (one process, alternating repetitions), the Program's
+B=1 round in ms, and the README main job's first token from a cold and a warm compilation cache.
+
+`tiny` and `medium` run the two sections below on the real EngineCore over the real Program with
+random weights of that config (MEDIUM: ~470M parameters, fp32) and a byte-level test tokenizer
+(answers are token ids; text is irrelevant here).
 
 - concurrency: for C in 1, 2, 4, 8, C clients each submit 2 requests in a closed loop (prompt
   128 tokens, 32 new tokens, greedy, no EOS); reports median TTFT and aggregate decode tok/s.
@@ -32,6 +36,8 @@ from ninfer_jax.program.config import ProgramConfig
 from ninfer_jax.program.program import Program
 from ninfer_jax.sampling_params import SamplingParams
 from ninfer_jax.testing.tokenizer import ByteTokenizer
+from scripts.benchmarks._engine_vs_program import run_demo
+from scripts.benchmarks._env import env_choice
 
 
 def _config(name: str):
@@ -71,7 +77,7 @@ def concurrency_sweep(cfg, params, frontend, levels=(1, 2, 4, 8), prompt_len=128
         for c in levels:
             results, lock = [], threading.Lock()
 
-            def client(seed: int) -> None:
+            def client(seed: int, results=results, lock=lock) -> None:
                 local = np.random.default_rng(seed)
                 for _ in range(per_client):
                     ids = local.integers(300, cfg.vocab_size, prompt_len).tolist()
@@ -142,7 +148,9 @@ def multi_turn(cfg, params, frontend, conversations=3, turns=3, history=2048, us
 
 def run(out_dir: str) -> dict:
     enable_persistent_cache()
-    name = os.environ.get("BENCH_ENGINE_MODEL", "medium")
+    name = env_choice("BENCH_ENGINE_MODEL", "demo", ("demo", "tiny", "medium"))
+    if name == "demo":
+        return run_demo()
     cfg = _config(name)
     params = init_params(cfg, jax.random.key(0))
     frontend = Frontend(ByteTokenizer(vocab_size=cfg.vocab_size))

@@ -1,328 +1,261 @@
-"""Program decode and prefill throughput next to transformers and the memory-bandwidth floor.
+"""Program decode and prefill next to transformers, each in its own process, taking turns.
 
     python scripts/bench.py --suite=program --out=DIR
 
-For the tiny test config and `configs.models.MEDIUM` (random fp32 weights), in one process:
+For each config (tiny, then MEDIUM; random fp32 weights written once as an HF checkpoint, see
+`_checkpoint.py`) two long-lived workers load the same directory: ours
+(`workers/program_jax.py`: the Program's public API) and transformers
+(`workers/program_hf.py`: `Qwen3_5ForCausalLM`, a manual greedy loop on its cache). Set-up
+(loading, compiling) is timed and reported, never mixed into a measurement. Then, for every
+measurement, `_abab.alternate` runs one warm-up repetition per side and REPS repetitions in
+turn (ours, transformers, ours, ...), recording the load average around each:
 
-- ours, decode: a Program with exact-B executables; B sequences with a 32-token prompt, then
-  decode+commit rounds. Aggregate tokens/s = B * steps / time, median of `reps` repetitions of
-  DECODE_STEPS rounds after one warm-up repetition, for B in BATCHES.
-- ours, prefill: a 512-token prompt through staged prefill (to the first sampled token) for each
-  chunk size in PREFILL_CHUNKS (a Program per chunk size); the best chunk size is reported.
-- transformers: the same weights written as an HF checkpoint (config.json + model.safetensors)
-  and loaded with `Qwen3_5ForCausalLM.from_pretrained(dtype=float32)`. Decode tokens/s from
-  greedy `generate` of steps + 1 tokens on the same prompts, timed per token by a stopping
-  criterion that never stops: B * steps / (time of the last token - time of the first), so the
-  prompt's prefill is excluded. Prefill tokens/s: one forward over the same 512-token prompt.
-- floor: decode step time >= weight bytes read per step / copy bandwidth, the bandwidth measured
-  here (bytes read + written by a 1 GiB copy; the faster of numpy's single-threaded copy and
-  torch's multi-threaded one).
+- decode at B (each of BATCHES): B random 32-token prompts, admitted and prefilled untimed; a
+  repetition is STEPS decode rounds on all B rows (ours: `decode` + `commit`; transformers: a
+  one-token forward + argmax). Aggregate tok/s = B * STEPS / seconds. The sequences continue
+  across repetitions, so the greedy tokens of both sides are compared over the whole run.
+- prefill of a PREFILL_LEN random prompt to its first token (ours: staged prefill in chunks of
+  PREFILL_CHUNK; transformers: one forward with a fresh cache, `logits_to_keep=1`).
+- floor: a decode step must read every weight once: B=1 tok/s <= copy bandwidth / weight bytes.
+  The bandwidth is measured in turn with the engines, as a third side of decode B=1 (`CopyFloor`,
+  in this process): numpy copies of a 1 GiB buffer, bytes read + written, on one thread and
+  split over every core, the faster counting; so ours/floor is a per-round ratio too.
 
-As a check that both engines run the same model, ours and transformers' greedy tokens for the
-B=1 decode prompt are compared. The machine load average is recorded around every measurement:
-on a shared machine the ratios (same run, same load) are the meaningful numbers.
+Settings (environment): BENCH_PROGRAM_CONFIGS=tiny,medium  BENCH_PROGRAM_BATCHES=1,2,4,8
+BENCH_PROGRAM_REPS=5  BENCH_PROGRAM_WARMUP=1  BENCH_PROGRAM_STEPS=16  BENCH_PROGRAM_PREFILL_LEN=512
+BENCH_PROGRAM_PREFILL_CHUNK=256  BENCH_TIMEOUT_S=1800 (per worker call; set-up gets twice)
+BENCH_TORCH_OMP_WAIT_POLICY=passive|active|inherit (how the transformers worker's OpenMP threads
+wait; see `_env.torch_worker_env`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
-import statistics
+import pathlib
 import tempfile
+import threading
 import time
 
-import jax
 import numpy as np
 
-from configs.models import MEDIUM
-from ninfer_jax.artifact.export import export_hf
-from ninfer_jax.compile_cache import enable_persistent_cache
-from ninfer_jax.models.qwen3_6 import ModelConfig
-from ninfer_jax.models.qwen3_6.weights import init_params
-from ninfer_jax.program.config import ProgramConfig
-from ninfer_jax.program.program import Program
-from ninfer_jax.testing import tiny_dense
-from scripts.benchmarks._timing import median_seconds
+from scripts.benchmarks._abab import (
+    LocalSide,
+    Worker,
+    alternate,
+    fmt_spread,
+    progress,
+    spread,
+    strip_outputs,
+)
+from scripts.benchmarks._checkpoint import CONFIG_NAMES, write_random_checkpoint
+from scripts.benchmarks._env import env_choices, env_int, env_ints, torch_worker_env
+
+PROMPT_LEN = 32
+PAGE_SIZE = 16
+COPY_BYTES = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
+    configs: tuple[str, ...] = CONFIG_NAMES
     batches: tuple[int, ...] = (1, 2, 4, 8)
-    decode_steps: int = 16
-    reps: int = 3
-    decode_prompt_len: int = 32
+    reps: int = 5
+    warmup: int = 1
+    steps: int = 16
     prefill_len: int = 512
-    prefill_chunks: tuple[int, ...] = (64, 128, 256)
-    prefill_reps: int = 3
-    page_size: int = 16
+    prefill_chunk: int = 256
+    timeout_s: int = 1800
+    torch_env: dict = dataclasses.field(default_factory=dict)  # the transformers worker's
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        d = cls()
+        return cls(
+            configs=env_choices("BENCH_PROGRAM_CONFIGS", d.configs, CONFIG_NAMES),
+            batches=env_ints("BENCH_PROGRAM_BATCHES", d.batches, maximum=64),
+            reps=env_int("BENCH_PROGRAM_REPS", d.reps),
+            warmup=env_int("BENCH_PROGRAM_WARMUP", d.warmup, minimum=0),
+            steps=env_int("BENCH_PROGRAM_STEPS", d.steps),
+            prefill_len=env_int("BENCH_PROGRAM_PREFILL_LEN", d.prefill_len, minimum=2),
+            prefill_chunk=env_int("BENCH_PROGRAM_PREFILL_CHUNK", d.prefill_chunk),
+            timeout_s=env_int("BENCH_TIMEOUT_S", d.timeout_s), torch_env=torch_worker_env())
 
 
-FULL_RUN = Settings()
-COPY_BYTES = 1 << 30
+class CopyFloor:
+    """The bandwidth floor as an in-process side of `alternate`. A repetition copies a
+    COPY_BYTES buffer with numpy on one thread and split over every core, and keeps the faster;
+    its work is the bytes moved (read + written) counted in decode steps' worth of weight reads,
+    so its rate is the B=1 floor in tok/s."""
+
+    def __init__(self, weight_bytes: int):
+        self.weight_bytes = weight_bytes
+
+    def prepare(self, name: str, args: dict) -> None:
+        self.src = np.ones(COPY_BYTES // 4, np.float32)
+        self.dst = np.empty_like(self.src)
+        np.copyto(self.dst, self.src)
+        parts = np.array_split(np.arange(len(self.src)), os.cpu_count() or 1)
+        self.bounds = [(int(p[0]), int(p[-1]) + 1) for p in parts if len(p)]
+
+    def _threaded(self) -> None:
+        threads = [threading.Thread(target=np.copyto, args=(self.dst[a:b], self.src[a:b]))
+                   for a, b in self.bounds]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def rep(self, name: str) -> dict:
+        seconds = {}
+        for key, fn in (("one_thread", lambda: np.copyto(self.dst, self.src)),
+                        ("all_cores", self._threaded)):
+            start = time.perf_counter()
+            fn()
+            seconds[key] = time.perf_counter() - start
+        moved = 2 * COPY_BYTES
+        return {"seconds": min(seconds.values()), "work": moved / self.weight_bytes,
+                "outputs": {f"{k}_gbps": moved / v / 1e9 for k, v in seconds.items()}}
+
+    def finish(self, name: str) -> None:
+        self.src = self.dst = None
 
 
-def copy_bandwidth(nbytes: int = COPY_BYTES, reps: int = 5) -> dict[str, float]:
-    """GB/s of bytes read + written by a large copy, numpy (1 thread) and torch (all threads)."""
-    import torch
+def _agreement(ours: dict, hf: dict) -> dict:
+    """Per row, how many leading greedy tokens the two sides share, over the whole run."""
+    def rows(side: dict) -> list[list[int]]:
+        out = [[t] for t in side["prepared"]]
+        for rep in side["warmup_outputs"] + side["outputs"]:
+            for row, tokens in zip(out, rep):
+                row.extend(tokens)
+        return out
 
-    src = np.ones(nbytes // 4, np.float32)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    numpy_gbps = 2 * nbytes / median_seconds(lambda: np.copyto(dst, src), reps) / 1e9
-    tsrc, tdst = torch.from_numpy(src), torch.from_numpy(dst)
-    tdst.copy_(tsrc)
-    torch_gbps = 2 * nbytes / median_seconds(lambda: tdst.copy_(tsrc), reps) / 1e9
-    return {"numpy_gbps": numpy_gbps, "torch_gbps": torch_gbps,
-            "gbps": max(numpy_gbps, torch_gbps)}
-
-
-def decode_weight_bytes(cfg: ModelConfig, params: dict) -> int:
-    """Bytes of weights one decode step must read: all of them, but only a row of an untied
-    embedding table."""
-    total = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
-    if not cfg.tie_word_embeddings:
-        total -= params["embed"].size * params["embed"].dtype.itemsize
-    return total
+    common = []
+    for a, b in zip(rows(ours), rows(hf)):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        common.append(n)
+    return {"tokens_per_row": len(rows(ours)[0]), "common_prefix_per_row": common}
 
 
-# Ours ---------------------------------------------------------------------------------------
-def _admit(prog: Program, prompt: np.ndarray, max_new: int):
-    return prog.materialize(prog.plan_admission(len(prompt), max_new), prompt.tolist())
+def measure(name: str, s: Settings, workdir: pathlib.Path) -> dict:
+    """Every number of one config: set-up, each measurement ABAB, floor, agreement, targets."""
+    path = workdir / name
+    info = write_random_checkpoint(name, path)
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, info["vocab_size"], (max(s.batches), PROMPT_LEN)).tolist()
+    prefill_prompt = rng.integers(0, info["vocab_size"], s.prefill_len).tolist()
+    max_new = 1 + s.steps * (s.warmup + s.reps)
+    jax_args = {"path": str(path), "max_batch": max(s.batches), "prompt_len": PROMPT_LEN,
+                "max_new_tokens": max_new, "prefill_len": s.prefill_len,
+                "prefill_chunk": s.prefill_chunk, "page_size": PAGE_SIZE}
+    timeouts = {"setup_timeout_s": 2 * s.timeout_s, "timeout_s": s.timeout_s}
+    out = {"config": name, **info, "setup": {}, "measurements": {}}
+    with Worker("transformers", "scripts.benchmarks.workers.program_hf", env=s.torch_env,
+                **timeouts) as hf, \
+            Worker("ours", "scripts.benchmarks.workers.program_jax", **timeouts) as ours:
+        for w, args in ((hf, {"path": str(path)}), (ours, jax_args)):  # one at a time
+            progress(f"{name}: set-up of {w.name}")
+            out["setup"][w.name] = {**w.setup(args), "wall_s": w.setup_s}
+        out["setup"]["transformers"]["env"] = s.torch_env
+        jobs = [(f"decode_b{b}", {"kind": "decode", "prompts": prompts[:b], "steps": s.steps})
+                for b in s.batches]
+        jobs.append((f"prefill_{s.prefill_len}", {"kind": "prefill", "prompt": prefill_prompt}))
+        for job, args in jobs:
+            progress(f"{name}: {job}")
+            sides = [ours, hf]
+            if job == "decode_b1":
+                sides.append(LocalSide("floor", CopyFloor(info["decode_weight_bytes"])))
+            r = alternate(sides, job, args, reps=s.reps, warmup=s.warmup)
+            o, t = r["sides"]["ours"], r["sides"]["transformers"]
+            if args["kind"] == "decode":
+                r["greedy_agreement"] = _agreement(o, t)
+            else:
+                pairs = list(zip(o["warmup_outputs"] + o["outputs"],
+                                 t["warmup_outputs"] + t["outputs"]))
+                r["first_token_agreement"] = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
+            out["measurements"][job] = strip_outputs(r)
+            if job == "decode_b1":
+                out["floor_b1"] = _floor(r)
+    out["targets"] = _targets(out, s)
+    return out
 
 
-def _prefill(prog: Program, handle) -> None:
-    while (pb := prog.prefill(handle)) is None:
-        pass
-    prog.commit(pb, [1])
+def _floor(r: dict) -> dict:
+    """The floor side of decode B=1: its tok/s, the bandwidths, each engine's per-round ratio."""
+    floor = r["sides"]["floor"]
+    copies = floor["warmup_outputs"] + floor["outputs"]
+    hf = [x / y for x, y in zip(r["sides"]["transformers"]["rates"], floor["rates"])]
+    return {"tokens_per_s": floor["rate"], "ours/floor": r["ratios"]["ours/floor"],
+            "transformers/floor": spread(hf),
+            **{f"{k}_gbps": spread([c[f"{k}_gbps"] for c in copies])
+               for k in ("one_thread", "all_cores")}}
 
 
-def _prefill_once(prog: Program, prompt: np.ndarray) -> None:
-    handle = _admit(prog, prompt, 1)
-    _prefill(prog, handle)
-    prog.release(handle)
+def _targets(out: dict, s: Settings) -> list[dict]:
+    """The issue's must-hold numbers for this config (medians), met or not."""
+    m, rows = out["measurements"], []
+    for b in (1, max(s.batches)):
+        if f"decode_b{b}" in m:
+            rows.append({"what": f"decode B={b} ours/transformers", "need": 1.0,
+                         "got": m[f"decode_b{b}"]["ratios"]["ours/transformers"]["median"]})
+    if "floor_b1" in out:
+        rows.append({"what": "decode B=1 ours/floor", "need": 0.6,
+                     "got": out["floor_b1"]["ours/floor"]["median"]})
+    rows.append({"what": f"prefill {s.prefill_len} ours/transformers", "need": 1.2,
+                 "got": m[f"prefill_{s.prefill_len}"]["ratios"]["ours/transformers"]["median"]})
+    return [{**r, "met": r["got"] >= r["need"]} for r in rows]
 
 
-def _decode_rounds(prog: Program, handles: list, steps: int) -> None:
-    for _ in range(steps):
-        prog.commit(prog.decode(handles), [1] * len(handles))
-
-
-def ours_decode(cfg: ModelConfig, params: dict, prompts: np.ndarray, s: Settings) -> dict:
-    """Aggregate decode tokens/s per B and B=1's greedy tokens (prompts [max B, T])."""
-    max_new = 1 + s.decode_steps * (s.reps + 1)
-    per_seq = -(-(s.decode_prompt_len + max_new) // s.page_size)
-    pcfg = ProgramConfig(max_concurrency=max(s.batches), page_size=s.page_size,
-                         num_pages=per_seq * max(s.batches),
-                         max_seq_len=per_seq * s.page_size, prefill_chunk=s.decode_prompt_len)
-    start = time.perf_counter()
-    prog = Program(cfg, params, pcfg)
-    compile_s = time.perf_counter() - start
-    tps, tokens = {}, None
-    for b in s.batches:
-        handles = [_admit(prog, prompts[r], max_new) for r in range(b)]
-        for h in handles:
-            _prefill(prog, h)
-        rounds = functools.partial(_decode_rounds, prog, handles, s.decode_steps)
-        rounds()  # warm-up
-        tps[b] = b * s.decode_steps / median_seconds(rounds, s.reps)
-        if b == 1:
-            tokens = prog.tokens(handles[0])[s.decode_prompt_len:][: s.decode_steps + 1]
-        for h in handles:
-            prog.release(h)
-    return {"tokens_per_s": tps, "greedy_tokens": tokens, "compile_s": compile_s}
-
-
-def ours_prefill(cfg: ModelConfig, params: dict, prompt: np.ndarray, s: Settings) -> dict:
-    """Prefill tokens/s of one prompt for each chunk size (to the first sampled token)."""
-    n = len(prompt)
-    per_seq = -(-(n + 1) // s.page_size)
-    tps, compile_s = {}, {}
-    for chunk in s.prefill_chunks:
-        pcfg = ProgramConfig(max_concurrency=1, page_size=s.page_size, num_pages=per_seq,
-                             max_seq_len=per_seq * s.page_size, prefill_chunk=chunk)
-        start = time.perf_counter()
-        prog = Program(cfg, params, pcfg)
-        compile_s[chunk] = time.perf_counter() - start
-        once = functools.partial(_prefill_once, prog, prompt)
-        once()  # warm-up
-        tps[chunk] = n / median_seconds(once, s.prefill_reps)
-    best = max(tps, key=tps.get)
-    return {"tokens_per_s": tps, "best_chunk": best, "best_tokens_per_s": tps[best],
-            "compile_s": compile_s}
-
-
-# Transformers -------------------------------------------------------------------------------
-def hf_decode_and_prefill(model, prompts: np.ndarray, prefill_prompt: np.ndarray,
-                          s: Settings) -> dict:
-    import torch
-    from transformers import StoppingCriteria, StoppingCriteriaList
-
-    class StepClock(StoppingCriteria):
-        """Timestamps every generated token (called after each one); never stops generation."""
-
-        def __init__(self):
-            self.times = []
-
-        def __call__(self, input_ids, scores, **kwargs):
-            self.times.append(time.perf_counter())
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
-
-    def decode_seconds(ids) -> tuple[float, list[int]]:
-        """Seconds for tokens 2..steps+1 of one greedy generate (the prefill and first token
-        excluded), and row 0's tokens."""
-        clock = StepClock()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                             max_new_tokens=s.decode_steps + 1, min_new_tokens=s.decode_steps + 1,
-                             do_sample=False, pad_token_id=0, eos_token_id=None,
-                             stopping_criteria=StoppingCriteriaList([clock]))
-        assert len(clock.times) == s.decode_steps + 1
-        return clock.times[-1] - clock.times[0], out[0, s.decode_prompt_len:].tolist()
-
-    tps, tokens = {}, None
-    with torch.no_grad():
-        for b in s.batches:
-            ids = torch.from_numpy(prompts[:b].astype(np.int64))
-            decode_seconds(ids)  # warm-up
-            runs = [decode_seconds(ids) for _ in range(s.reps)]
-            tps[b] = b * s.decode_steps / statistics.median(t for t, _ in runs)
-            if b == 1:
-                tokens = runs[0][1]
-        ids = torch.from_numpy(prefill_prompt[None].astype(np.int64))
-        model(ids)  # warm-up
-        prefill = len(prefill_prompt) / median_seconds(lambda: model(ids), s.prefill_reps)
-    return {"decode_tokens_per_s": tps, "prefill_tokens_per_s": prefill, "greedy_tokens": tokens}
-
-
-def _load_hf(cfg: ModelConfig, params: dict, path: str):
-    import torch
-    from transformers import Qwen3_5ForCausalLM
-
-    export_hf(cfg, jax.tree.map(np.asarray, params), path)
-    return Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-# The suite ----------------------------------------------------------------------------------
-def _progress(what: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.1f}] {what}", flush=True)
-
-
-def measure(name: str, cfg: ModelConfig, s: Settings, bandwidth_gbps: float,
-            seed: int = 0) -> dict:
-    """Every number of one config: ours, transformers, floor, ratios, and the load averages."""
-    params = init_params(cfg, jax.random.key(seed))
-    rng = np.random.default_rng(seed)
-    prompts = rng.integers(0, cfg.vocab_size, (max(s.batches), s.decode_prompt_len))
-    prefill_prompt = rng.integers(0, cfg.vocab_size, s.prefill_len)
-    load = {"start": os.getloadavg()[0]}
-    _progress(f"{name}: ours, decode")
-    decode = ours_decode(cfg, params, prompts, s)
-    load["after_ours_decode"] = os.getloadavg()[0]
-    _progress(f"{name}: ours, prefill")
-    prefill = ours_prefill(cfg, params, prefill_prompt, s)
-    load["after_ours_prefill"] = os.getloadavg()[0]
-    _progress(f"{name}: transformers")
-    with tempfile.TemporaryDirectory() as tmp:
-        hf = hf_decode_and_prefill(_load_hf(cfg, params, tmp), prompts, prefill_prompt, s)
-    load["after_transformers"] = os.getloadavg()[0]
-    weight_bytes = decode_weight_bytes(cfg, params)
-    floor_tps = bandwidth_gbps * 1e9 / weight_bytes
-    ours_tps, hf_tps = decode["tokens_per_s"], hf["decode_tokens_per_s"]
-    b_lo, b_hi = min(s.batches), max(s.batches)
-    agree = 0
-    for a, b in zip(decode["greedy_tokens"], hf["greedy_tokens"]):
-        if a != b:
-            break
-        agree += 1
-    return {
-        "config": name,
-        "num_params": sum(a.size for a in jax.tree.leaves(params)),
-        "weight_bytes_per_decode_step": weight_bytes,
-        "ours": {"decode_tokens_per_s": ours_tps, "prefill": prefill,
-                 "decode_compile_s": decode["compile_s"]},
-        "transformers": {"decode_tokens_per_s": hf_tps,
-                         "prefill_tokens_per_s": hf["prefill_tokens_per_s"]},
-        "floor_decode_tokens_per_s_b1": floor_tps,
-        "ratios": {
-            "decode_ours_over_transformers": {b: ours_tps[b] / hf_tps[b] for b in s.batches},
-            "decode_b1_ours_over_floor": ours_tps[b_lo] / floor_tps,
-            "decode_scaling_ours": ours_tps[b_hi] / ours_tps[b_lo],
-            "decode_scaling_transformers": hf_tps[b_hi] / hf_tps[b_lo],
-            "prefill_ours_over_transformers":
-                prefill["best_tokens_per_s"] / hf["prefill_tokens_per_s"],
-        },
-        "greedy_prefix_agreement": f"{agree}/{len(decode['greedy_tokens'])}",
-        "load_average_1min": load,
-    }
-
-
-def format_table(results: list[dict], bandwidth: dict) -> str:
-    lines = [(f"copy bandwidth (read+write): numpy {bandwidth['numpy_gbps']:.2f} GB/s, "
-              f"torch {bandwidth['torch_gbps']:.2f} GB/s; floor uses {bandwidth['gbps']:.2f}")]
+def format_table(results: list[dict]) -> str:
+    lines = []
     for r in results:
-        o, t, q = r["ours"], r["transformers"], r["ratios"]
-        lines += [
-            "",
-            (f"{r['config']}: {r['num_params'] / 1e6:.1f}M params, "
-             f"{r['weight_bytes_per_decode_step'] / 1e6:.0f} MB/step, greedy tokens agree "
-             f"{r['greedy_prefix_agreement']}, load avg {r['load_average_1min']}"),
-            f"  {'decode B':<10}{'ours tok/s':>12}{'hf tok/s':>12}{'ours/hf':>10}",
-        ]
-        for b, v in o["decode_tokens_per_s"].items():
-            lines.append(f"  {b:<10}{v:>12.1f}{t['decode_tokens_per_s'][b]:>12.1f}"
-                         f"{q['decode_ours_over_transformers'][b]:>10.2f}")
-        p = o["prefill"]
-        chunks = ", ".join(f"{c}: {v:.0f}" for c, v in p["tokens_per_s"].items())
-        lines += [
-            (f"  floor B=1 {r['floor_decode_tokens_per_s_b1']:.1f} tok/s; "
-             f"ours/floor {q['decode_b1_ours_over_floor']:.2f}"),
-            (f"  B={max(o['decode_tokens_per_s'])} / B=1 aggregate: ours "
-             f"{q['decode_scaling_ours']:.2f}x, hf {q['decode_scaling_transformers']:.2f}x"),
-            (f"  prefill tok/s: ours {p['best_tokens_per_s']:.1f} (chunk {p['best_chunk']}; "
-             f"{chunks}), hf {t['prefill_tokens_per_s']:.1f}, ours/hf "
-             f"{q['prefill_ours_over_transformers']:.2f}"),
-        ]
+        su = r["setup"]
+        lines += ["", (f"{r['config']}: {r['num_params'] / 1e6:.1f}M params, "
+                       f"{r['decode_weight_bytes'] / 1e6:.0f} MB read per decode step"),
+                  (f"  set-up: ours {su['ours']['wall_s']:.1f} s (load {su['ours']['load_s']:.1f}"
+                   f", compile decode {su['ours']['decode_compile_s']:.1f}, prefill "
+                   f"{su['ours']['prefill_compile_s']:.1f}); transformers "
+                   f"{su['transformers']['wall_s']:.1f} s ({su['transformers']['threads']} "
+                   f"torch threads, {su['transformers']['env'] or 'inherited environment'})"),
+                  (f"  {'measurement':<14}{'ours tok/s':>24}{'transformers tok/s':>26}"
+                   f"{'ours/hf':>20}{'agree':>9}{'load 1-min':>13}")]
+        for job, m in r["measurements"].items():
+            o, t = m["sides"]["ours"], m["sides"]["transformers"]
+            q = m["ratios"]["ours/transformers"]
+            if "greedy_agreement" in m:
+                g = m["greedy_agreement"]
+                agree = f"{min(g['common_prefix_per_row'])}/{g['tokens_per_row']}"
+            else:
+                agree = m["first_token_agreement"]
+            load = m["load_1min"]
+            lines.append(f"  {job:<14}{fmt_spread(o['rate']):>24}{fmt_spread(t['rate']):>26}"
+                         f"{fmt_spread(q, 2):>20}{agree:>9}"
+                         f"{load['min']:>6.1f}-{load['max']:<6.1f}")
+        if "floor_b1" in r:
+            f = r["floor_b1"]
+            lines += [(f"  floor B=1 {fmt_spread(f['tokens_per_s'])} tok/s (copy read+write, "
+                       f"GB/s: one thread {fmt_spread(f['one_thread_gbps'])}, all cores "
+                       f"{fmt_spread(f['all_cores_gbps'])})"),
+                      (f"  B=1 / floor per round: ours {fmt_spread(f['ours/floor'], 2)}, "
+                       f"transformers {fmt_spread(f['transformers/floor'], 2)}")]
+        for t in r["targets"]:
+            lines.append(f"  target {t['what']} >= {t['need']}: {t['got']:.2f} "
+                         f"({'met' if t['met'] else 'NOT met'})")
+    lines.append("\nrates: median [min-max] over the repetitions; ours/hf per ABAB pair; agree: "
+                 "leading greedy tokens shared (worst row) or equal first tokens")
     return "\n".join(lines)
 
 
-def plot(results: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2 * len(results), figsize=(5 * 2 * len(results), 4))
-    for i, r in enumerate(results):
-        ax = axes[2 * i]
-        ours, hf = r["ours"]["decode_tokens_per_s"], r["transformers"]["decode_tokens_per_s"]
-        ax.plot(list(ours), list(ours.values()), "o-", label="ours")
-        ax.plot(list(hf), list(hf.values()), "s-", label="transformers")
-        ax.plot(list(ours), [b * r["floor_decode_tokens_per_s_b1"] for b in ours], "k--",
-                label="bandwidth floor x B")
-        ax.set(title=f"{r['config']}: decode", xlabel="B", ylabel="aggregate tokens/s",
-               xscale="log", yscale="log", xticks=list(ours))
-        ax.set_xticklabels([str(b) for b in ours])
-        ax.legend()
-        ax = axes[2 * i + 1]
-        p = r["ours"]["prefill"]["tokens_per_s"]
-        names = [f"ours c={c}" for c in p] + ["transformers"]
-        ax.bar(names, list(p.values()) + [r["transformers"]["prefill_tokens_per_s"]])
-        ax.set(title=f"{r['config']}: prefill of 512 tokens", ylabel="tokens/s")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def run(out_dir: str, s: Settings = FULL_RUN) -> dict:
-    enable_persistent_cache()
+def run(out_dir: str) -> dict:
+    del out_dir  # bench.py writes the JSON; the table is printed
+    s = Settings.from_env()
     start = time.perf_counter()
     load_start = os.getloadavg()
-    bandwidth = copy_bandwidth()
-    results = [measure("tiny", tiny_dense(), s, bandwidth["gbps"]),
-               measure("medium", MEDIUM, s, bandwidth["gbps"])]
-    table = format_table(results, bandwidth)
+    progress(f"settings {s}")
+    with tempfile.TemporaryDirectory(prefix="ninfer_bench_program_") as tmp:
+        results = [measure(name, s, pathlib.Path(tmp)) for name in s.configs]
+    table = format_table(results)
     print(table)
-    plot(results, os.path.join(out_dir, "program.png"))
-    return {"settings": dataclasses.asdict(s), "bandwidth": bandwidth, "results": results,
+    return {"settings": dataclasses.asdict(s), "results": results,
             "load_average_start": load_start, "load_average_end": os.getloadavg(),
             "cpu_count": os.cpu_count(), "wall_s": time.perf_counter() - start, "table": table}

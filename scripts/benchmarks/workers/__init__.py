@@ -1,0 +1,1 @@
+"""Engine worker processes for the ABAB harness: `python -m scripts.benchmarks.workers.<name>`."""
