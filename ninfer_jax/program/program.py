@@ -67,8 +67,7 @@ class Program(HostProgram):
         self.params = unstack_layers(params, cfg) if pcfg.resolved_layer_loop() == "unrolled" \
             else params
         self._pools = pools
-        self._deferred = self._no_commit()  # the last commit, applied by the next step
-        self._has_deferred = False
+        self._deferred: CommitInputs | None = None  # the last commit, applied by the next step
         self.executables = ExecutableTable()
         self._compile_all()
 
@@ -93,7 +92,7 @@ class Program(HostProgram):
 
         def decode(b: int) -> None:
             example = DecodeInputs(
-                commit=self._no_commit(), token_ids=np.zeros(b, np.int32),
+                commit=self._no_commit(b), token_ids=np.zeros(b, np.int32),
                 positions=np.zeros(b, np.int32), slots=np.arange(b, dtype=np.int32),
                 page_tables=np.zeros((b, w), np.int32), sampling=sampling_arrays([GREEDY] * b),
                 step_index=np.zeros(b, np.int32))
@@ -102,7 +101,7 @@ class Program(HostProgram):
                                      self._pools, example, background=later)
 
         prefill_example = PrefillInputs(
-            commit=self._no_commit(), token_ids=np.zeros((1, c), np.int32),
+            commit=self._no_commit(1), token_ids=np.zeros((1, c), np.int32),
             start_pos=np.zeros(1, np.int32), num_valid=np.ones(1, np.int32),
             page_table=np.zeros((1, w), np.int32), slot=np.zeros(1, np.int32),
             reset=np.ones(1, bool), sampling=sampling_arrays([GREEDY]),
@@ -112,7 +111,7 @@ class Program(HostProgram):
         # while the prefill compiles here.
         bmax = pcfg.max_concurrency
         self.executables.compile(StepKey(StepKind.COMMIT, bmax), commit_step, self._pools,
-                                 self._no_commit(), background=later)
+                                 self._no_commit(bmax), background=later)
         one = np.zeros(1, np.int32)
         if pcfg.num_checkpoint_slots:
             self.executables.compile(StepKey(StepKind.CAPTURE, 1), capture_step, self._pools,
@@ -130,26 +129,41 @@ class Program(HostProgram):
         for b in range(2, bmax + 1):
             decode(b)
 
-    def _no_commit(self) -> CommitInputs:
-        """A commit that moves nothing: every provisional row goes to the sink slot."""
-        b = self.pcfg.max_concurrency
-        return CommitInputs(slots=np.full(b, self.pcfg.num_slots, np.int32),
-                            tokens=np.zeros(b, np.int32), count=np.zeros(b, bool))
+    def _no_commit(self, rows: int) -> CommitInputs:
+        """A commit of `rows` provisional rows that moves nothing: all go to the sink slot."""
+        return CommitInputs(slots=np.full(rows, self.pcfg.num_slots, np.int32),
+                            tokens=np.zeros(rows, np.int32), count=np.zeros(rows, bool))
 
-    def _take_commit(self) -> CommitInputs:
-        """The deferred commit, handed to the step that will apply it."""
-        commit, self._deferred, self._has_deferred = self._deferred, self._no_commit(), False
-        return commit
+    def _take_commit(self, rows: int) -> CommitInputs:
+        """The deferred commit, sized for a step of `rows` batch rows, which applies it first.
+        One of more rows (the previous batch was larger) runs on its own first."""
+        commit, self._deferred = self._deferred, None
+        if commit is None:
+            return self._no_commit(rows)
+        if len(commit.slots) > rows:
+            self._apply(commit)
+            return self._no_commit(rows)
+        padded = self._no_commit(rows)
+        for name in ("slots", "tokens", "count"):
+            getattr(padded, name)[: len(commit.slots)] = getattr(commit, name)
+        return padded
+
+    def _apply(self, commit: CommitInputs) -> None:
+        bmax = self.pcfg.max_concurrency
+        padded = self._no_commit(bmax)
+        for name in ("slots", "tokens", "count"):
+            getattr(padded, name)[: len(commit.slots)] = getattr(commit, name)
+        self._pools = self.executables(StepKey(StepKind.COMMIT, bmax), self._pools, padded)
 
     def _flush(self) -> None:
-        if self._has_deferred:
-            self._pools = self.executables(StepKey(StepKind.COMMIT, self.pcfg.max_concurrency),
-                                           self._pools, self._take_commit())
+        commit, self._deferred = self._deferred, None
+        if commit is not None:
+            self._apply(commit)
 
     def _run_prefill(self, seq: SeqRecord, start: int, chunk: list[int]) -> int:
         c, n = self.pcfg.prefill_chunk, len(chunk)
         inputs = PrefillInputs(
-            commit=self._take_commit(), token_ids=np.array([chunk + [0] * (c - n)], np.int32),
+            commit=self._take_commit(1), token_ids=np.array([chunk + [0] * (c - n)], np.int32),
             start_pos=np.array([start], np.int32), num_valid=np.array([n], np.int32),
             page_table=self._page_table([seq]), slot=np.array([seq.slot], np.int32),
             reset=np.array([start == 0]), sampling=sampling_arrays([seq.sampling]),
@@ -160,7 +174,7 @@ class Program(HostProgram):
 
     def _run_decode(self, seqs: list[SeqRecord]) -> np.ndarray:
         inputs = DecodeInputs(
-            commit=self._take_commit(),
+            commit=self._take_commit(len(seqs)),
             token_ids=np.array([s.tokens[-1] for s in seqs], np.int32),
             positions=np.array([s.frontier for s in seqs], np.int32),
             slots=np.array([s.slot for s in seqs], np.int32),
@@ -174,12 +188,9 @@ class Program(HostProgram):
     def _run_commit(self, seqs: list[SeqRecord], accept: np.ndarray, tokens: np.ndarray,
                     count: bool) -> None:
         self._flush()  # at most one commit waits for the next step
-        b = len(seqs)
-        commit = self._no_commit()
-        commit.slots[:b] = np.where(accept, [s.slot for s in seqs], self.pcfg.num_slots)
-        commit.tokens[:b] = tokens
-        commit.count[:b] = count
-        self._deferred, self._has_deferred = commit, True
+        slots = np.where(accept, [s.slot for s in seqs], self.pcfg.num_slots).astype(np.int32)
+        self._deferred = CommitInputs(slots=slots, tokens=np.asarray(tokens, np.int32),
+                                      count=np.full(len(seqs), count))
 
     def _run_capture(self, seq: SeqRecord, ckpt_slot: int) -> None:
         inputs = CaptureInputs(slot=np.array([seq.slot], np.int32),

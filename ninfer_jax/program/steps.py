@@ -37,12 +37,13 @@ def _register(data, meta=()):
 @_register(["slots", "tokens", "count"])
 @dataclasses.dataclass(frozen=True)
 class CommitInputs:
-    """What the last step's provisional rows become. Always max_concurrency rows, one per
-    provisional row; a row not accepted (or unused) names the sink slot `num_slots`."""
+    """What the last step's provisional rows 0..R-1 become (R: the batch of the step applying
+    it, or max_concurrency for the standalone commit); a row not accepted (or unused) names
+    the sink slot `num_slots`."""
 
-    slots: jax.Array  # [Bmax] int32, where provisional row r goes (num_slots: nowhere)
-    tokens: jax.Array  # [Bmax] int32, row r's sampled token
-    count: jax.Array  # [Bmax] bool, the token counts toward penalties (False for mid-prefill)
+    slots: jax.Array  # [R] int32, where provisional row r goes (num_slots: nowhere)
+    tokens: jax.Array  # [R] int32, row r's sampled token
+    count: jax.Array  # [R] bool, the token counts toward penalties (False for mid-prefill)
 
 
 @_register(["commit", "token_ids", "start_pos", "num_valid", "page_table", "slot", "reset",

@@ -23,7 +23,8 @@ turn (ours, transformers, ours, ...), recording the load average around each:
 
 Settings (environment): BENCH_PROGRAM_CONFIGS=tiny,medium  BENCH_PROGRAM_BATCHES=1,2,4,8
 BENCH_PROGRAM_REPS=5  BENCH_PROGRAM_WARMUP=1  BENCH_PROGRAM_STEPS=16  BENCH_PROGRAM_PREFILL_LEN=512
-BENCH_PROGRAM_PREFILL_CHUNK=256  BENCH_TIMEOUT_S=1800 (per worker call; set-up gets twice)
+BENCH_PROGRAM_PREFILL_CHUNK=256  BENCH_PROGRAM_LAYER_LOOP=auto|unrolled|scan
+BENCH_TIMEOUT_S=1800 (per worker call; set-up gets twice)
 BENCH_TORCH_OMP_WAIT_POLICY=passive|active|inherit (how the transformers worker's OpenMP threads
 wait; see `_env.torch_worker_env`).
 """
@@ -39,6 +40,7 @@ import time
 
 import numpy as np
 
+from ninfer_jax.program.config import LAYER_LOOPS
 from scripts.benchmarks._abab import (
     LocalSide,
     Worker,
@@ -49,7 +51,7 @@ from scripts.benchmarks._abab import (
     strip_outputs,
 )
 from scripts.benchmarks._checkpoint import CONFIG_NAMES, write_random_checkpoint
-from scripts.benchmarks._env import env_choices, env_int, env_ints, torch_worker_env
+from scripts.benchmarks._env import env_choice, env_choices, env_int, env_ints, torch_worker_env
 
 PROMPT_LEN = 32
 PAGE_SIZE = 16
@@ -65,6 +67,7 @@ class Settings:
     steps: int = 16
     prefill_len: int = 512
     prefill_chunk: int = 256
+    layer_loop: str = "auto"
     timeout_s: int = 1800
     torch_env: dict = dataclasses.field(default_factory=dict)  # the transformers worker's
 
@@ -79,6 +82,7 @@ class Settings:
             steps=env_int("BENCH_PROGRAM_STEPS", d.steps),
             prefill_len=env_int("BENCH_PROGRAM_PREFILL_LEN", d.prefill_len, minimum=2),
             prefill_chunk=env_int("BENCH_PROGRAM_PREFILL_CHUNK", d.prefill_chunk),
+            layer_loop=env_choice("BENCH_PROGRAM_LAYER_LOOP", d.layer_loop, LAYER_LOOPS),
             timeout_s=env_int("BENCH_TIMEOUT_S", d.timeout_s), torch_env=torch_worker_env())
 
 
@@ -147,7 +151,8 @@ def measure(name: str, s: Settings, workdir: pathlib.Path) -> dict:
     max_new = 1 + s.steps * (s.warmup + s.reps)
     jax_args = {"path": str(path), "max_batch": max(s.batches), "prompt_len": PROMPT_LEN,
                 "max_new_tokens": max_new, "prefill_len": s.prefill_len,
-                "prefill_chunk": s.prefill_chunk, "page_size": PAGE_SIZE}
+                "prefill_chunk": s.prefill_chunk, "page_size": PAGE_SIZE,
+                "layer_loop": s.layer_loop}
     timeouts = {"setup_timeout_s": 2 * s.timeout_s, "timeout_s": s.timeout_s}
     out = {"config": name, **info, "setup": {}, "measurements": {}}
     with Worker("transformers", "scripts.benchmarks.workers.program_hf", env=s.torch_env,

@@ -47,14 +47,17 @@ class ProgramJax(BenchWorker):
         per_seq = -(-(args["prompt_len"] + args["max_new_tokens"]) // ps)
         decode_cfg = ProgramConfig(
             max_concurrency=args["max_batch"], page_size=ps, num_pages=per_seq * args["max_batch"],
-            max_seq_len=per_seq * ps, prefill_chunk=args["prompt_len"])
+            max_seq_len=per_seq * ps, prefill_chunk=args["prompt_len"],
+            layer_loop=args["layer_loop"])
         start = time.perf_counter()
         self.decode_prog = Program(model.config, model.params, decode_cfg)
+        self.decode_prog.wait_compiled()  # every exact B, not only what start-up waits for
         decode_compile_s = time.perf_counter() - start
         per_prompt = -(-(args["prefill_len"] + 1) // ps)
         prefill_cfg = ProgramConfig(max_concurrency=1, page_size=ps, num_pages=per_prompt,
                                     max_seq_len=per_prompt * ps,
-                                    prefill_chunk=args["prefill_chunk"])
+                                    prefill_chunk=args["prefill_chunk"],
+                                    layer_loop=args["layer_loop"])
         start = time.perf_counter()
         self.prefill_prog = Program(model.config, model.params, prefill_cfg)
         self.max_new = args["max_new_tokens"]
