@@ -114,6 +114,9 @@ class EngineCore:
         self._generated = 0
         self._finished = 0
         self._backfilled = 0
+        # Committed round output (record, Frontend preview) not yet published: it goes out
+        # while the next round computes, or before anything else is published.
+        self._unpublished: list[tuple[RequestRecord, Any]] = []
         self._publish_stats()
         self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
         self._thread.start()
@@ -242,6 +245,8 @@ class EngineCore:
         if unit is not None:
             self._run_unit(unit)  # 7, 8, 9
             progressed = True
+        if not isinstance(unit, DecodeUnit):
+            self._publish_committed()  # no round follows at once to overlap it with
         self._publish_stats()
         return progressed
 
@@ -409,6 +414,7 @@ class EngineCore:
 
     def _run_unit(self, unit: PrefillUnit | DecodeUnit) -> None:
         if isinstance(unit, PrefillUnit):
+            self._publish_committed()
             r = unit.record
             batch = self.program.prefill(r.seq)
             if batch is None:
@@ -417,6 +423,9 @@ class EngineCore:
         else:
             records = list(unit.records)
             batch = self.program.decode([r.seq for r in records])
+            # The round runs on the device now: publish the previous round's committed output
+            # meanwhile (its Program commit is done; reading batch.tokens waits for this one).
+            self._publish_committed()
         self._commit_and_publish(batch, records)
 
     def _commit_and_publish(self, batch: Any, records: list[RequestRecord]) -> None:
@@ -443,8 +452,7 @@ class EngineCore:
                 continue
             r.completion_tokens += n
             self._generated += n
-            r.session.commit(preview)
-            self._publish_deltas(r, preview)
+            self._unpublished.append((r, preview))  # after the next round is dispatched
             if preview.finish_reason is not None:
                 reason = FinishReason.STOP if preview.finish_reason is TextFinish.STOP \
                     else FinishReason.LENGTH
@@ -453,13 +461,18 @@ class EngineCore:
             else:
                 r.move(S.DECODE_READY)
 
-    def _publish_deltas(self, r: RequestRecord, preview: Any) -> None:
-        ids = tuple(preview.token_ids)
-        if not preview.deltas:
-            self._publish(r, Delta(r.request_id, "", ids, Channel(r.session.channel.value)))
-        for i, d in enumerate(preview.deltas):
-            self._publish(r, Delta(r.request_id, d.text, ids if i == 0 else (),
-                                   Channel(d.channel.value)))
+    def _publish_committed(self) -> None:
+        """Commits the Frontend previews of committed rounds and publishes their deltas, in
+        order (DESIGN §6: the Program commit of each came first)."""
+        while self._unpublished:
+            r, preview = self._unpublished.pop(0)
+            r.session.commit(preview)
+            ids = tuple(preview.token_ids)
+            if not preview.deltas:
+                self._emit(r, Delta(r.request_id, "", ids, Channel(r.session.channel.value)))
+            for i, d in enumerate(preview.deltas):
+                self._emit(r, Delta(r.request_id, d.text, ids if i == 0 else (),
+                                    Channel(d.channel.value)))
 
     # Endings ---------------------------------------------------------------------------------
     def _terminal(self, r: RequestRecord, reason: FinishReason, error: str | None = None) -> None:
@@ -482,6 +495,10 @@ class EngineCore:
         self._sinks.pop(r.request_id, None)
 
     def _publish(self, r: RequestRecord, event: Any) -> None:
+        self._publish_committed()  # committed output first: nothing overtakes a delta
+        self._emit(r, event)
+
+    def _emit(self, r: RequestRecord, event: Any) -> None:
         sink = self._sinks.get(r.request_id)
         if sink is not None:
             sink.put(event)

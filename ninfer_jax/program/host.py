@@ -18,7 +18,7 @@ import abc
 import dataclasses
 import enum
 import itertools
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -141,8 +141,9 @@ class HostProgram(abc.ABC):
         """Runs one chunk at positions start.. of seq; returns the token sampled after it."""
 
     @abc.abstractmethod
-    def _run_decode(self, seqs: list[SeqRecord]) -> np.ndarray:
-        """Runs one token per row; returns the sampled tokens [B]."""
+    def _run_decode(self, seqs: list[SeqRecord]) -> Any:
+        """Starts one token per row; returns the sampled tokens [B] (or an array still being
+        computed that np.asarray waits for)."""
 
     @abc.abstractmethod
     def _run_commit(self, seqs: list[SeqRecord], accept: np.ndarray, tokens: np.ndarray,
@@ -354,8 +355,8 @@ class HostProgram(abc.ABC):
             if s.generated >= s.max_new_tokens:
                 raise ResourceError(f"{s.handle} already generated its {s.max_new_tokens} tokens")
             self._grow(s, s.frontier + 1)
-        tokens = np.asarray(self._run_decode(seqs), np.int32)[:, None]
-        self._pending = PendingBatch(BatchKind.DECODE, tuple(handles), tokens,
+        # The step runs on the device after this returns; reading batch.tokens waits for it.
+        self._pending = PendingBatch(BatchKind.DECODE, tuple(handles), self._run_decode(seqs),
                                      next(self._batch_ids))
         return self._pending
 

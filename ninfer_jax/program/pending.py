@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 import numpy as np
 
@@ -33,14 +34,25 @@ class SequenceHandle:
 class PendingBatch:
     """Provisional output of one step. Consume with Program.commit or Program.abort_pending."""
 
-    def __init__(self, kind: BatchKind, handles: tuple[SequenceHandle, ...], tokens: np.ndarray,
-                 batch_id: int):
+    def __init__(self, kind: BatchKind, handles: tuple[SequenceHandle, ...], tokens: Any,
+                 batch_id: int, produced: int = 1):
+        """tokens: [B, produced] int32, or anything `np.asarray` turns into it (a device array
+        still being computed: the step was dispatched, and reading `tokens` waits for it)."""
         self.kind = kind
         self.handles = handles
-        self.tokens = tokens  # [B, produced] int32 provisional tokens
-        self.produced = np.full(len(handles), tokens.shape[1], np.int32)  # [B]
+        self._tokens = tokens
+        self._tokens_ready: np.ndarray | None = None
+        self.produced = np.full(len(handles), produced, np.int32)  # [B]
         self.batch_id = batch_id
         self._consumed = False
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """[B, produced] int32 provisional tokens (waits for the step that computes them)."""
+        if self._tokens_ready is None:
+            self._tokens_ready = np.asarray(self._tokens, np.int32).reshape(self.batch, -1)
+            self._tokens = None
+        return self._tokens_ready
 
     @property
     def batch(self) -> int:

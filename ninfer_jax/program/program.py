@@ -183,7 +183,7 @@ class Program(HostProgram):
             step_index=np.array([s.generated for s in seqs], np.int32))
         self._pools, out = self.executables(StepKey(StepKind.DECODE, len(seqs)), self.params,
                                             self._pools, inputs)
-        return np.asarray(out.tokens)
+        return out.tokens  # on the device; the PendingBatch reads it when asked
 
     def _run_commit(self, seqs: list[SeqRecord], accept: np.ndarray, tokens: np.ndarray,
                     count: bool) -> None:

@@ -20,7 +20,9 @@ PCFG = ProgramConfig(max_concurrency=8, page_size=4, num_pages=96, max_seq_len=6
 @functools.lru_cache(maxsize=None)
 def program(name: str = "dense", **overrides) -> Program:
     m = loaded(name)
-    return Program(m.config, m.params, ProgramConfig(**{**PCFG.__dict__, **overrides}))
+    prog = Program(m.config, m.params, ProgramConfig(**{**PCFG.__dict__, **overrides}))
+    prog.wait_compiled()  # no test sees another Program's background compiles
+    return prog
 
 
 @functools.lru_cache(maxsize=None)

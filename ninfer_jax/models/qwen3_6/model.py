@@ -96,7 +96,10 @@ def unstack_layers(params: dict, cfg: ModelConfig) -> dict:
     """The params with the decoder layers as one array dict per layer, in model order
     (`params["layers"]`), instead of stacked per kind. `step` and `forward` accept either
     layout. XLA:CPU copies a weight sliced out of a stacked buffer inside a loop before the dot
-    reads it; with per-layer arrays an unrolled stack reads each weight once (DESIGN §15)."""
+    reads it; with per-layer arrays an unrolled stack reads each weight once (DESIGN §15).
+    Params already in that layout come back as they are."""
+    if "layers" in params:
+        return params
     out = {k: v for k, v in params.items() if k not in ("linear", "attention")}
     index = {LINEAR: 0, FULL: 0}
     layers = []
