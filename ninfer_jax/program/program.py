@@ -106,9 +106,12 @@ class Program(HostProgram):
             page_table=np.zeros((1, w), np.int32), slot=np.zeros(1, np.int32),
             reset=np.ones(1, bool), sampling=sampling_arrays([GREEDY]),
             step_index=np.zeros(1, np.int32))
-        # In the order of first need: the prompt's checkpoint right after its prefill (a
-        # commit, then a capture), then decoding one row; the background thread starts on them
-        # while the prefill compiles here.
+        # The prefill first, alone (a compile shares the two cores badly), then the rest on the
+        # background thread in the order of first need: the prompt's checkpoint right after its
+        # prefill (a commit, then a capture), then decoding one row.
+        self.executables.compile(StepKey(StepKind.PREFILL, 1),
+                                 bind(prefill_step, cfg=cfg, pcfg=pcfg),
+                                 self.params, self._pools, prefill_example)
         bmax = pcfg.max_concurrency
         self.executables.compile(StepKey(StepKind.COMMIT, bmax), commit_step, self._pools,
                                  self._no_commit(bmax), background=later)
@@ -117,9 +120,6 @@ class Program(HostProgram):
             self.executables.compile(StepKey(StepKind.CAPTURE, 1), capture_step, self._pools,
                                      CaptureInputs(slot=one, ckpt_slot=one), background=later)
         decode(1)
-        self.executables.compile(StepKey(StepKind.PREFILL, 1),
-                                 bind(prefill_step, cfg=cfg, pcfg=pcfg),
-                                 self.params, self._pools, prefill_example)
         if pcfg.num_checkpoint_slots:
             self.executables.compile(
                 StepKey(StepKind.RESTORE, 1), bind(restore_step, pcfg=pcfg), self._pools,
