@@ -285,8 +285,10 @@ class FiresOnceClosing:
 
     def __init__(self, life):
         self._life = life
+        self.entered = threading.Event()  # its job is parked on it: close() has not begun
 
     def wait(self, timeout=None):
+        self.entered.set()
         deadline = time.monotonic() + BOUND_S
         while self._life.state is not State.CLOSED and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -300,8 +302,12 @@ def test_a_transfer_under_way_when_close_begins_keeps_its_outcome(tmp_path, kind
     store.dump(1, JobDescriptor(B, payloads([1])))
     assert store.wait([1])[0].success
     outs = empties(1)
-    store.load(2, JobDescriptor(B, outs, prerequisite=FiresOnceClosing(store.life)))
-    store.dump(3, JobDescriptor(ids(2), payloads([2]), prerequisite=FiresOnceClosing(store.life)))
+    gates = [FiresOnceClosing(store.life), FiresOnceClosing(store.life)]
+    store.load(2, JobDescriptor(B, outs, prerequisite=gates[0]))
+    store.dump(3, JobDescriptor(ids(2), payloads([2]), prerequisite=gates[1]))
+    # Both jobs must be waiting on their prerequisites when close begins (a job still queued
+    # then is cancelled, by contract): wait for that instead of hoping the threads were quick.
+    assert all(gate.entered.wait(BOUND_S) for gate in gates)
     within(BOUND_S, store.close)
     assert store.wait([2, 3]) == [IoResult(2, True), IoResult(3, True)]
     assert outs[0].buffers[0].tobytes() == payloads([1])[0].buffers[0].tobytes()
