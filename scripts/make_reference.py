@@ -18,7 +18,9 @@ continuation of the whole sequence and each greedy token's log-probability. Fixt
 - `moe`: text-only `qwen3_5_moe_text`, untied, 8 experts top-2, shared expert, 3:1 pattern.
 - `dense_vl`: the `dense` weights inside a `qwen3_5` multimodal checkpoint (nested
   `text_config`, `model.language_model.*` prefixes, a tiny vision tower, `mtp.*` weights added
-  as real checkpoints carry them), saved sharded with `model.safetensors.index.json`.
+  as real checkpoints carry them), saved sharded with `model.safetensors.index.json`, and
+  `mtp_reference.npz`, the MTP head's draft logits from transformers' generic `MtpModel`
+  (`scripts/make_mtp_reference.py`).
 
 The tests compare against these files and never import torch.
 """
@@ -42,6 +44,10 @@ from transformers import (
     Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
 )
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from scripts.make_mtp_reference import save_mtp_reference
 
 OUT = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures"
 BATCH, SEQ_LEN, NEW_TOKENS = 3, 40, 12
@@ -278,6 +284,7 @@ def main() -> None:
     np.testing.assert_allclose(vl_ref["logits"], dense_ref["logits"], rtol=0, atol=1e-5)
     path = save(vl, "dense_vl", vl_ref, max_shard_size="100KB")
     add_mtp_weights(path, DENSE, seed=5)
+    save_mtp_reference(path)
 
     for name in ("dense", "moe", "dense_vl"):
         files = sorted(p.name for p in (OUT / name).iterdir())
