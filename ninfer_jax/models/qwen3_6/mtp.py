@@ -9,9 +9,12 @@ it combines the main model's final-normed hidden state `h_t` with the embedding 
                                                     hidden_norm(h_t)]))))
 
 The concat order (embedding first) is transformers' generic `MtpModel` default. Row t is rotated
-with position t, the position of `h_t`. The head's attention layers keep their own K/V through a
-`KVAccess` whose `layers` has a leading [num MTP layers] axis; the embedding and `lm_head` are
-the main model's. It reuses the family's attention, MLP and norm code.
+with position t, the position of `h_t`; transformers rotates it with t + 1, the position of
+`tok_{t+1}`. Attention depends only on position differences, so the draft logits are the same
+(`tests/models/test_mtp_reference.py` compares them with transformers'). The head's attention
+layers keep their own K/V through a `KVAccess` whose `layers` has a leading [num MTP layers]
+axis; the embedding and `lm_head` are the main model's. It reuses the family's attention, MLP
+and norm code.
 """
 
 from __future__ import annotations
