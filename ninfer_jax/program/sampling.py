@@ -23,10 +23,10 @@ Determinism: a row's key is `fold_in(key(seed), step_index)` where `step_index` 
 tokens the request has committed. The same (seed, step, logits row) gives the same token whatever
 rows share the batch, and the stream advances only when the Program commits.
 
-Speculative verify ([B, K, V] logits) fits without change: position k of a row uses
-`step_index + k` and the counts after the draft's first k tokens (`count_tokens` applied
-cumulatively), so `jax.vmap` over K of `apply_penalties` and `sample` (in_axes 1 for logits, step
-and counts, None for the arrays) gives the per-position tokens.
+Speculative verify builds on these functions in `speculative.py` (the acceptance rule): position
+i of a row sees the counts after the draft's first i tokens, `draw_logits` gives the distribution
+drafts are judged against, and a row whose drafts are all accepted draws its next token with
+`sample()` at `step_index + K`, as a plain decode step would.
 """
 
 from __future__ import annotations
@@ -226,23 +226,35 @@ def row_keys(seed: jax.Array, step_index: jax.Array) -> jax.Array:
     )
 
 
+def draw_logits(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
+    """The log-weights a sampled row draws from: logits [B, V] float32 (already penalised) ->
+    tempered logits [B, V] with the tokens the filters drop at -inf. Its softmax is the row's
+    full sampling distribution."""
+    scaled = _tempered(logits, arrays.temperature)
+    return jnp.where(truncation_mask(scaled, arrays), scaled, -jnp.inf)
+
+
+def token_logprobs(logits: jax.Array, arrays: SamplingArrays, tokens: jax.Array) -> jax.Array:
+    """log p(token) per row under the tempered distribution, before the filters: logits [B, V]
+    float32 (already penalised), tokens [B] int32 -> [B] float32. Greedy rows use temperature 1."""
+    scaled = _tempered(logits, arrays.temperature)
+    picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
+    return picked - jax.nn.logsumexp(scaled, axis=-1)
+
+
 def sample(logits: jax.Array, arrays: SamplingArrays, step_index: jax.Array) -> SampleOutput:
     """Picks one token per row. logits [B, V] float32 (already penalised); step_index [B] int32,
     the tokens each request has committed so far. Greedy rows (temperature == 0) take the argmax,
     ties to the lowest id; the others draw from the truncated tempered distribution.
     """
-    scaled = _tempered(logits, arrays.temperature)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw() -> jax.Array:
-        allowed = jnp.where(truncation_mask(scaled, arrays), scaled, -jnp.inf)
         keys = row_keys(arrays.seed, step_index)
-        return jax.vmap(jax.random.categorical)(keys, allowed).astype(jnp.int32)
+        return jax.vmap(jax.random.categorical)(keys, draw_logits(logits, arrays)).astype(jnp.int32)
 
     # An all-greedy batch skips the filters and the draw at run time (same executable).
     sampled = arrays.temperature > 0
     drawn = jax.lax.cond(jnp.any(sampled), draw, lambda: greedy)
     tokens = jnp.where(sampled, drawn, greedy)
-    picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
-    logprobs = picked - jax.nn.logsumexp(scaled, axis=-1)
-    return SampleOutput(tokens=tokens, logprobs=logprobs)
+    return SampleOutput(tokens=tokens, logprobs=token_logprobs(logits, arrays, tokens))
