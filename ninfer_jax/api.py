@@ -26,7 +26,8 @@ from ninfer_jax.frontend import Frontend, PromptError
 from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError
 
 _PROGRAM_KEYS = ("page_size", "num_pages", "max_seq_len", "prefill_chunk", "attention_impl",
-                 "dtype", "num_checkpoint_slots")
+                 "dtype", "num_checkpoint_slots", "speculative", "num_speculative_tokens")
+DEFAULT_SPECULATIVE_TOKENS = 3  # drafts per round with speculative="mtp" (see WORKSPACE.md)
 _CORE_KEYS = ("max_queue", "queue_timeout_s", "prefix_reuse")
 
 
@@ -41,10 +42,13 @@ class Engine:
              verify_weights: bool = True, **config: Any) -> "Engine":
         """Loads `model` (artifact or HF checkpoint directory; None = the embedded default) and
         compiles the prefill step before returning; the other steps compile on a background
-        thread in the order they are first needed (a request waits only for what it uses). Settings: max_seq_len, page_size, num_pages,
-        prefill_chunk, attention_impl, dtype, num_checkpoint_slots (Program); max_queue,
-        queue_timeout_s, prefix_reuse (Engine; on by default); verify_weights (check digests
-        and finiteness while loading, see `load_model`'s `verify`)."""
+        thread in the order they are first needed (a request waits only for what it uses).
+        Settings: max_seq_len, page_size, num_pages, prefill_chunk, attention_impl, dtype,
+        num_checkpoint_slots, speculative ("off" or "mtp": draft num_speculative_tokens tokens
+        per round with the model's MTP head, default 3; a model without MTP weights refuses
+        it) (Program); max_queue, queue_timeout_s, prefix_reuse (Engine; on by default);
+        verify_weights (check digests and finiteness while loading, see `load_model`'s
+        `verify`)."""
         from ninfer_jax.loader import load_model
         from ninfer_jax.program.config import ProgramConfig
         from ninfer_jax.program.program import Program
@@ -57,6 +61,8 @@ class Engine:
                               f"{sorted(_PROGRAM_KEYS + _CORE_KEYS)}")
         core_config = EngineCoreConfig(**{k: config[k] for k in _CORE_KEYS if k in config})
         given = {k: config[k] for k in _PROGRAM_KEYS if k in config}
+        if given.get("speculative") == "mtp":
+            given.setdefault("num_speculative_tokens", DEFAULT_SPECULATIVE_TOKENS)
         pcfg = ProgramConfig(max_concurrency=max_concurrency, **given)  # validates every value
         defaults = {"num_pages": 2 * max_concurrency * pcfg.max_pages_per_seq,
                     "num_checkpoint_slots": 4 * max_concurrency if core_config.prefix_reuse else 0}

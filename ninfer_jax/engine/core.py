@@ -33,6 +33,7 @@ from ninfer_jax.engine.handle import AsyncRequestHandle, CapacityToken, EventSin
 from ninfer_jax.engine.request import InvariantError, RequestRecord, RequestState
 from ninfer_jax.engine.resources import LaneState, ResourceManager
 from ninfer_jax.engine.scheduler import DecodeUnit, PrefillUnit, Scheduler
+from ninfer_jax.engine.spec_stats import SpeculativeCounter, SpeculativeStats
 from ninfer_jax.errors import ConfigError
 from ninfer_jax.frontend.output_session import FinishReason as TextFinish
 from ninfer_jax.frontend.prompt import PreparedPrompt
@@ -88,6 +89,7 @@ class EngineStats:
     finished_requests: int
     backfilled: int  # requests admitted ahead of a blocked head by the backfill proof
     prefix: CatalogStats
+    speculative: SpeculativeStats
 
 
 class EngineCore:
@@ -112,6 +114,7 @@ class EngineCore:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._generated = 0
+        self._speculative = SpeculativeCounter(self.limits.verify_width - 1)
         self._finished = 0
         self._backfilled = 0
         # Committed round output (record, Frontend preview) not yet published: it goes out
@@ -432,13 +435,14 @@ class EngineCore:
         if [r.seq for r in records] != list(batch.handles):
             raise InvariantError(f"PendingBatch membership {batch.handles} != round {records}")
         previews, accepted = [], []
-        for r, tokens in zip(records, batch.tokens):
+        for row, r in enumerate(records):
             if r.cancel_requested.is_set():  # seen while the batch was pending: accept nothing
                 previews.append(None)
                 accepted.append(0)
                 continue
+            tokens = batch.row_tokens(row)  # the Program never proposes past the budget
             budget_ends = r.completion_tokens + len(tokens) >= r.sampling.max_new_tokens
-            preview = r.session.preview([int(t) for t in tokens], budget_ends=budget_ends)
+            preview = r.session.preview(tokens, budget_ends=budget_ends)
             if preview.num_accepted < 1:
                 raise InvariantError(f"request {r.request_id}: a preview accepted no token")
             previews.append(preview)
@@ -446,10 +450,13 @@ class EngineCore:
         self.program.commit(batch, accepted)  # Program state first; a failure publishes nothing
         if batch.kind is BatchKind.PREFILL and accepted[0] > 0:
             self._retain(records[0])  # the prompt's frontier
-        for r, preview, n in zip(records, previews, accepted):
+        for row, (r, preview, n) in enumerate(zip(records, previews, accepted)):
             if preview is None:
                 self._terminal(r, FinishReason.CANCELLED)
                 continue
+            if batch.kind is BatchKind.DECODE and self._speculative.k:
+                self._speculative.add_row(int(batch.produced[row]), n,
+                                          r.sampling.max_new_tokens - r.completion_tokens)
             r.completion_tokens += n
             self._generated += n
             self._unpublished.append((r, preview))  # after the next round is dispatched
@@ -544,7 +551,8 @@ class EngineCore:
             reserved_pages=ps.reserved_pages, free_slots=ps.free_slots,
             total_slots=ps.total_slots, generated_tokens=self._generated,
             finished_requests=self._finished, backfilled=self._backfilled,
-            prefix=self.catalog.stats(*self.program.checkpoint_footprint()))
+            prefix=self.catalog.stats(*self.program.checkpoint_footprint()),
+            speculative=self._speculative.snapshot())
 
 
 def _seconds(name: str, value: Any) -> float | None:

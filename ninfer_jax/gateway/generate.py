@@ -55,6 +55,13 @@ flags.DEFINE_integer("max_concurrency", 4, "requests decoding together", lower_b
 flags.DEFINE_integer("max_seq_len", 2048, "prompt + generated tokens per request", lower_bound=2)
 flags.DEFINE_enum("enable_thinking", None, ["true", "false"], "chat template thinking switch")
 flags.DEFINE_bool("prefix_reuse", True, "reuse prefix checkpoints (--noprefix_reuse: recompute)")
+flags.DEFINE_enum("speculative", "off", ["off", "mtp"],
+                  "generate, chat, serve: speculative decoding with the model's MTP head")
+flags.DEFINE_integer("num_speculative_tokens", None,
+                     "generate, chat, serve: drafts per round with --speculative=mtp (1..5, "
+                     "default 3)", lower_bound=1, upper_bound=5)
+flags.DEFINE_bool("stats", False, "generate: print the Engine's statistics (speculative "
+                  "acceptance, prefix hits) to stderr at the end")
 
 
 def _sampling() -> SamplingParams:
@@ -73,13 +80,26 @@ def _thinking() -> bool | None:
     return None if FLAGS.enable_thinking is None else FLAGS.enable_thinking == "true"
 
 
+def speculative_settings() -> dict:
+    """The Engine's speculative settings from --speculative and --num_speculative_tokens."""
+    if FLAGS.speculative == "off":
+        if FLAGS.num_speculative_tokens is not None:
+            raise app.UsageError("--num_speculative_tokens needs --speculative=mtp")
+        return {}
+    settings = {"speculative": FLAGS.speculative}
+    if FLAGS.num_speculative_tokens is not None:
+        settings["num_speculative_tokens"] = FLAGS.num_speculative_tokens
+    return settings
+
+
 def _open_engine():
     from ninfer_jax.api import Engine
 
     start = time.perf_counter()
     engine = Engine.open(FLAGS.model, max_concurrency=FLAGS.max_concurrency,
                          max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype,
-                         prefix_reuse=FLAGS.prefix_reuse, verify_weights=FLAGS.verify_weights)
+                         prefix_reuse=FLAGS.prefix_reuse, verify_weights=FLAGS.verify_weights,
+                         **speculative_settings())
     print(f"[ninfer] model {engine.model_path} ready in {time.perf_counter() - start:.1f}s "
           f"(max_concurrency={FLAGS.max_concurrency})", file=sys.stderr)
     return engine
@@ -177,6 +197,21 @@ def _answer_line(index: int, outcome: RequestHandle | str) -> tuple[str, Any]:
                        "completion_tokens": r.usage.completion_tokens, "error": r.error}), r
 
 
+def stats_line(stats: Any) -> str:
+    """One line of Engine statistics for `--stats`."""
+    spec, prefix = stats.speculative, stats.prefix
+    line = (f"[ninfer] stats: generated {stats.generated_tokens} tokens, finished "
+            f"{stats.finished_requests} requests, prefix hits {prefix.hits} misses {prefix.misses}")
+    if spec.num_speculative_tokens:
+        by_position = ", ".join(f"{a:.2f}" for a in spec.acceptance_by_position)
+        line += (f"; speculative K={spec.num_speculative_tokens}: {spec.verify_rows} verify rows,"
+                 f" mean accepted tokens {spec.mean_accepted_tokens:.2f}, acceptance by "
+                 f"position [{by_position}]")
+    else:
+        line += "; speculative off"
+    return line
+
+
 def run_generate() -> int:
     requests, as_jsonl = _requests()
     sampling, thinking = _sampling(), _thinking()
@@ -205,6 +240,8 @@ def run_generate() -> int:
             if r is not None:
                 results.append(r)
         elapsed = time.perf_counter() - start
+        if FLAGS.stats:
+            print(stats_line(engine.stats()), file=sys.stderr)
     tokens = sum(r.usage.completion_tokens for r in results)
     cached = sum(r.usage.cached_tokens for r in results)
     print(f"[ninfer] {len(results)} requests, {tokens} tokens in {elapsed:.2f}s "

@@ -278,9 +278,10 @@ def run_serve(*, model: str | None, host: str, port: int, api_key: str | Sequenc
               max_concurrency: int, max_seq_len: int, dtype: str, verify_weights: bool = True,
               header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
               keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
-              max_connections: int = MAX_CONNECTIONS) -> int:
+              max_connections: int = MAX_CONNECTIONS, **engine_settings: Any) -> int:
     """`ninfer serve`: opens the Engine, serves until interrupted, closes the Engine. The
-    server's limits are checked before the model loads."""
+    server's limits are checked before the model loads. `engine_settings` go to `Engine.open`
+    (e.g. speculative, num_speculative_tokens)."""
     ConnectionLimits(header_timeout_s, keepalive_timeout_s, max_connections)
     positive_seconds("body_timeout_s", body_timeout_s)
     api_keys(api_key)
@@ -288,7 +289,7 @@ def run_serve(*, model: str | None, host: str, port: int, api_key: str | Sequenc
 
     start = time.perf_counter()
     engine = Engine.open(model, max_concurrency=max_concurrency, max_seq_len=max_seq_len,
-                         dtype=dtype, verify_weights=verify_weights)
+                         dtype=dtype, verify_weights=verify_weights, **engine_settings)
     print(f"[ninfer] model {engine.model_path} ready in {time.perf_counter() - start:.1f}s "
           f"(max_concurrency={max_concurrency})", file=sys.stderr)
     try:

@@ -9,6 +9,8 @@ from ninfer_jax.errors import ConfigError
 ATTENTION_IMPLS = ("reference", "pallas")
 DTYPES = ("float32", "bfloat16")
 LAYER_LOOPS = ("auto", "unrolled", "scan")
+SPECULATIVE = ("off", "mtp")
+MAX_SPECULATIVE_TOKENS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +29,10 @@ class ProgramConfig:
     # compiles); "scan": lax.scan over stacked weights; "auto": unrolled on CPU, scan elsewhere.
     layer_loop: str = "auto"
     background_compile: bool = True  # compile all but the prefill step on a background thread
+    # "mtp": every decode round drafts `num_speculative_tokens` tokens with the model's MTP
+    # head and verifies them in one step (needs MTP weights); "off": one token per round.
+    speculative: str = "off"
+    num_speculative_tokens: int = 0  # K: 1..5 with "mtp", 0 with "off"
 
     def __post_init__(self):
         def is_int(v) -> bool:
@@ -43,6 +49,9 @@ class ProgramConfig:
             "num_checkpoint_slots": lambda v: is_int(v) and v >= 0,
             "layer_loop": lambda v: v in LAYER_LOOPS,
             "background_compile": lambda v: isinstance(v, bool),
+            "speculative": lambda v: v in SPECULATIVE,
+            "num_speculative_tokens": lambda v: is_int(v) and (
+                v == 0 if self.speculative == "off" else 1 <= v <= MAX_SPECULATIVE_TOKENS),
         }
         limits = {
             "max_concurrency": "an integer in 1..64", "page_size": "a power-of-two integer",
@@ -50,6 +59,10 @@ class ProgramConfig:
             "prefill_chunk": "an integer >= 1", "attention_impl": f"one of {ATTENTION_IMPLS}",
             "dtype": f"one of {DTYPES}", "num_checkpoint_slots": "an integer >= 0",
             "layer_loop": f"one of {LAYER_LOOPS}", "background_compile": "a bool",
+            "speculative": f"one of {SPECULATIVE}",
+            "num_speculative_tokens": "0 when speculative is 'off'" if self.speculative == "off"
+            else f"an integer in 1..{MAX_SPECULATIVE_TOKENS} when speculative is "
+                 f"{self.speculative!r}",
         }
         for name, ok in checks.items():
             value = getattr(self, name)
@@ -62,6 +75,11 @@ class ProgramConfig:
         import jax  # resolved when the Program is built, on the backend it will run on
 
         return "unrolled" if jax.default_backend() == "cpu" else "scan"
+
+    @property
+    def verify_width(self) -> int:
+        """Tokens a decode round proposes per row: the drafts and the target's next token."""
+        return self.num_speculative_tokens + 1
 
     @property
     def max_pages_per_seq(self) -> int:

@@ -86,6 +86,11 @@ class ProgramLimits:
     total_checkpoint_slots: int = 0
     page_bytes: int = 0  # K/V bytes of one page over all attention layers
     checkpoint_state_bytes: int = 0  # GDN state bytes of one checkpoint image
+    verify_width: int = 1  # tokens a decode round may propose per row (drafts + 1)
+    # Positions below the frontier that a continuation rewrites: 1 with MTP, whose K/V at the
+    # frontier's last position depends on the token after it. A restored sequence owns the page
+    # holding them (a copy), never a shared one.
+    rewrites_below_frontier: int = 0
 
 
 @dataclasses.dataclass
@@ -141,14 +146,17 @@ class HostProgram(abc.ABC):
         """Runs one chunk at positions start.. of seq; returns the token sampled after it."""
 
     @abc.abstractmethod
-    def _run_decode(self, seqs: list[SeqRecord]) -> Any:
-        """Starts one token per row; returns the sampled tokens [B] (or an array still being
-        computed that np.asarray waits for)."""
+    def _run_decode(self, seqs: list[SeqRecord], limits: np.ndarray) -> tuple[Any, Any]:
+        """Starts a round: row b proposes 1..limits[b] tokens (limits <= verify_width). Returns
+        (tokens [B, verify_width], produced [B]); either may be an array still being computed
+        that np.asarray waits for."""
 
     @abc.abstractmethod
-    def _run_commit(self, seqs: list[SeqRecord], accept: np.ndarray, tokens: np.ndarray,
+    def _run_commit(self, seqs: list[SeqRecord], accepted: np.ndarray, tokens: np.ndarray,
                     count: bool) -> None:
-        """Adopts the provisional state of accepted rows (tokens count toward penalties)."""
+        """Adopts the provisional state after accepted[b] positions of row b (0: the row is
+        rejected); its first accepted[b] tokens [B, verify_width] count toward penalties when
+        `count`."""
 
     @abc.abstractmethod
     def _run_capture(self, seq: SeqRecord, ckpt_slot: int) -> None:
@@ -198,7 +206,7 @@ class HostProgram(abc.ABC):
         if not 1 <= ckpt.frontier < prompt_len:
             raise ResourceError(
                 f"checkpoint frontier {ckpt.frontier} must be in [1, prompt_len={prompt_len})")
-        shared = ckpt.frontier // self.limits.page_size  # full pages, shared by reference
+        shared = self._shared_pages(ckpt.frontier)
         return ResourcePlan(self.resource_revision, prompt_len, max_new_tokens, need - shared,
                             source, ckpt.frontier)
 
@@ -237,12 +245,12 @@ class HostProgram(abc.ABC):
                         reserved=plan.num_pages)
         self._seqs[handle.seq_id] = seq
         if ckpt is not None:
-            shared = ckpt.frontier // self.limits.page_size
+            shared = self._shared_pages(ckpt.frontier)
             for page in ckpt.pages[:shared]:
                 self.pages.incref(page)
             seq.pages = list(ckpt.pages[:shared])
             copy_page = None
-            if ckpt.frontier % self.limits.page_size:  # the partial page is copied on write
+            if ckpt.frontier > shared * self.limits.page_size:  # the last page: copy on write
                 self._grow(seq, ckpt.frontier)
                 copy_page = (ckpt.pages[shared], seq.pages[-1])
             seq.frontier = ckpt.frontier
@@ -274,6 +282,11 @@ class HostProgram(abc.ABC):
         self._ckpts[ckpt.ckpt.ckpt_id] = ckpt
         self.resource_revision += 1
         return ckpt.ckpt
+
+    def _shared_pages(self, frontier: int) -> int:
+        """Pages a sequence restored at `frontier` shares with the checkpoint: those wholly
+        below the first position it writes."""
+        return (frontier - self.limits.rewrites_below_frontier) // self.limits.page_size
 
     def release_checkpoint(self, ckpt_id: CheckpointId) -> None:
         ckpt = self._ckpt(ckpt_id)
@@ -333,7 +346,8 @@ class HostProgram(abc.ABC):
         self._grow(seq, start + len(chunk))
         token = self._run_prefill(seq, start, chunk)
         if start + len(chunk) < seq.prompt_len:  # not the last chunk: adopt its state now
-            self._run_commit([seq], np.array([True]), np.zeros(1, np.int32), count=False)
+            self._run_commit([seq], np.ones(1, np.int32),
+                             np.zeros((1, self.limits.verify_width), np.int32), count=False)
             seq.frontier = start + len(chunk)
             return None
         tokens = np.array([[token]], np.int32)
@@ -341,7 +355,8 @@ class HostProgram(abc.ABC):
         return self._pending
 
     def decode(self, handles: Sequence[SequenceHandle]) -> PendingBatch:
-        """One token for each of the B decode-ready sequences (exact B, no padding)."""
+        """A round for each of the B decode-ready sequences (exact B, no padding): one token
+        per row, or with speculation up to verify_width (never past a row's max_new_tokens)."""
         self._check_idle()
         seqs = [self._seq(h) for h in handles]
         if not seqs or len({s.handle.seq_id for s in seqs}) != len(seqs):
@@ -349,15 +364,18 @@ class HostProgram(abc.ABC):
         if len(seqs) > self.limits.max_concurrency:
             raise PendingBatchError(
                 f"decode of {len(seqs)} rows exceeds max_concurrency {self.limits.max_concurrency}")
-        for s in seqs:
+        limits = np.zeros(len(seqs), np.int32)
+        for i, s in enumerate(seqs):
             if s.state is not SeqState.ACTIVE:
                 raise ResourceError(f"{s.handle} is not decode-ready")
             if s.generated >= s.max_new_tokens:
                 raise ResourceError(f"{s.handle} already generated its {s.max_new_tokens} tokens")
-            self._grow(s, s.frontier + 1)
+            limits[i] = min(self.limits.verify_width, s.max_new_tokens - s.generated)
+            self._grow(s, s.frontier + int(limits[i]))
         # The step runs on the device after this returns; reading batch.tokens waits for it.
-        self._pending = PendingBatch(BatchKind.DECODE, tuple(handles), self._run_decode(seqs),
-                                     next(self._batch_ids))
+        tokens, produced = self._run_decode(seqs, limits)
+        self._pending = PendingBatch(BatchKind.DECODE, tuple(handles), tokens,
+                                     next(self._batch_ids), produced)
         return self._pending
 
     def commit(self, batch: PendingBatch, accepted: Sequence[int]) -> None:
@@ -368,11 +386,15 @@ class HostProgram(abc.ABC):
         batch.consume()
         self._pending = None
         seqs = [self._seq(h) for h in batch.handles]
-        self._run_commit(seqs, acc > 0, batch.tokens[:, 0], count=True)
+        tokens = batch.tokens
+        width = self.limits.verify_width
+        if tokens.shape[1] < width:
+            tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])))
+        self._run_commit(seqs, acc.astype(np.int32), tokens, count=True)
         for seq, a, toks in zip(seqs, acc, batch.tokens):
             if a == 0:
                 continue
-            seq.frontier = seq.prompt_len if batch.kind is BatchKind.PREFILL else seq.frontier + 1
+            seq.frontier = seq.prompt_len if batch.kind is BatchKind.PREFILL else seq.frontier + a
             seq.tokens.extend(int(t) for t in toks[:a])
             seq.state = SeqState.ACTIVE
 

@@ -2,9 +2,9 @@
 
 It freezes the batch membership and holds the provisional tokens; the provisional model state
 stays in the Program's pools. It must be consumed exactly once, whole, by `Program.commit` or
-`Program.abort_pending`. Rows carry `produced` (tokens proposed; 1 for decode and prefill, K for
-a later speculative verify) so the accepted-prefix rule `0 <= accepted <= produced` is the same
-for every kind.
+`Program.abort_pending`. Rows carry `produced` (tokens proposed: 1 for prefill and plain decode;
+with speculation, the target's tokens up to and including the first that corrects a draft,
+1..K + 1) so the accepted-prefix rule `0 <= accepted <= produced` is the same for every kind.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ninfer_jax.program.errors import PendingBatchError
 
 class BatchKind(enum.Enum):
     PREFILL = "prefill"  # finalisation of a staged prefill: one row, its first token
-    DECODE = "decode"
+    DECODE = "decode"  # a decode round: one token per row, or a speculative verify
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,24 +35,40 @@ class PendingBatch:
     """Provisional output of one step. Consume with Program.commit or Program.abort_pending."""
 
     def __init__(self, kind: BatchKind, handles: tuple[SequenceHandle, ...], tokens: Any,
-                 batch_id: int, produced: int = 1):
-        """tokens: [B, produced] int32, or anything `np.asarray` turns into it (a device array
-        still being computed: the step was dispatched, and reading `tokens` waits for it)."""
+                 batch_id: int, produced: Any = 1):
+        """tokens: [B, W] int32 (W >= max produced), or anything `np.asarray` turns into it (a
+        device array still being computed: the step was dispatched, and reading `tokens` waits
+        for it); produced: an int for every row, or [B] (possibly on the device too)."""
         self.kind = kind
         self.handles = handles
         self._tokens = tokens
         self._tokens_ready: np.ndarray | None = None
-        self.produced = np.full(len(handles), produced, np.int32)  # [B]
+        self._produced = produced
+        self._produced_ready: np.ndarray | None = None
         self.batch_id = batch_id
         self._consumed = False
 
     @property
     def tokens(self) -> np.ndarray:
-        """[B, produced] int32 provisional tokens (waits for the step that computes them)."""
+        """[B, W] int32 provisional tokens (waits for the step that computes them); row b's
+        candidates are its first produced[b]."""
         if self._tokens_ready is None:
             self._tokens_ready = np.asarray(self._tokens, np.int32).reshape(self.batch, -1)
             self._tokens = None
         return self._tokens_ready
+
+    @property
+    def produced(self) -> np.ndarray:
+        """[B] int32 candidate tokens per row."""
+        if self._produced_ready is None:
+            self._produced_ready = np.broadcast_to(
+                np.asarray(self._produced, np.int32), (self.batch,)).copy()
+            self._produced = None
+        return self._produced_ready
+
+    def row_tokens(self, row: int) -> list[int]:
+        """The candidates of one row: its first produced[row] tokens."""
+        return [int(t) for t in self.tokens[row, : self.produced[row]]]
 
     @property
     def batch(self) -> int:

@@ -2,12 +2,15 @@
 
 Owns the physical layout (DESIGN §10): attention K/V in pages, all layers in one flat page space
 `[layers * (pages + 1), page_size, kv_heads, head_dim]` (each layer's last page is a sink for
-padding writes); committed GDN state and penalty state per slot, plus one sink slot that
-rejected rows are written to; provisional GDN rows (one per batch row) that the step in flight
-writes and a commit copies into slots, so an abort leaves committed state untouched; checkpoint
-slots holding the GDN part of prefix checkpoints (their K/V stay in shared pages). Slots and
-rows lead every state array, so one is a contiguous block. At run time only the contents
-change, never the shapes.
+padding writes; with MTP speculation the head's attention layers follow the model's, so a
+sequence's pages hold its MTP K/V too); committed GDN state, penalty state and the MTP context
+(the main model's hidden state at the frontier's last position) per slot, plus one sink slot
+that rejected rows are written to; provisional rows (one per batch row, with the GDN state and
+MTP context after each of the step's T = verify_width positions) that the step in flight writes
+and a commit copies into slots at the accepted length, so an abort leaves committed state
+untouched; checkpoint slots holding the GDN state and MTP context of prefix checkpoints (their
+K/V stay in shared pages). Slots and rows lead every state array, so one is a contiguous
+block. At run time only the contents change, never the shapes.
 """
 
 from __future__ import annotations
@@ -25,27 +28,33 @@ from pallas_kernels.paged_attention import paged_attention_decode, paged_prefill
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["k", "v", "conv", "rec", "prov_conv", "prov_rec", "ck_conv", "ck_rec",
-                 "output_counts", "prompt_mask"],
+    data_fields=["k", "v", "conv", "rec", "ctx", "prov_conv", "prov_rec", "prov_ctx", "ck_conv",
+                 "ck_rec", "ck_ctx", "output_counts", "prompt_mask"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
 class Pools:
+    # La counts the MTP head's attention layers too when speculation is on.
     k: jax.Array  # [La * (P + 1), page_size, Hkv, D] dtype: layer l's page p at l * (P + 1) + p
     v: jax.Array  # [La * (P + 1), page_size, Hkv, D] dtype (page P of each layer: the sink)
     conv: jax.Array  # [S + 1, Ll, conv_dim, K-1] dtype, committed GDN conv state per slot
     rec: jax.Array  # [S + 1, Ll, Hv, dk, dv] float32, committed recurrent state (slot S: sink)
-    prov_conv: jax.Array  # [Bmax, Ll, conv_dim, K-1] provisional rows of the last step
-    prov_rec: jax.Array  # [Bmax, Ll, Hv, dk, dv] float32
+    ctx: jax.Array  # [S + 1, H] dtype, committed MTP context: the hidden state at frontier - 1
+    prov_conv: jax.Array  # [Bmax, T, Ll, conv_dim, K-1] provisional rows: after each position
+    prov_rec: jax.Array  # [Bmax, T, Ll, Hv, dk, dv] float32
+    prov_ctx: jax.Array  # [Bmax, T, H] dtype
     ck_conv: jax.Array  # [C, Ll, conv_dim, K-1] checkpoint images' conv state
     ck_rec: jax.Array  # [C, Ll, Hv, dk, dv] float32 checkpoint images' recurrent state
+    ck_ctx: jax.Array  # [C, H] dtype checkpoint images' MTP context
     output_counts: jax.Array  # [S + 1, V] int32, committed generated-token counts per slot
     prompt_mask: jax.Array  # [S, V] bool, tokens of each slot's prompt
 
     @classmethod
-    def allocate(cls, cfg: ModelConfig, pcfg: ProgramConfig) -> Pools:
+    def allocate(cls, cfg: ModelConfig, pcfg: ProgramConfig, mtp_layers: int = 0) -> Pools:
+        """Zeroed pools; `mtp_layers`: the MTP head's attention layers (their K/V pages)."""
         dtype = jnp.dtype(pcfg.dtype)
-        la, s, b = cfg.num_attention_layers, pcfg.num_slots, pcfg.max_concurrency
+        la, s, b = cfg.num_attention_layers + mtp_layers, pcfg.num_slots, pcfg.max_concurrency
+        t, h = pcfg.verify_width, cfg.hidden_size
         kv_shape = (la * (pcfg.num_pages + 1), pcfg.page_size, cfg.num_kv_heads, cfg.head_dim)
         conv = (cfg.num_linear_layers, cfg.conv_dim, cfg.conv_kernel - 1)
         rec = (cfg.num_linear_layers, cfg.linear_num_v_heads, cfg.linear_k_dim,
@@ -54,8 +63,11 @@ class Pools:
         return cls(
             k=jnp.zeros(kv_shape, dtype), v=jnp.zeros(kv_shape, dtype),
             conv=jnp.zeros((s + 1, *conv), dtype), rec=jnp.zeros((s + 1, *rec), jnp.float32),
-            prov_conv=jnp.zeros((b, *conv), dtype), prov_rec=jnp.zeros((b, *rec), jnp.float32),
+            ctx=jnp.zeros((s + 1, h), dtype),
+            prov_conv=jnp.zeros((b, t, *conv), dtype),
+            prov_rec=jnp.zeros((b, t, *rec), jnp.float32), prov_ctx=jnp.zeros((b, t, h), dtype),
             ck_conv=jnp.zeros((c, *conv), dtype), ck_rec=jnp.zeros((c, *rec), jnp.float32),
+            ck_ctx=jnp.zeros((c, h), dtype),
             output_counts=jnp.zeros((s + 1, cfg.vocab_size), jnp.int32),
             prompt_mask=jnp.zeros((s, cfg.vocab_size), bool),
         )
@@ -73,7 +85,7 @@ def write_rows(pool: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["layers", "page_tables", "lengths", "num_valid"],
-                   meta_fields=["impl", "pages_per_layer"])
+                   meta_fields=["impl", "pages_per_layer", "first_layer"])
 @dataclasses.dataclass(frozen=True)
 class PagedKV:
     """`KVAccess` over the page pool.
@@ -88,6 +100,7 @@ class PagedKV:
     num_valid: jax.Array  # [B] int32 real tokens among this call's T
     impl: str  # decode attention: "reference" | "pallas"
     pages_per_layer: int  # P + 1: the pool's pages per attention layer, the sink included
+    first_layer: int = 0  # pool layer of this access's layer 0 (the MTP head's follow the model's)
 
     def with_layers(self, layers):
         return dataclasses.replace(self, layers=layers)
@@ -99,6 +112,7 @@ class PagedKV:
         # padding tokens write to, so every write is in bounds and XLA updates the pool in
         # place (a dropped out-of-range write made it copy the whole pool every step).
         per_layer = self.pages_per_layer
+        layer = layer + self.first_layer
         tables = self.page_tables + layer * per_layer
         t = q.shape[1]
         positions = self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]

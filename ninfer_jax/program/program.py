@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from ninfer_jax.errors import ConfigError
 from ninfer_jax.models.qwen3_6 import ModelConfig
 from ninfer_jax.models.qwen3_6.model import unstack_layers
 from ninfer_jax.program.config import ProgramConfig
@@ -42,6 +43,7 @@ from ninfer_jax.program.steps import (
     decode_step,
     prefill_step,
     restore_step,
+    verify_step,
 )
 
 
@@ -53,15 +55,23 @@ class Program(HostProgram):
             raise InfeasibleError(
                 f"max_seq_len {pcfg.max_seq_len} exceeds the model's max_position_embeddings "
                 f"{cfg.max_position_embeddings}")
-        pools = Pools.allocate(cfg, pcfg)
+        mtp_layers = 0
+        if pcfg.speculative == "mtp":
+            if "mtp" not in params:
+                raise ConfigError("speculative='mtp' needs a model with MTP weights (mtp.*); "
+                                  "this model has none: use speculative='off'")
+            mtp_layers = len(params["mtp"]["layers"]["input_norm"])
+        pools = Pools.allocate(cfg, pcfg, mtp_layers)
         super().__init__(ProgramLimits(
             max_seq_len=pcfg.max_seq_len, page_size=pcfg.page_size, total_pages=pcfg.num_pages,
             total_slots=pcfg.num_slots, max_concurrency=pcfg.max_concurrency,
             prefill_chunk=pcfg.prefill_chunk, vocab_size=cfg.vocab_size,
             total_checkpoint_slots=pcfg.num_checkpoint_slots,
             page_bytes=2 * pools.k.nbytes // (pcfg.num_pages + 1),
-            checkpoint_state_bytes=(pools.ck_conv.nbytes + pools.ck_rec.nbytes)
-            // max(pcfg.num_checkpoint_slots, 1)))
+            checkpoint_state_bytes=(pools.ck_conv.nbytes + pools.ck_rec.nbytes
+                                    + pools.ck_ctx.nbytes) // max(pcfg.num_checkpoint_slots, 1),
+            verify_width=pcfg.verify_width,
+            rewrites_below_frontier=int(pcfg.speculative == "mtp")))
         self.cfg, self.pcfg = cfg, pcfg
         params = jax.tree.map(lambda a: jax.numpy.asarray(a, pcfg.dtype), params)
         self.params = unstack_layers(params, cfg) if pcfg.resolved_layer_loop() == "unrolled" \
@@ -90,14 +100,16 @@ class Program(HostProgram):
         c, w = pcfg.prefill_chunk, pcfg.max_pages_per_seq
         later = pcfg.background_compile
 
+        round_step = verify_step if pcfg.speculative == "mtp" else decode_step
+
         def decode(b: int) -> None:
             example = DecodeInputs(
                 commit=self._no_commit(b), token_ids=np.zeros(b, np.int32),
                 positions=np.zeros(b, np.int32), slots=np.arange(b, dtype=np.int32),
                 page_tables=np.zeros((b, w), np.int32), sampling=sampling_arrays([GREEDY] * b),
-                step_index=np.zeros(b, np.int32))
+                step_index=np.zeros(b, np.int32), limit=np.ones(b, np.int32))
             self.executables.compile(StepKey(StepKind.DECODE, b),
-                                     bind(decode_step, cfg=cfg, pcfg=pcfg), self.params,
+                                     bind(round_step, cfg=cfg, pcfg=pcfg), self.params,
                                      self._pools, example, background=later)
 
         prefill_example = PrefillInputs(
@@ -132,7 +144,8 @@ class Program(HostProgram):
     def _no_commit(self, rows: int) -> CommitInputs:
         """A commit of `rows` provisional rows that moves nothing: all go to the sink slot."""
         return CommitInputs(slots=np.full(rows, self.pcfg.num_slots, np.int32),
-                            tokens=np.zeros(rows, np.int32), count=np.zeros(rows, bool))
+                            tokens=np.zeros((rows, self.pcfg.verify_width), np.int32),
+                            num=np.ones(rows, np.int32), count=np.zeros(rows, bool))
 
     def _take_commit(self, rows: int) -> CommitInputs:
         """The deferred commit, sized for a step of `rows` batch rows, which applies it first.
@@ -144,14 +157,14 @@ class Program(HostProgram):
             self._apply(commit)
             return self._no_commit(rows)
         padded = self._no_commit(rows)
-        for name in ("slots", "tokens", "count"):
+        for name in ("slots", "tokens", "num", "count"):
             getattr(padded, name)[: len(commit.slots)] = getattr(commit, name)
         return padded
 
     def _apply(self, commit: CommitInputs) -> None:
         bmax = self.pcfg.max_concurrency
         padded = self._no_commit(bmax)
-        for name in ("slots", "tokens", "count"):
+        for name in ("slots", "tokens", "num", "count"):
             getattr(padded, name)[: len(commit.slots)] = getattr(commit, name)
         self._pools = self.executables(StepKey(StepKind.COMMIT, bmax), self._pools, padded)
 
@@ -170,9 +183,9 @@ class Program(HostProgram):
             step_index=np.array([seq.generated], np.int32))
         self._pools, out = self.executables(StepKey(StepKind.PREFILL, 1), self.params,
                                             self._pools, inputs)
-        return int(np.asarray(out.tokens)[0])
+        return int(np.asarray(out.tokens)[0, 0])
 
-    def _run_decode(self, seqs: list[SeqRecord]) -> np.ndarray:
+    def _run_decode(self, seqs: list[SeqRecord], limits: np.ndarray) -> tuple:
         inputs = DecodeInputs(
             commit=self._take_commit(len(seqs)),
             token_ids=np.array([s.tokens[-1] for s in seqs], np.int32),
@@ -180,16 +193,18 @@ class Program(HostProgram):
             slots=np.array([s.slot for s in seqs], np.int32),
             page_tables=self._page_table(seqs),
             sampling=sampling_arrays([s.sampling for s in seqs]),
-            step_index=np.array([s.generated for s in seqs], np.int32))
+            step_index=np.array([s.generated for s in seqs], np.int32), limit=limits)
         self._pools, out = self.executables(StepKey(StepKind.DECODE, len(seqs)), self.params,
                                             self._pools, inputs)
-        return out.tokens  # on the device; the PendingBatch reads it when asked
+        return out.tokens, out.num  # on the device; the PendingBatch reads them when asked
 
-    def _run_commit(self, seqs: list[SeqRecord], accept: np.ndarray, tokens: np.ndarray,
+    def _run_commit(self, seqs: list[SeqRecord], accepted: np.ndarray, tokens: np.ndarray,
                     count: bool) -> None:
         self._flush()  # at most one commit waits for the next step
-        slots = np.where(accept, [s.slot for s in seqs], self.pcfg.num_slots).astype(np.int32)
+        slots = np.where(accepted > 0, [s.slot for s in seqs],
+                         self.pcfg.num_slots).astype(np.int32)
         self._deferred = CommitInputs(slots=slots, tokens=np.asarray(tokens, np.int32),
+                                      num=np.maximum(accepted, 1).astype(np.int32),
                                       count=np.full(len(seqs), count))
 
     def _run_capture(self, seq: SeqRecord, ckpt_slot: int) -> None:

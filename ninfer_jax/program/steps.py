@@ -8,6 +8,15 @@ a steady decode round is one dispatch. Every row write is an in-bounds dynamic-u
 (unused or rejected rows go to a sink row), which XLA does in place: a scatter that dropped
 indices, or a pool read and written by the same step, made it copy whole pools.
 Page ids, slot ids and positions are data; only the batch size and chunk length are shapes.
+
+With MTP speculation (`ProgramConfig.speculative == "mtp"`, K drafts, T = K + 1) a decode
+round is `verify_step`: the head drafts K tokens from the slot's MTP context, the model runs
+the last committed token and the drafts at T positions keeping its GDN state after each, the
+acceptance rule (`speculative.accept`) picks each row's tokens, and the head's K/V at the new
+positions is rewritten from the model's hidden states. A commit of n tokens adopts the state
+after position n - 1. The head's K/V at position p depends on token p + 1, so the one at the
+frontier's last position is written by the step that knows the token after it (the next
+round, or the next prefill chunk): a step writes K/V only at positions >= frontier - 1.
 """
 
 from __future__ import annotations
@@ -19,6 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from ninfer_jax.models.qwen3_6 import GDNState, ModelConfig, step
+from ninfer_jax.models.qwen3_6.model import lm_head
+from ninfer_jax.models.qwen3_6.mtp import mtp_hidden
 from ninfer_jax.program.config import ProgramConfig
 from ninfer_jax.program.pools import PagedKV, Pools, write_rows
 from ninfer_jax.program.sampling import (
@@ -27,6 +38,7 @@ from ninfer_jax.program.sampling import (
     mark_prompt_tokens,
     sample,
 )
+from ninfer_jax.program.speculative import accept, draft_token
 
 
 def _register(data, meta=()):
@@ -34,7 +46,7 @@ def _register(data, meta=()):
                              meta_fields=list(meta))
 
 
-@_register(["slots", "tokens", "count"])
+@_register(["slots", "tokens", "num", "count"])
 @dataclasses.dataclass(frozen=True)
 class CommitInputs:
     """What the last step's provisional rows 0..R-1 become (R: the batch of the step applying
@@ -42,8 +54,9 @@ class CommitInputs:
     the sink slot `num_slots`."""
 
     slots: jax.Array  # [R] int32, where provisional row r goes (num_slots: nowhere)
-    tokens: jax.Array  # [R] int32, row r's sampled token
-    count: jax.Array  # [R] bool, the token counts toward penalties (False for mid-prefill)
+    tokens: jax.Array  # [R, T] int32, row r's tokens
+    num: jax.Array  # [R] int32 in 1..T, positions adopted: the state after position num - 1
+    count: jax.Array  # [R] bool, the first num tokens count toward penalties (not mid-prefill)
 
 
 @_register(["commit", "token_ids", "start_pos", "num_valid", "page_table", "slot", "reset",
@@ -62,7 +75,7 @@ class PrefillInputs:
 
 
 @_register(["commit", "token_ids", "positions", "slots", "page_tables", "sampling",
-            "step_index"])
+            "step_index", "limit"])
 @dataclasses.dataclass(frozen=True)
 class DecodeInputs:
     commit: CommitInputs  # the previous step's commit, applied first
@@ -72,6 +85,7 @@ class DecodeInputs:
     page_tables: jax.Array  # [B, max_pages_per_seq] int32
     sampling: SamplingArrays  # [B]
     step_index: jax.Array  # [B] int32
+    limit: jax.Array  # [B] int32 in 1..T, most tokens row b may propose (its budget)
 
 
 @_register(["slot", "ckpt_slot"])
@@ -92,26 +106,32 @@ class RestoreInputs:
     copy_dst: jax.Array  # [1] int32, the sequence's own copy of it
 
 
-@_register(["tokens", "logprobs"])
+@_register(["tokens", "num", "logprobs"])
 @dataclasses.dataclass(frozen=True)
 class StepOutputs:
-    tokens: jax.Array  # [B] int32 sampled next tokens (provisional until commit)
-    logprobs: jax.Array  # [B] float32 their log-probabilities (after penalties, temperature)
+    tokens: jax.Array  # [B, T] int32 proposed tokens (provisional until commit)
+    num: jax.Array  # [B] int32, row b's candidates: its first num[b] tokens
+    logprobs: jax.Array  # [B, T] float32 their log-probabilities (after penalties, temperature)
 
 
 def commit_step(pools: Pools, inputs: CommitInputs) -> Pools:
-    """Copies each provisional row to its slot (rejected and unused rows to the sink slot) and
-    counts its token toward penalties where `count` says so."""
-    rows = jnp.arange(inputs.slots.shape[0], dtype=jnp.int32)
+    """Copies each provisional row's state after its num - 1-th position to its slot (rejected
+    and unused rows to the sink slot) and counts its first num tokens toward penalties where
+    `count` says so."""
+    r_, t_ = inputs.tokens.shape
+    rows = jnp.arange(r_, dtype=jnp.int32)
+    at = jnp.clip(inputs.num - 1, 0, t_ - 1)
     sink = pools.output_counts.shape[0] - 1
-    counted = jnp.where(inputs.count, inputs.slots, sink)
     counts = pools.output_counts
-    for r in range(inputs.slots.shape[0]):  # one element each: in place, no scatter
-        at = (counted[r], inputs.tokens[r])
-        counts = jax.lax.dynamic_update_slice(counts, (counts[at] + 1)[None, None], at)
+    for r in range(r_):  # one element each: in place, no scatter
+        for t in range(t_):
+            row = jnp.where(inputs.count[r] & (t < inputs.num[r]), inputs.slots[r], sink)
+            here = (row, inputs.tokens[r, t])
+            counts = jax.lax.dynamic_update_slice(counts, (counts[here] + 1)[None, None], here)
     return dataclasses.replace(
-        pools, conv=write_rows(pools.conv, inputs.slots, pools.prov_conv[rows]),
-        rec=write_rows(pools.rec, inputs.slots, pools.prov_rec[rows]), output_counts=counts)
+        pools, conv=write_rows(pools.conv, inputs.slots, pools.prov_conv[rows, at]),
+        rec=write_rows(pools.rec, inputs.slots, pools.prov_rec[rows, at]),
+        ctx=write_rows(pools.ctx, inputs.slots, pools.prov_ctx[rows, at]), output_counts=counts)
 
 
 def _gdn_state(pools: Pools, slots: jax.Array) -> GDNState:
@@ -121,18 +141,27 @@ def _gdn_state(pools: Pools, slots: jax.Array) -> GDNState:
 
 
 def _finish(pools: Pools, out, logits: jax.Array, counts: jax.Array, masks: jax.Array,
-            inputs) -> tuple[Pools, StepOutputs]:
-    """Writes the new K/V and the provisional GDN rows, and samples one token per row under its
-    penalties."""
+            inputs, ctx: jax.Array) -> tuple[Pools, StepOutputs]:
+    """Writes the new K/V, the provisional GDN rows and MTP context (ctx [B, H]: position 0 of
+    each row), and samples one token per row under its penalties."""
     b = logits.shape[0]
     rows = jnp.arange(b, dtype=jnp.int32)
+    first = lambda a: jnp.swapaxes(a, 0, 1)[:, None]  # noqa: E731  [L, B, ...] -> [B, 1, L, ...]
     pools = dataclasses.replace(
         pools, k=out.kv.layers[0], v=out.kv.layers[1],
-        prov_conv=write_rows(pools.prov_conv, rows, jnp.swapaxes(out.gdn.conv, 0, 1)),
-        prov_rec=write_rows(pools.prov_rec, rows, jnp.swapaxes(out.gdn.recurrent, 0, 1)))
+        prov_conv=write_rows(pools.prov_conv, rows, first(out.gdn.conv)),
+        prov_rec=write_rows(pools.prov_rec, rows, first(out.gdn.recurrent)),
+        prov_ctx=write_rows(pools.prov_ctx, rows, ctx[:, None]))
     sampled = sample(apply_penalties(logits, inputs.sampling, counts, masks), inputs.sampling,
                      inputs.step_index)
-    return pools, StepOutputs(tokens=sampled.tokens, logprobs=sampled.logprobs)
+    return pools, StepOutputs(tokens=sampled.tokens[:, None], num=jnp.ones((b,), jnp.int32),
+                              logprobs=sampled.logprobs[:, None])
+
+
+def _mtp_kv(kv: PagedKV, cfg: ModelConfig, lengths: jax.Array, num_valid: jax.Array) -> PagedKV:
+    """The same pools and page tables, addressed at the MTP head's attention layers."""
+    return dataclasses.replace(kv, lengths=lengths, num_valid=num_valid,
+                               first_layer=cfg.num_attention_layers)
 
 
 def prefill_step(params: dict, pools: Pools, inputs: PrefillInputs, *, cfg: ModelConfig,
@@ -155,8 +184,34 @@ def prefill_step(params: dict, pools: Pools, inputs: PrefillInputs, *, cfg: Mode
                  lengths=inputs.start_pos, num_valid=inputs.num_valid, impl=pcfg.attention_impl,
                  pages_per_layer=pcfg.num_pages + 1)
     out = step(params, cfg, inputs.token_ids, inputs.start_pos, gdn, kv, inputs.num_valid)
-    last = jnp.take_along_axis(out.logits, (inputs.num_valid - 1)[:, None, None], axis=1)[:, 0]
-    return _finish(pools, out, last, counts, mask, inputs)
+    last_at = (inputs.num_valid - 1)[:, None, None]
+    last = jnp.take_along_axis(out.logits, last_at, axis=1)[:, 0]
+    ctx = jnp.take_along_axis(out.hidden, last_at, axis=1)[:, 0]
+    pools, outputs = _finish(pools, out, last, counts, mask, inputs, ctx)
+    if pcfg.speculative == "mtp":
+        pools = _prefill_mtp(params, cfg, pools, out.hidden, inputs, kv)
+    return pools, outputs
+
+
+def _prefill_mtp(params: dict, cfg: ModelConfig, pools: Pools, hidden: jax.Array,
+                 inputs: PrefillInputs, kv: PagedKV) -> Pools:
+    """The MTP head's K/V for the chunk. Position p takes (hidden state p, token p + 1), from
+    the position before the chunk (whose hidden state is the slot's context; none from root)
+    to the one before the chunk's last: the last one's next token comes with the next chunk or
+    the first round, which write it."""
+    nv = inputs.num_valid
+    before = jnp.where(inputs.reset, 0, 1)  # [1]
+    ctx = pools.ctx[inputs.slot][:, None].astype(hidden.dtype)  # [1, 1, H]
+    hidden = jnp.where(before[:, None, None] == 1,
+                       jnp.concatenate([ctx, hidden[:, :-1]], axis=1), hidden)
+    ids = inputs.token_ids
+    next_ids = jnp.where(before[:, None] == 1, ids,
+                         jnp.concatenate([ids[:, 1:], ids[:, :1]], axis=1))
+    start = inputs.start_pos - before
+    mkv = _mtp_kv(dataclasses.replace(kv, layers=(pools.k, pools.v)), cfg, start,
+                  nv - 1 + before)
+    _, mkv = mtp_hidden(params, cfg, hidden, next_ids, start, mkv)
+    return dataclasses.replace(pools, k=mkv.layers[0], v=mkv.layers[1])
 
 
 def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelConfig,
@@ -171,20 +226,72 @@ def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
     out = step(params, cfg, inputs.token_ids[:, None], inputs.positions,
                _gdn_state(pools, slots), kv)
     return _finish(pools, out, out.logits[:, 0], pools.output_counts[slots],
-                   pools.prompt_mask[slots], inputs)
+                   pools.prompt_mask[slots], inputs, out.hidden[:, 0])
+
+
+def verify_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelConfig,
+                pcfg: ProgramConfig) -> tuple[Pools, StepOutputs]:
+    """A speculative round for B rows (module docstring): K MTP drafts, the model over the
+    last token and the drafts, the acceptance rule, then the head's K/V from the model's
+    hidden states. Row b proposes at most limit[b] tokens; positions past it write nothing
+    that is ever read."""
+    pools = commit_step(pools, inputs.commit)
+    slots, pos, limit = inputs.slots, inputs.positions, inputs.limit
+    b, k = slots.shape[0], pcfg.num_speculative_tokens
+    counts, masks = pools.output_counts[slots], pools.prompt_mask[slots]
+    kv = PagedKV(layers=(pools.k, pools.v), page_tables=inputs.page_tables, lengths=pos,
+                 num_valid=limit, impl=pcfg.attention_impl, pages_per_layer=pcfg.num_pages + 1)
+    # Draft 1 from (hidden state at frontier - 1, last token); draft j from the head's own
+    # output at the previous position and draft j - 1, up to the row's limit.
+    hidden = pools.ctx[slots][:, None]
+    token = inputs.token_ids
+    drafts, probs = [], []
+    layers = kv.layers
+    for j in range(k):
+        at = pos - 1 + j
+        valid = (j < limit).astype(jnp.int32)
+        hidden, mkv = mtp_hidden(params, cfg, hidden, token[:, None], at,
+                                 _mtp_kv(kv.with_layers(layers), cfg, at, valid))
+        layers = mkv.layers
+        token, q = draft_token(lm_head(params, cfg, hidden[:, 0]), inputs.sampling, counts,
+                               masks, inputs.step_index + j)
+        counts = counts.at[jnp.arange(b), token].add(1)
+        drafts.append(token)
+        probs.append(q)
+    drafts = jnp.stack(drafts, axis=1)  # [B, K]
+    ids = jnp.concatenate([inputs.token_ids[:, None], drafts], axis=1)  # [B, T]
+    out = step(params, cfg, ids, pos, _gdn_state(pools, slots), kv.with_layers(layers), limit,
+               keep_states=True)
+    tokens, num, logprobs = accept(out.logits, drafts, jnp.stack(probs, axis=1),
+                                   inputs.sampling, pools.output_counts[slots], masks,
+                                   inputs.step_index, limit)
+    # The head's K/V at positions pos..: (the model's hidden state there, the token after it).
+    _, mkv = mtp_hidden(params, cfg, out.hidden, tokens, pos,
+                        _mtp_kv(out.kv, cfg, pos, limit))
+    rows = jnp.arange(b, dtype=jnp.int32)
+    per_position = lambda a: jnp.moveaxis(a, 0, 2)  # noqa: E731  [L, B, T, ...] -> [B, T, L, ...]
+    pools = dataclasses.replace(
+        pools, k=mkv.layers[0], v=mkv.layers[1],
+        prov_conv=write_rows(pools.prov_conv, rows, per_position(out.gdn.conv)),
+        prov_rec=write_rows(pools.prov_rec, rows, per_position(out.gdn.recurrent)),
+        prov_ctx=write_rows(pools.prov_ctx, rows, out.hidden))
+    return pools, StepOutputs(tokens=tokens, num=num, logprobs=logprobs)
 
 
 def capture_step(pools: Pools, inputs: CaptureInputs) -> Pools:
-    """Copies a sequence's committed GDN state into a checkpoint slot (its K/V pages are shared)."""
+    """Copies a sequence's committed GDN state and MTP context into a checkpoint slot (its K/V
+    pages are shared)."""
+    ck, slot = inputs.ckpt_slot, inputs.slot
     return dataclasses.replace(
-        pools, ck_conv=write_rows(pools.ck_conv, inputs.ckpt_slot, pools.conv[inputs.slot]),
-        ck_rec=write_rows(pools.ck_rec, inputs.ckpt_slot, pools.rec[inputs.slot]))
+        pools, ck_conv=write_rows(pools.ck_conv, ck, pools.conv[slot]),
+        ck_rec=write_rows(pools.ck_rec, ck, pools.rec[slot]),
+        ck_ctx=write_rows(pools.ck_ctx, ck, pools.ctx[slot]))
 
 
 def restore_step(pools: Pools, inputs: RestoreInputs, *, pcfg: ProgramConfig) -> Pools:
-    """Starts a sequence from a checkpoint: its GDN state, fresh penalty state with the prefix
-    marked as prompt, and its own copy of the checkpoint's partial last page (in every
-    attention layer)."""
+    """Starts a sequence from a checkpoint: its GDN state and MTP context, fresh penalty state
+    with the prefix marked as prompt, and its own copy of the checkpoint's last page where the
+    sequence writes into it (in every attention layer, the MTP head's included)."""
     slot, ck = inputs.slot, inputs.ckpt_slot
     valid = jnp.arange(inputs.prefix_ids.shape[1])[None, :] < inputs.prefix_len[:, None]
     mask = mark_prompt_tokens(jnp.zeros_like(pools.prompt_mask[slot]), inputs.prefix_ids, valid)
@@ -195,6 +302,7 @@ def restore_step(pools: Pools, inputs: RestoreInputs, *, pcfg: ProgramConfig) ->
         pools,
         conv=write_rows(pools.conv, slot, pools.ck_conv[ck]),
         rec=write_rows(pools.rec, slot, pools.ck_rec[ck]),
+        ctx=write_rows(pools.ctx, slot, pools.ck_ctx[ck]),
         output_counts=write_rows(pools.output_counts, slot,
                                  jnp.zeros_like(pools.output_counts[slot])),
         prompt_mask=write_rows(pools.prompt_mask, slot, mask),

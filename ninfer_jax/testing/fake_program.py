@@ -117,7 +117,12 @@ class Gate:
 class FakeProgram(HostProgram):
     """A Program double. `fail_commit_at`: the n-th commit (0-based) raises InjectedFailure;
     `step_seconds`: each prefill/decode sleeps this long (a stand-in for model time in load
-    tests and benchmarks; tests of exact moments use hooks)."""
+    tests and benchmarks; tests of exact moments use hooks).
+
+    With `limits.verify_width` W > 1 a decode round speculates as the real one does: row b
+    proposes 1..min(W, its limit) tokens, how many a hash of its state decides, and they are
+    exactly the tokens one-token rounds would produce (speculation changes speed, not output);
+    a commit of n adopts the state after the n-th."""
 
     def __init__(self, limits: ProgramLimits, *, eos_id: int | None = None,
                  fail_commit_at: int | None = None, step_seconds: float = 0.0):
@@ -129,7 +134,7 @@ class FakeProgram(HostProgram):
         self.num_steps = 0
         self.prefilled_tokens = 0
         self._committed: dict[int, int] = {}  # slot -> state
-        self._provisional: list[int] = []  # batch row -> state
+        self._provisional: list[list[int]] = []  # batch row -> state after each position
         self._ckpt_states: dict[int, int] = {}  # checkpoint slot -> state
         self._worker: threading.Thread | None = None
         self._hooks: dict[str, list[Hook]] = {point: [] for point in HOOK_POINTS}
@@ -207,24 +212,38 @@ class FakeProgram(HostProgram):
         state = self._committed.get(seq.slot, 0) if start else 0
         for t in chunk:
             state = mix(state, t)
-        self._provisional = [state]
+        self._provisional = [[state]]
         return self._token(seq, state, start + len(chunk))
 
-    def _run_decode(self, seqs: list[SeqRecord]) -> np.ndarray:
+    def _run_decode(self, seqs: list[SeqRecord], limits: np.ndarray) -> tuple:
         self._step()
-        self._provisional = [mix(self._committed[s.slot], s.tokens[-1]) for s in seqs]
-        return np.array([self._token(s, st, s.frontier + 1)
-                         for s, st in zip(seqs, self._provisional)], np.int32)
+        width = self.limits.verify_width
+        tokens = np.zeros((len(seqs), width), np.int32)
+        produced = np.zeros(len(seqs), np.int32)
+        self._provisional = []
+        for row, (s, limit) in enumerate(zip(seqs, limits)):
+            state, token, states = self._committed[s.slot], s.tokens[-1], []
+            n = 1 + mix(state, 0xC0FFEE) % int(limit) if width > 1 else 1
+            for i in range(n):
+                state = mix(state, token)
+                states.append(state)
+                token = tokens[row, i] = self._token(s, state, s.frontier + 1 + i)
+                if token == self.eos_id:
+                    n = i + 1
+                    break
+            produced[row] = n
+            self._provisional.append(states)
+        return tokens, produced
 
-    def _run_commit(self, seqs, accept, tokens, count) -> None:
+    def _run_commit(self, seqs, accepted, tokens, count) -> None:
         self._touch()
         if self.fail_commit_at is not None and self.num_commits == self.fail_commit_at:
             self.num_commits += 1
             raise InjectedFailure(f"injected failure at commit {self.fail_commit_at}")
         self.num_commits += 1
-        for seq, ok, state in zip(seqs, accept, self._provisional):
-            if ok:
-                self._committed[seq.slot] = state
+        for seq, n, states in zip(seqs, accepted, self._provisional):
+            if n > 0:
+                self._committed[seq.slot] = states[n - 1]
 
     def _run_capture(self, seq: SeqRecord, ckpt_slot: int) -> None:
         self._touch()

@@ -1,9 +1,11 @@
 """A hypothesis state machine over the Engine with FakeProgram: random submits, cancels at random
 moments and at exact worker points (FakeProgram hooks: Materializing, mid-prefill, a pending
-batch, committed but not yet published), deadlines and dropped handles. Every accepted request
-ends exactly once, nothing follows its ending, and once the worker has nothing left to do every
-lane, page and slot is free and capacity is full (checked as soon as the worker is idle, so a
-leak fails at once rather than after a timeout)."""
+batch, committed but not yet published), deadlines, stop strings and dropped handles, with and
+without speculative rounds (several tokens a round, so stops land inside rounds). Every
+accepted request ends exactly once, nothing follows its ending, its output is exactly the
+single-request output up to its stop, and once the worker has nothing left to do every lane,
+page and slot is free and capacity is full (checked as soon as the worker is idle, so a leak
+fails at once rather than after a timeout)."""
 
 from __future__ import annotations
 
@@ -38,10 +40,13 @@ class Live:
 
 class EngineMachine(RuleBasedStateMachine):
     max_concurrency = 3
+    verify_width = 1  # > 1: speculative rounds of up to this many tokens
 
     def __init__(self):
         super().__init__()
-        self.program = FakeProgram(limits(self.max_concurrency), eos_id=EOS, step_seconds=0.0002)
+        lim = limits(self.max_concurrency, verify_width=self.verify_width,
+                     rewrites_below_frontier=int(self.verify_width > 1))
+        self.program = FakeProgram(lim, eos_id=EOS, step_seconds=0.0002)
         self.core = EngineCore(self.program, FRONTEND, EngineCoreConfig(max_queue=12,
                                                                         idle_wait_s=0.005))
         self.live: list[Live] = []
@@ -50,9 +55,11 @@ class EngineMachine(RuleBasedStateMachine):
         self.accepted = 0
 
     @rule(text=WORDS, budget=st.integers(1, 24), seeded=st.booleans(), seed=st.integers(0, 99),
-          deadline=st.sampled_from([None, None, None, 0.002, 0.05]))
-    def submit(self, text, budget, seeded, seed, deadline):
-        sp = SamplingParams(temperature=0.7 if seeded else 0.0, seed=seed, max_new_tokens=budget)
+          deadline=st.sampled_from([None, None, None, 0.002, 0.05]),
+          stop=st.sampled_from([(), (), ("e",), ("a b", "q"), (" ",)]))
+    def submit(self, text, budget, seeded, seed, deadline, stop):
+        sp = SamplingParams(temperature=0.7 if seeded else 0.0, seed=seed, max_new_tokens=budget,
+                            stop=stop)
         p = FRONTEND.prepare(prompt=text)
         try:
             h = self.core.submit(p, sp, deadline_s=deadline)
@@ -121,6 +128,16 @@ class EngineMachine(RuleBasedStateMachine):
                                vocab_size=TOKENIZER.vocab_size, eos_id=EOS)
         reason = finished[0].finish_reason
         assert got == want[: len(got)]  # a prefix of the single-request output, always
+        # With a stop string: the output ends at the token completing its first occurrence
+        # (one byte a token here), and the text stops before it.
+        text = bytes(t for t in want if t != EOS).decode()
+        hits = [(text.index(s), s) for s in sp.stop if s in text]
+        if hits:
+            at, stop = min(hits)
+            if at + len(stop) <= len(want) and EOS not in want[: at + len(stop)]:
+                want = want[: at + len(stop)]
+                if reason is FinishReason.STOP:
+                    assert finished[0].stop_string == stop and with_text == text[:at]
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
             assert got == want
         else:
@@ -167,9 +184,16 @@ class EightLanes(EngineMachine):
     max_concurrency = 8
 
 
+class ThreeLanesSpeculative(EngineMachine):
+    max_concurrency = 3
+    verify_width = 4
+
+
 TestOneLane = OneLane.TestCase
 TestOneLane.settings = SETTINGS
 TestThreeLanes = ThreeLanes.TestCase
 TestThreeLanes.settings = SETTINGS
 TestEightLanes = EightLanes.TestCase
 TestEightLanes.settings = SETTINGS
+TestThreeLanesSpeculative = ThreeLanesSpeculative.TestCase
+TestThreeLanesSpeculative.settings = SETTINGS

@@ -3,8 +3,8 @@
 Owns what the gateway observes itself (time to first token, inter-token latency, request
 outcomes, rejections by reason, prompt tokens, client disconnects, recent tokens/s) and a
 collector that reads the Engine's published `EngineStats` at scrape time (queue depth, active
-requests, pages, slots, generated tokens, prefix hits and cached tokens). It keeps no copy of
-Engine state.
+requests, pages, slots, generated tokens, prefix hits and cached tokens, speculative
+acceptance). It keeps no copy of Engine state.
 """
 
 from __future__ import annotations
@@ -82,6 +82,22 @@ class _EngineCollector:
         yield CounterMetricFamily("ninfer_prefix_cached_tokens",
                                   "prompt tokens served from a checkpoint (prefill saved)",
                                   value=s.prefix.cached_tokens)
+        spec = s.speculative
+        yield GaugeMetricFamily("ninfer_speculative_tokens",
+                                "draft tokens per decode round (0: speculation off)",
+                                value=spec.num_speculative_tokens)
+        yield CounterMetricFamily("ninfer_speculative_verify_rows",
+                                  "rows of speculative decode rounds that committed tokens",
+                                  value=spec.verify_rows)
+        yield GaugeMetricFamily("ninfer_speculative_mean_accepted_tokens",
+                                "tokens committed per verify row, the bonus token included",
+                                value=spec.mean_accepted_tokens)
+        by_position = GaugeMetricFamily("ninfer_speculative_acceptance",
+                                        "accepted / attempted drafts by draft position",
+                                        labels=["position"])
+        for i, rate in enumerate(spec.acceptance_by_position):
+            by_position.add_metric([str(i)], rate)
+        yield by_position
 
 
 class Metrics:

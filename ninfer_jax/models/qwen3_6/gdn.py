@@ -43,10 +43,11 @@ def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def recurrent_delta_rule(q, k, v, g, beta, state):
+def recurrent_delta_rule(q, k, v, g, beta, state, keep_states: bool = False):
     """Token-by-token gated delta rule. q, k [B, T, H, dk] (normalised, q scaled);
     v [B, T, H, dv]; g, beta [B, T, H]; state [B, H, dk, dv]. All fp32.
-    Returns (out [B, T, H, dv], final state)."""
+    Returns (out [B, T, H, dv], final state), or with `keep_states` the state after every
+    token, [B, T, H, dk, dv], in place of the final one."""
 
     def step(s, inputs):
         q_t, k_t, v_t, g_t, b_t = inputs
@@ -58,7 +59,15 @@ def recurrent_delta_rule(q, k, v, g, beta, state):
 
     if q.shape[1] == 1:  # one token (decode): no loop, which also compiles faster
         state, out = step(state, tuple(a[:, 0] for a in (q, k, v, g, beta)))
-        return out[:, None], state
+        return out[:, None], state[:, None] if keep_states else state
+    if keep_states:
+        def step_keep(s, inputs):
+            s, o = step(s, inputs)
+            return s, (o, s)
+
+        xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
+        _, (out, states) = jax.lax.scan(step_keep, state, xs)
+        return jnp.moveaxis(out, 0, 1), jnp.moveaxis(states, 0, 1)
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
     state, out = jax.lax.scan(step, state, xs)
     return jnp.moveaxis(out, 0, 1), state
@@ -116,11 +125,14 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int):
 
 
 def gdn_mixer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array,
-              num_valid: jax.Array | None, cfg: ModelConfig):
+              num_valid: jax.Array | None, cfg: ModelConfig, keep_states: bool = False):
     """One GDN layer's mixer (after input_layernorm).
 
     x [B, T, H]; conv_state [B, conv_dim, K-1]; rec_state [B, Hv, dk, dv] fp32;
     num_valid [B] int32 or None (all T valid). Returns (y [B, T, H], conv_state, rec_state).
+    With `keep_states` (a speculative verify: the state at any accepted prefix is needed) the
+    states come back after every token, conv [B, T, conv_dim, K-1] and rec [B, T, Hv, dk, dv],
+    computed by the recurrent form; a padded token's entries are don't-care.
     """
     bsz, t, _ = x.shape
     kern = cfg.conv_kernel
@@ -135,7 +147,11 @@ def gdn_mixer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array
     w = p["conv"].astype(jnp.float32)  # [K, conv_dim]
     conv = sum(full[:, i : i + t].astype(jnp.float32) * w[i] for i in range(kern))
     conv = jax.nn.silu(conv).astype(x.dtype)
-    if num_valid is None:
+    if keep_states:  # the K-1 inputs ending at each token
+        new_conv = jnp.stack([full[:, i + 1 : i + kern] for i in range(t)], axis=1)
+        new_conv = jnp.swapaxes(new_conv, 2, 3).astype(conv_state.dtype)
+        valid = None if num_valid is None else jnp.arange(t)[None, :] < num_valid[:, None]
+    elif num_valid is None:
         new_conv = full[:, t:]
         valid = None
     else:
@@ -143,7 +159,8 @@ def gdn_mixer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array
         idx = num_valid[:, None] + jnp.arange(kern - 1)[None, :]
         new_conv = jnp.take_along_axis(full, idx[:, :, None], axis=1)
         valid = jnp.arange(t)[None, :] < num_valid[:, None]
-    new_conv = jnp.swapaxes(new_conv, 1, 2).astype(conv_state.dtype)
+    if not keep_states:
+        new_conv = jnp.swapaxes(new_conv, 1, 2).astype(conv_state.dtype)
 
     q, k, v = jnp.split(conv.astype(jnp.float32), [cfg.linear_key_size, 2 * cfg.linear_key_size], -1)
     q = _l2norm(q.reshape(bsz, t, hk, dk)) * (dk**-0.5)
@@ -158,8 +175,8 @@ def gdn_mixer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array
     if valid is not None:  # padded tokens neither decay nor write the state
         beta = jnp.where(valid[..., None], beta, 0.0)
         g = jnp.where(valid[..., None], g, 0.0)
-    if t == 1:
-        out, rec = recurrent_delta_rule(q, k, v, g, beta, rec_state)
+    if t == 1 or keep_states:
+        out, rec = recurrent_delta_rule(q, k, v, g, beta, rec_state, keep_states)
     else:
         out, rec = chunked_delta_rule(q, k, v, g, beta, rec_state, cfg.gdn_chunk_size)
     out = gated_rms_norm(out.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)

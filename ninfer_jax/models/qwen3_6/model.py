@@ -45,7 +45,8 @@ def _ungrouped(tree: Any) -> Any:
 
 
 def run_layers(params: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Array,
-               gdn: GDNState, kv: KVAccess, num_valid: jax.Array | None):
+               gdn: GDNState, kv: KVAccess, num_valid: jax.Array | None,
+               keep_states: bool = False):
     """Applies the decoder stack. h [B, T, H]; positions [B, T] int32 absolute positions.
 
     The loop runs over repeats of the layer pattern. Weights stay in their stacked buffers (each
@@ -75,15 +76,15 @@ def run_layers(params: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Arra
                 y, kv_layers = attention_mixer(p["mixer"], x, cos, sin, kv, kv_layers, layer, cfg)
                 i_att += 1
             else:
-                y, c, r = gdn_mixer(p["mixer"], x, conv[i_lin], rec[i_lin], num_valid, cfg)
+                y, c, r = gdn_mixer(p["mixer"], x, conv[i_lin], rec[i_lin], num_valid, cfg,
+                                    keep_states)
                 convs.append(c)
                 recs.append(r)
                 i_lin += 1
             h = h + y
             h = h + mlp(p["mlp"], rms_norm(h, p["post_norm"], eps), cfg)
-        new_conv = jnp.stack(convs) if convs else conv
-        new_rec = jnp.stack(recs) if recs else rec
-        return (h, kv_layers), (new_conv, new_rec)
+        return (h, kv_layers), (jnp.stack(convs) if convs else conv,
+                                jnp.stack(recs) if recs else rec)
 
     xs = (jnp.arange(groups, dtype=jnp.int32), _grouped(gdn.conv, groups),
           _grouped(gdn.recurrent, groups))
@@ -112,7 +113,8 @@ def unstack_layers(params: dict, cfg: ModelConfig) -> dict:
 
 
 def run_layers_unrolled(params: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Array,
-                        gdn: GDNState, kv: KVAccess, num_valid: jax.Array | None):
+                        gdn: GDNState, kv: KVAccess, num_valid: jax.Array | None,
+                        keep_states: bool = False):
     """`run_layers` over per-layer params (`unstack_layers`): a Python loop, so every layer's
     weights are separate operands and every layer index is static."""
     cos, sin = rope_cos_sin(positions, cfg)
@@ -127,7 +129,7 @@ def run_layers_unrolled(params: dict, cfg: ModelConfig, h: jax.Array, positions:
             i_att += 1
         else:
             y, c, r = gdn_mixer(p["mixer"], x, gdn.conv[i_lin], gdn.recurrent[i_lin], num_valid,
-                                cfg)
+                                cfg, keep_states)
             convs.append(c)
             recs.append(r)
             i_lin += 1
@@ -146,19 +148,21 @@ def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
 
 
 def step(params: dict, cfg: ModelConfig, token_ids: jax.Array, start_pos: jax.Array,
-         gdn: GDNState, kv: KVAccess, num_valid: jax.Array | None = None) -> StepOutput:
+         gdn: GDNState, kv: KVAccess, num_valid: jax.Array | None = None,
+         keep_states: bool = False) -> StepOutput:
     """Runs T new tokens per row from the carried state.
 
     token_ids [B, T] int32; start_pos [B] int32 absolute position of token_ids[:, 0];
     num_valid [B] int32 (optional): only the first num_valid[b] tokens of row b are real, the
     rest is padding that leaves the GDN state untouched (its K/V writes are beyond the row's
     frontier and are overwritten later). T == 1 is a decode step (recurrent GDN form); T > 1 a
-    prefill chunk (chunked form).
+    prefill chunk (chunked form). With `keep_states` (speculative verify) the GDN state comes
+    back after every token (`gdn_mixer`): conv [L, B, T, ...], recurrent [L, B, T, ...].
     """
     positions = start_pos[:, None] + jnp.arange(token_ids.shape[1], dtype=jnp.int32)[None, :]
     h = params["embed"][token_ids]
     layers_fn = run_layers_unrolled if "layers" in params else run_layers
-    h, gdn, kv = layers_fn(params, cfg, h, positions, gdn, kv, num_valid)
+    h, gdn, kv = layers_fn(params, cfg, h, positions, gdn, kv, num_valid, keep_states)
     hidden = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     return StepOutput(logits=lm_head(params, cfg, hidden), hidden=hidden, gdn=gdn, kv=kv)
 

@@ -37,6 +37,15 @@ def mtp_step(params: dict, cfg: ModelConfig, hidden: jax.Array, next_token_ids: 
     start_pos [B] int32. Returns (logits [B, T, vocab] fp32 predicting the token two ahead of
     each position, kv after this call's writes).
     """
+    out, kv = mtp_hidden(params, cfg, hidden, next_token_ids, start_pos, kv)
+    return lm_head(params, cfg, out), kv
+
+
+def mtp_hidden(params: dict, cfg: ModelConfig, hidden: jax.Array, next_token_ids: jax.Array,
+               start_pos: jax.Array, kv: KVAccess) -> tuple[jax.Array, KVAccess]:
+    """`mtp_step` without the lm head: the head's final-normed output [B, T, H], from which
+    `lm_head` gives the draft logits. A speculative step chains drafts by feeding this output
+    back as the next position's `hidden` (a draft position has no main-model hidden state)."""
     p = params["mtp"]
     eps = cfg.rms_norm_eps
     positions = start_pos[:, None] + jnp.arange(hidden.shape[1], dtype=jnp.int32)[None, :]
@@ -56,5 +65,4 @@ def mtp_step(params: dict, cfg: ModelConfig, hidden: jax.Array, next_token_ids: 
     num_layers = p["layers"]["input_norm"].shape[0]
     (h, kv_layers), _ = jax.lax.scan(layer_fn, (h, kv.layers),
                                      jnp.arange(num_layers, dtype=jnp.int32))
-    logits = lm_head(params, cfg, rms_norm(h, p["final_norm"], eps))
-    return logits, kv.with_layers(kv_layers)
+    return rms_norm(h, p["final_norm"], eps), kv.with_layers(kv_layers)

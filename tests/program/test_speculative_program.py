@@ -1,0 +1,184 @@
+"""MTP speculative decoding in the Program: greedy output equals decoding without it at every B,
+in any arrival order, from root and from checkpoints; rounds propose several tokens; a commit of
+any accepted prefix continues exactly; nothing compiles after start-up."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from ninfer_jax.errors import ConfigError
+from ninfer_jax.loader import load_model
+from ninfer_jax.models.qwen3_6.weights import init_params
+from ninfer_jax.program.config import ProgramConfig
+from ninfer_jax.program.program import Program
+from ninfer_jax.sampling_params import SamplingParams
+from ninfer_jax.testing.configs import tiny_dense
+from tests.program.test_program import COUNTER
+
+GREEDY = SamplingParams(temperature=0.0)
+PCFG = dict(max_concurrency=8, page_size=4, num_pages=200, max_seq_len=72, prefill_chunk=8,
+            num_checkpoint_slots=4)
+BUDGET = 24
+
+
+@functools.lru_cache(maxsize=None)
+def _model(name: str):
+    """The embedded demo model (a trained MTP head), or a random tiny model with `mtp.*`
+    weights (drafts mostly rejected: the correction path)."""
+    if name == "demo":
+        m = load_model()
+        return m.config, m.params
+    import jax
+
+    cfg = tiny_dense(mtp_num_layers=1)
+    return cfg, init_params(cfg, jax.random.key(3), num_mtp_layers=1, std=0.2)
+
+
+@functools.lru_cache(maxsize=None)
+def spec_program(name: str, k: int, max_concurrency: int = 4) -> Program:
+    """Every exact B of 1..max_concurrency is compiled, which dominates these tests' time: the
+    default tier runs B = 1..4 at K = 2, the slow tier B = 1..8 at K = 1, 2, 3."""
+    cfg, params = _model(name)
+    pcfg = ProgramConfig(**{**PCFG, "max_concurrency": max_concurrency,
+                            "num_checkpoint_slots": 4 if name == "demo" else 0,
+                            "speculative": "mtp" if k else "off", "num_speculative_tokens": k})
+    prog = Program(cfg, params, pcfg)
+    prog.wait_compiled()
+    return prog
+
+
+def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, size=int(rng.integers(3, 21))).tolist() for _ in range(n)]
+
+
+def generate(prog: Program, prompts, budget: int = BUDGET, order=None, accept=None,
+             sources=None):
+    """Greedy continuations of `prompts`, decoded together; one row joins per round in `order`
+    while fewer than max_concurrency decode.
+    `accept(produced)` picks how many of a row's round tokens to commit (default: all);
+    `sources[i]` a checkpoint to start row i from. Returns (outputs, produced per row-round)."""
+    order = list(range(len(prompts))) if order is None else list(order)
+    live: dict[int, object] = {}
+    outputs: dict[int, list[int]] = {}
+    produced_log: list[int] = []
+    while order or live:
+        if order and len(live) < prog.pcfg.max_concurrency:
+            i = order.pop(0)
+            source = (sources or {}).get(i)
+            plan = prog.plan_admission(len(prompts[i]), budget, source)
+            h = prog.materialize(plan, prompts[i], GREEDY)
+            while (b := prog.prefill(h)) is None:
+                pass
+            prog.commit(b, [1])
+            live[i] = h
+        rows = [i for i, h in live.items() if prog.num_generated(h) < budget]
+        if rows:
+            b = prog.decode([live[i] for i in rows])
+            produced = b.produced.tolist()
+            assert all(1 <= n <= prog.pcfg.verify_width for n in produced)
+            produced_log.extend(produced)
+            prog.commit(b, [accept(n) if accept else n for n in produced])
+        for i in [i for i, h in live.items() if prog.num_generated(h) >= budget]:
+            h = live.pop(i)
+            outputs[i] = prog.tokens(h)[len(prompts[i]):]
+            prog.release(h)
+    return [outputs[i] for i in range(len(prompts))], produced_log
+
+
+@functools.lru_cache(maxsize=None)
+def baseline(name: str, n: int, max_concurrency: int = 4) -> list[list[int]]:
+    prog = spec_program(name, 0, max_concurrency)
+    return generate(prog, _prompts(n, prog.cfg.vocab_size), order=_order(n, max_concurrency))[0]
+
+
+def _order(n: int, batch: int) -> list[int]:
+    """An arrival order of n rows (a permutation seeded by the batch size)."""
+    return list(np.random.default_rng(batch).permutation(n))
+
+
+def _check_greedy_equal(name: str, k: int, max_concurrency: int, n: int) -> list[int]:
+    prog = spec_program(name, k, max_concurrency)
+    prompts = _prompts(n, prog.cfg.vocab_size)
+    want = baseline(name, n, max_concurrency)
+    got, produced = generate(prog, prompts, order=_order(n, max_concurrency))
+    assert got == want
+    got, _ = generate(prog, prompts, order=list(reversed(_order(n, max_concurrency))))
+    assert got == want
+    assert prog.stats().num_sequences == 0
+    assert prog.stats().free_slots == max_concurrency
+    assert prog.stats().free_pages == prog.stats().total_pages
+    assert max(produced) <= k + 1
+    return produced
+
+
+def test_greedy_equals_no_speculation_at_every_batch_and_arrival_order():
+    produced = _check_greedy_equal("demo", 2, 4, 4)
+    assert np.mean(produced) > 1.3  # the trained head's drafts are often right
+
+
+def test_greedy_equals_no_speculation_on_a_random_model_with_mtp_weights():
+    """Random weights: drafts are mostly wrong, so the correction path carries the output."""
+    produced = _check_greedy_equal("tiny", 2, 2, 2)
+    assert min(produced) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_equals_no_speculation_at_b_1_to_8(k):
+    produced = _check_greedy_equal("demo", k, 8, 8)
+    assert max(produced) == k + 1
+
+
+def test_committing_a_shorter_prefix_continues_exactly():
+    """A terminal row may accept fewer tokens than produced: the state after exactly that
+    many positions is adopted (GDN state, K/V frontier, MTP context), so later rounds match."""
+    prog = spec_program("demo", 2)
+    got, produced = generate(prog, _prompts(4, prog.cfg.vocab_size), order=_order(4, 4),
+                             accept=lambda n: 1)
+    assert got == baseline("demo", 4)
+    assert max(produced) > 1  # drafts were right, and one token was kept anyway
+
+
+def test_prefix_reuse_with_speculation_continues_as_recompute():
+    prog = spec_program("demo", 2)
+    prompts = _prompts(4, prog.cfg.vocab_size)
+    # A checkpoint at the end of prompt 0 after its continuation; prompts extending it.
+    first, _ = generate(prog, prompts[:1], budget=10)
+    cont = prompts[0] + first[0]
+    h = prog.materialize(prog.plan_admission(len(cont) - 1, 1), cont[:-1], GREEDY)
+    while (b := prog.prefill(h)) is None:
+        pass
+    prog.commit(b, [1])
+    ckpt = prog.capture(h)
+    prog.release(h)
+    longer = [cont + p[:5] for p in prompts[1:4]] + [cont[:-1] + [cont[-1]]]
+    fresh, fresh_log = generate(prog, longer)
+    reused, reused_log = generate(prog, longer, sources={i: ckpt for i in range(len(longer))})
+    prog.release_checkpoint(ckpt)
+    assert reused == fresh
+    assert reused_log == fresh_log  # the head's K/V restored exactly: the same drafts accepted
+    assert prog.stats().free_pages == prog.stats().total_pages
+
+
+def test_no_trace_or_compile_after_start_up_at_every_batch():
+    prog = spec_program("demo", 2)
+    COUNTER.active = True
+    try:
+        generate(prog, _prompts(6, prog.cfg.vocab_size, seed=5))  # B = 1..4 and back
+    finally:
+        COUNTER.active = False
+    assert COUNTER.count == 0, f"{COUNTER.count} traces or compiles after start-up"
+
+
+def test_a_model_without_mtp_weights_refuses_mtp():
+    cfg = tiny_dense()
+    import jax
+
+    params = init_params(cfg, jax.random.key(0))
+    with pytest.raises(ConfigError, match="speculative='mtp' needs a model with MTP weights"):
+        Program(cfg, params, ProgramConfig(**{**PCFG, "speculative": "mtp",
+                                              "num_speculative_tokens": 2}))
