@@ -145,17 +145,27 @@ def _finish(pools: Pools, out, logits: jax.Array, counts: jax.Array, masks: jax.
     """Writes the new K/V, the provisional GDN rows and MTP context (ctx [B, H]: position 0 of
     each row), and samples one token per row under its penalties."""
     b = logits.shape[0]
-    rows = jnp.arange(b, dtype=jnp.int32)
-    first = lambda a: jnp.swapaxes(a, 0, 1)[:, None]  # noqa: E731  [L, B, ...] -> [B, 1, L, ...]
-    pools = dataclasses.replace(
-        pools, k=out.kv.layers[0], v=out.kv.layers[1],
-        prov_conv=write_rows(pools.prov_conv, rows, first(out.gdn.conv)),
-        prov_rec=write_rows(pools.prov_rec, rows, first(out.gdn.recurrent)),
-        prov_ctx=write_rows(pools.prov_ctx, rows, ctx[:, None]))
+    one_position = GDNState(conv=out.gdn.conv[:, :, None], recurrent=out.gdn.recurrent[:, :, None])
+    pools = _write_provisional(pools, out.kv.layers, one_position, ctx[:, None])
     sampled = sample(apply_penalties(logits, inputs.sampling, counts, masks), inputs.sampling,
                      inputs.step_index)
     return pools, StepOutputs(tokens=sampled.tokens[:, None], num=jnp.ones((b,), jnp.int32),
                               logprobs=sampled.logprobs[:, None])
+
+
+def _write_provisional(pools: Pools, kv_layers, gdn: GDNState, ctx: jax.Array) -> Pools:
+    """The step's K/V pools, and its provisional rows: the GDN state after each of the step's
+    positions (gdn with [L, B, T', ...] leaves, T' <= T) and the MTP context (ctx [B, T', H])."""
+    rows = jnp.arange(ctx.shape[0], dtype=jnp.int32)
+
+    def by_row(a: jax.Array) -> jax.Array:  # [L, B, T', ...] -> [B, T', L, ...]
+        return jnp.moveaxis(a, 0, 2)
+
+    return dataclasses.replace(
+        pools, k=kv_layers[0], v=kv_layers[1],
+        prov_conv=write_rows(pools.prov_conv, rows, by_row(gdn.conv)),
+        prov_rec=write_rows(pools.prov_rec, rows, by_row(gdn.recurrent)),
+        prov_ctx=write_rows(pools.prov_ctx, rows, ctx))
 
 
 def _mtp_kv(kv: PagedKV, cfg: ModelConfig, lengths: jax.Array, num_valid: jax.Array) -> PagedKV:
@@ -268,13 +278,7 @@ def verify_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
     # The head's K/V at positions pos..: (the model's hidden state there, the token after it).
     _, mkv = mtp_hidden(params, cfg, out.hidden, tokens, pos,
                         _mtp_kv(out.kv, cfg, pos, limit))
-    rows = jnp.arange(b, dtype=jnp.int32)
-    per_position = lambda a: jnp.moveaxis(a, 0, 2)  # noqa: E731  [L, B, T, ...] -> [B, T, L, ...]
-    pools = dataclasses.replace(
-        pools, k=mkv.layers[0], v=mkv.layers[1],
-        prov_conv=write_rows(pools.prov_conv, rows, per_position(out.gdn.conv)),
-        prov_rec=write_rows(pools.prov_rec, rows, per_position(out.gdn.recurrent)),
-        prov_ctx=write_rows(pools.prov_ctx, rows, out.hidden))
+    pools = _write_provisional(pools, mkv.layers, out.gdn, out.hidden)
     return pools, StepOutputs(tokens=tokens, num=num, logprobs=logprobs)
 
 
