@@ -71,7 +71,8 @@ class EngineCoreConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EngineStats:
-    """The worker's published summary (replaced whole after every iteration)."""
+    """The worker's published summary, replaced whole after every iteration and before any
+    event it publishes: a consumer that has read an event reads stats that account for it."""
 
     available: bool
     waiting: int
@@ -471,6 +472,8 @@ class EngineCore:
     def _publish_committed(self) -> None:
         """Commits the Frontend previews of committed rounds and publishes their deltas, in
         order (DESIGN §6: the Program commit of each came first)."""
+        if self._unpublished:
+            self._publish_stats()  # first: stats read after a delta count its tokens
         while self._unpublished:
             r, preview = self._unpublished.pop(0)
             r.session.commit(preview)
@@ -498,6 +501,7 @@ class EngineCore:
         # response_done first: a consumer that has read Finished (consumer_released) has its
         # capacity back at once, so it may submit again without a spurious overload.
         self._capacity.pop(r.request_id).response_done()
+        self._publish_stats()  # stats read after Finished count the request
         self._publish(r, Finished(r.request_id, reason, usage, error, r.stop_string))
         self._sinks.pop(r.request_id, None)
 

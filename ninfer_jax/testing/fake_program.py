@@ -122,7 +122,8 @@ class FakeProgram(HostProgram):
     With `limits.verify_width` W > 1 a decode round speculates as the real one does: row b
     proposes 1..min(W, its limit) tokens, how many a hash of its state decides, and they are
     exactly the tokens one-token rounds would produce (speculation changes speed, not output);
-    a commit of n adopts the state after the n-th."""
+    a commit of n adopts the state after the n-th. Like the real verify step it knows no EOS:
+    a round goes on past one, and the Engine accepts the prefix up to it."""
 
     def __init__(self, limits: ProgramLimits, *, eos_id: int | None = None,
                  fail_commit_at: int | None = None, step_seconds: float = 0.0):
@@ -228,9 +229,6 @@ class FakeProgram(HostProgram):
                 state = mix(state, token)
                 states.append(state)
                 token = tokens[row, i] = self._token(s, state, s.frontier + 1 + i)
-                if token == self.eos_id:
-                    n = i + 1
-                    break
             produced[row] = n
             self._provisional.append(states)
         return tokens, produced

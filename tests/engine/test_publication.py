@@ -53,3 +53,20 @@ def test_a_failed_commit_publishes_none_of_its_batch():
     assert r.finish_reason is FinishReason.ERROR and "InjectedFailure" in r.error
     # Commits 0-3 (the prefill's token, three decode rounds) succeeded; the 5th token was not.
     assert list(r.token_ids) == want(text, 10)[:4]
+
+
+def test_stats_count_a_request_once_its_consumer_has_read_its_end():
+    """The worker publishes a request's Finished in the middle of an iteration (the next
+    admission may follow in the same iteration): the stats a consumer reads after it already
+    count that request, and its tokens and lane. Held at the next request's materialization."""
+    text = long_prompt(4)
+    with fake_engine(1) as (core, program):
+        gate = program.pause("after_materialize", lambda seqs: program.num_commits > 0)
+        first = core.submit(prompt(text), SamplingParams(temperature=0, max_new_tokens=4))
+        second = core.submit(prompt("next"), SamplingParams(temperature=0, max_new_tokens=2))
+        gate.wait()
+        assert list(first.result(timeout=10).token_ids) == want(text, 4)
+        s = core.stats()
+        assert (s.finished_requests, s.generated_tokens) == (1, 4), s
+        gate.release()
+        second.result(timeout=10)
