@@ -3,6 +3,8 @@ on real Programs, the demo model and a tiny random model with an MTP head (slow 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -81,10 +83,15 @@ def test_both_parts_on_real_programs():
 
     cfg = tiny_dense(mtp_num_layers=1)
     params = init_params(cfg, jax.random.key(0), num_mtp_layers=1)
-    m = spec.measure_verify(cfg, params, s, cfg.vocab_size)["batches"][1]
+    medium = spec.measure_verify(cfg, params, s, cfg.vocab_size)
+    m = medium["batches"][1]
     assert m["order"] == ["K=0", "K=2"] * 2
     rounds = s.medium_rounds * (s.warmup + s.medium_reps)
     assert m["tally"]["row_rounds"] == s.medium_rounds * s.medium_reps
     assert m["k0_tokens_per_row"] == 1 + rounds and m["common_prefix_per_row"] == [1 + rounds]
     ms = m["round_ms"]
     assert ms["K=2"]["n"] == ms["K=0"]["n"] == s.medium_reps
+    table = spec.format_table({"settings": dataclasses.asdict(s), "demo": demo,
+                               "medium": medium})
+    assert "target best K >= 1.5x K=0 at B=1 (embedded model)" in table
+    assert "target MEDIUM verify (K=2) step <= 1.3x a decode step at B=1" in table

@@ -193,7 +193,7 @@ def format_table(result: dict) -> str:
     lines = [(f"demo model: {s['new_tokens']} tokens per row (the first from the untimed "
               f"prefill), greedy, {s['warmup']} warm-up + {s['reps']} turns per K in turn; "
               f"compile (B = 1..{max(s['batches'])}): {comp}"),
-             (f"{'B':>3}{'K':>3}{'tok/s':>22}{'K/K=0 per pair':>20}{'tok/row-round':>15}"
+             (f"{'B':>3}{'K':>3}{'tok/s':>26}{'K/K=0 per pair':>20}{'tok/row-round':>15}"
               f"  {'acceptance by draft position':<30}{'same as K=0':>12}{'load 1-min':>12}")]
     for b, row in demo["batches"].items():
         for k, v in row["ks"].items():
@@ -201,7 +201,7 @@ def format_table(result: dict) -> str:
                            for a in v["tally"]["acceptance_by_position"]) or "-"
             ratio = fmt_spread(v["ratio_to_k0"], 2) if k else "1"
             load = v["load_1min"]
-            lines.append(f"{b:>3}{k:>3}{fmt_spread(v['tok_s']):>22}{ratio:>20}"
+            lines.append(f"{b:>3}{k:>3}{fmt_spread(v['tok_s']):>26}{ratio:>20}"
                          f"{v['tally']['mean_committed_per_row_round']:>15.2f}  {acc:<30}"
                          f"{'yes' if v['same_tokens_as_k0'] else 'NO':>12}"
                          f"{load['min']:>6.1f}-{load['max']:<5.1f}")
@@ -222,15 +222,15 @@ def format_table(result: dict) -> str:
         lines += ["", (f"MEDIUM (random fp32 weights, 1 MTP layer): {m['rounds_per_turn']} "
                        f"rounds per turn, K=0 and K={m['k']} in turn; compile (B = 1.."
                        f"{max(s['medium_batches'])}): {comp}"),
-                  (f"{'B':>3}{'K=0 ms/round':>22}{spec + ' ms/round':>22}"
+                  (f"{'B':>3}{'K=0 ms/round':>24}{spec + ' ms/round':>24}"
                    f"{'verify/decode per pair':>26}{'tok/row-round':>15}{'agree':>10}"
                    f"{'load 1-min':>12}")]
         for b, v in m["batches"].items():
             ms = v["round_ms"]
             load = v["load_1min"]
             agree = f"{min(v['common_prefix_per_row'])}/{v['k0_tokens_per_row']}"
-            lines.append(f"{b:>3}{fmt_spread(ms['K=0'], 0):>22}"
-                         f"{fmt_spread(ms[spec], 0):>22}"
+            lines.append(f"{b:>3}{fmt_spread(ms['K=0'], 0):>24}"
+                         f"{fmt_spread(ms[spec], 0):>24}"
                          f"{fmt_spread(v['verify_over_decode'], 2):>26}"
                          f"{v['tally']['mean_committed_per_row_round']:>15.2f}{agree:>10}"
                          f"{load['min']:>6.1f}-{load['max']:<5.1f}")
