@@ -27,7 +27,7 @@ from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError
 
 _PROGRAM_KEYS = ("page_size", "num_pages", "max_seq_len", "prefill_chunk", "attention_impl",
                  "dtype", "num_checkpoint_slots", "speculative", "num_speculative_tokens")
-DEFAULT_SPECULATIVE_TOKENS = 3  # drafts per round with speculative="mtp" (see WORKSPACE.md)
+DEFAULT_SPECULATIVE_TOKENS = 1  # drafts per round with speculative="mtp" (see WORKSPACE.md)
 _CORE_KEYS = ("max_queue", "queue_timeout_s", "prefix_reuse")
 
 
@@ -45,7 +45,7 @@ class Engine:
         thread in the order they are first needed (a request waits only for what it uses).
         Settings: max_seq_len, page_size, num_pages, prefill_chunk, attention_impl, dtype,
         num_checkpoint_slots, speculative ("off" or "mtp": draft num_speculative_tokens tokens
-        per round with the model's MTP head, default 3; a model without MTP weights refuses
+        per round with the model's MTP head, default 1; a model without MTP weights refuses
         it) (Program); max_queue, queue_timeout_s, prefix_reuse (Engine; on by default);
         verify_weights (check digests and finiteness while loading, see `load_model`'s
         `verify`)."""

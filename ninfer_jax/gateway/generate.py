@@ -59,7 +59,7 @@ flags.DEFINE_enum("speculative", "off", ["off", "mtp"],
                   "generate, chat, serve: speculative decoding with the model's MTP head")
 flags.DEFINE_integer("num_speculative_tokens", None,
                      "generate, chat, serve: drafts per round with --speculative=mtp (1..5, "
-                     "default 3)", lower_bound=1, upper_bound=5)
+                     "default 1)", lower_bound=1, upper_bound=5)
 flags.DEFINE_bool("stats", False, "generate: print the Engine's statistics (speculative "
                   "acceptance, prefix hits) to stderr at the end")
 

@@ -59,7 +59,7 @@ class Program(HostProgram):
         if pcfg.speculative == "mtp":
             if "mtp" not in params:
                 raise ConfigError("speculative='mtp' needs a model with MTP weights (mtp.*); "
-                                  "this model has none: use speculative='off'")
+                                  "this model has none (speculative must be 'off')")
             mtp_layers = len(params["mtp"]["layers"]["input_norm"])
         pools = Pools.allocate(cfg, pcfg, mtp_layers)
         super().__init__(ProgramLimits(

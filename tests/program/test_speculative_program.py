@@ -153,8 +153,13 @@ def test_prefix_reuse_with_speculation_continues_as_recompute():
     while (b := prog.prefill(h)) is None:
         pass
     prog.commit(b, [1])
+    ctx = np.asarray(prog.pools.ctx[prog._seq(h).slot])  # the hidden state at frontier - 1
+    assert np.abs(ctx).max() > 0
     ckpt = prog.capture(h)
     prog.release(h)
+    r = prog.materialize(prog.plan_admission(len(cont) + 1, 1, ckpt), cont + [5], GREEDY)
+    np.testing.assert_array_equal(prog.pools.ctx[prog._seq(r).slot], ctx)  # restored with it
+    prog.release(r)
     longer = [cont + p[:5] for p in prompts[1:4]] + [cont[:-1] + [cont[-1]]]
     fresh, fresh_log = generate(prog, longer)
     reused, reused_log = generate(prog, longer, sources={i: ckpt for i in range(len(longer))})
