@@ -77,7 +77,7 @@ class _Recorded:
     def __call__(self, key: StepKey, *args):
         result = self.table(key, *args)
         if key.kind in (StepKind.PREFILL, StepKind.DECODE):
-            self.logprobs.append(float(np.asarray(result[1].logprobs)[0]))
+            self.logprobs.append(float(np.asarray(result[1].logprobs)[0, 0]))
         return result
 
 
