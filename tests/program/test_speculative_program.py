@@ -16,6 +16,7 @@ from ninfer_jax.program.config import ProgramConfig
 from ninfer_jax.program.program import Program
 from ninfer_jax.sampling_params import SamplingParams
 from ninfer_jax.testing.configs import tiny_dense
+from tests.models.conftest import loaded
 from tests.program.test_program import COUNTER
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -26,15 +27,10 @@ BUDGET = 24
 
 @functools.lru_cache(maxsize=None)
 def _model(name: str):
-    """The embedded demo model (a trained MTP head), or a random tiny model with `mtp.*`
-    weights (drafts mostly rejected: the correction path)."""
-    if name == "demo":
-        m = load_model()
-        return m.config, m.params
-    import jax
-
-    cfg = tiny_dense(mtp_num_layers=1)
-    return cfg, init_params(cfg, jax.random.key(3), num_mtp_layers=1, std=0.2)
+    """The embedded demo model (a trained MTP head), or the `dense_vl` fixture: an HF
+    checkpoint with random `mtp.*` weights (drafts mostly rejected: the correction path)."""
+    m = load_model() if name == "demo" else loaded(name)
+    return m.config, m.params
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,9 +116,9 @@ def test_greedy_equals_no_speculation_at_every_batch_and_arrival_order():
     assert np.mean(produced) > 1.3  # the trained head's drafts are often right
 
 
-def test_greedy_equals_no_speculation_on_a_random_model_with_mtp_weights():
+def test_greedy_equals_no_speculation_on_a_fixture_with_mtp_weights():
     """Random weights: drafts are mostly wrong, so the correction path carries the output."""
-    produced = _check_greedy_equal("tiny", 2, 2, 2)
+    produced = _check_greedy_equal("dense_vl", 2, 2, 2)
     assert min(produced) == 1
 
 
