@@ -199,7 +199,7 @@ def _floor(r: dict) -> dict:
 def _targets(out: dict, s: Settings) -> list[dict]:
     """The issue's must-hold numbers for this config (medians), met or not."""
     m, rows = out["measurements"], []
-    for b in (1, max(s.batches)):
+    for b in sorted({1, max(s.batches)}):
         if f"decode_b{b}" in m:
             rows.append({"what": f"decode B={b} ours/transformers", "need": 1.0,
                          "got": m[f"decode_b{b}"]["ratios"]["ours/transformers"]["median"]})
