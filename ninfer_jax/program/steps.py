@@ -35,6 +35,7 @@ from ninfer_jax.program.pools import PagedKV, Pools, write_rows
 from ninfer_jax.program.sampling import (
     SamplingArrays,
     apply_penalties,
+    count_tokens,
     mark_prompt_tokens,
     sample,
 )
@@ -265,7 +266,7 @@ def verify_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
         layers = mkv.layers
         token, q = draft_token(lm_head(params, cfg, hidden[:, 0]), inputs.sampling, counts,
                                masks, inputs.step_index + j)
-        counts = counts.at[jnp.arange(b), token].add(1)
+        counts = count_tokens(counts, token, jnp.ones((b,), bool))
         drafts.append(token)
         probs.append(q)
     drafts = jnp.stack(drafts, axis=1)  # [B, K]

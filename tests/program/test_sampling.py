@@ -5,6 +5,7 @@ compilation for mixed rows, and validation of bad settings."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -25,6 +26,22 @@ from ninfer_jax.program.sampling import (
     truncation_mask,
 )
 from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError
+
+
+@contextlib.contextmanager
+def traced():
+    """The jaxpr traces (new jit specialisations) that happen while the block runs."""
+    traces: list[str] = []
+
+    def listener(name: str, secs: float, **kwargs) -> None:
+        if name.endswith("jaxpr_trace_duration"):
+            traces.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield traces
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 V = 64  # vocab of the small tests; one shape, so each jitted function compiles once per B
 
@@ -377,17 +394,8 @@ def test_mixed_batch_compiles_once():
         (logits * 2, sampling_arrays(swapped), counts + 1, ~mask, np.full(4, 7, np.int32)),
         jax.device_put((logits, sampling_arrays(rows), counts, mask, np.ones(4, np.int32))),
     ]
-    traces = []
-
-    def listener(name: str, secs: float, **kwargs) -> None:
-        if name.endswith("jaxpr_trace_duration"):
-            traces.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with traced() as traces:
         outs = [fn(*args) for args in calls]
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert len(traces) == 1
     assert outs[0].tokens.tolist()[:2] == [10, 11]  # row 1: 5 - 2 - 0.5 < 4
     assert outs[2].tokens.tolist()[:2] == [10, 11]

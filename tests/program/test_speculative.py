@@ -15,7 +15,7 @@ import pytest
 
 from ninfer_jax.program.sampling import apply_penalties, count_tokens, sample, sampling_arrays
 from ninfer_jax.program.speculative import accept, draft_token
-from tests.program.test_sampling import _reference_mask, _reference_penalties
+from tests.program.test_sampling import _reference_mask, _reference_penalties, traced
 
 V = 8  # one vocab everywhere, so each jitted function compiles once per batch shape
 K = 3  # drafts in the small tests (T = 4)
@@ -247,19 +247,10 @@ def test_mixed_rows_share_one_compilation():
     swapped = [{"temperature": 0.5, "top_k": 1, "seed": 9}, rows[3], rows[0], rows[1]]
     logits = np.random.default_rng(2).standard_normal((4, K + 1, V)).astype(np.float32)
     drafts = np.tile(np.arange(K), (4, 1))
-    traces = []
-
-    def listener(name: str, secs: float, **kwargs) -> None:
-        if name.endswith("jaxpr_trace_duration"):
-            traces.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with traced() as traces:
         _call(logits, drafts, rows)
         _call(logits * 2, drafts + 1, swapped, limit=[1, 2, 3, 4], steps=[5, 6, 7, 8])
         _call(logits, drafts, [{"temperature": 0.0}] * 4)  # all greedy: the same executable
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     # `jit_accept` is shared with the other tests: at most the first call of this shape traces.
     assert len(traces) <= 1
 

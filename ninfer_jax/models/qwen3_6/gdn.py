@@ -60,15 +60,14 @@ def recurrent_delta_rule(q, k, v, g, beta, state, keep_states: bool = False):
     if q.shape[1] == 1:  # one token (decode): no loop, which also compiles faster
         state, out = step(state, tuple(a[:, 0] for a in (q, k, v, g, beta)))
         return out[:, None], state[:, None] if keep_states else state
-    if keep_states:
-        def step_keep(s, inputs):
-            s, o = step(s, inputs)
-            return s, (o, s)
+    def step_keep(s, inputs):
+        s, o = step(s, inputs)
+        return s, (o, s)
 
-        xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
+    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
+    if keep_states:
         _, (out, states) = jax.lax.scan(step_keep, state, xs)
         return jnp.moveaxis(out, 0, 1), jnp.moveaxis(states, 0, 1)
-    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
     state, out = jax.lax.scan(step, state, xs)
     return jnp.moveaxis(out, 0, 1), state
 
