@@ -29,6 +29,7 @@ _PROGRAM_KEYS = ("page_size", "num_pages", "max_seq_len", "prefill_chunk", "atte
                  "dtype", "num_checkpoint_slots", "speculative", "num_speculative_tokens")
 DEFAULT_SPECULATIVE_TOKENS = 1  # drafts per round with speculative="mtp" (see WORKSPACE.md)
 _CORE_KEYS = ("max_queue", "queue_timeout_s", "prefix_reuse")
+_STORE_KEYS = ("context_store", "host_cache_gb", "disk_cache_dir", "redis_url")
 
 
 class Engine:
@@ -48,17 +49,22 @@ class Engine:
         per round with the model's MTP head, default 1; a model without MTP weights refuses
         it) (Program); max_queue, queue_timeout_s, prefix_reuse (Engine; on by default);
         verify_weights (check digests and finiteness while loading, see `load_model`'s
-        `verify`)."""
+        `verify`). Context store (prefix checkpoints beyond the device, `context_store.py`):
+        context_store (a topology dict or JSON file, or "off"; default: a host-memory tier of
+        1 GiB), or the shortcuts host_cache_gb, disk_cache_dir, redis_url."""
         from ninfer_jax.loader import load_model
         from ninfer_jax.program.config import ProgramConfig
         from ninfer_jax.program.program import Program
 
         if not isinstance(verify_weights, bool):
             raise ConfigError(f"verify_weights must be a bool, got {verify_weights!r:.40}")
-        unknown = sorted(set(config) - set(_PROGRAM_KEYS) - set(_CORE_KEYS))
+        from ninfer_jax import context_store
+
+        known = _PROGRAM_KEYS + _CORE_KEYS + _STORE_KEYS
+        unknown = sorted(set(config) - set(known))
         if unknown:
-            raise ConfigError(f"unknown Engine setting(s) {unknown}; known: "
-                              f"{sorted(_PROGRAM_KEYS + _CORE_KEYS)}")
+            raise ConfigError(f"unknown Engine setting(s) {unknown}; known: {sorted(known)}")
+        store = context_store.topology(**{k: config[k] for k in _STORE_KEYS if k in config})
         core_config = EngineCoreConfig(**{k: config[k] for k in _CORE_KEYS if k in config})
         given = {k: config[k] for k in _PROGRAM_KEYS if k in config}
         if given.get("speculative") == "mtp":
@@ -73,7 +79,12 @@ class Engine:
         except FileNotFoundError as e:
             raise CheckpointError(f"cannot serve {loaded.path}: {e}") from None
         program = Program(loaded.config, loaded.params, pcfg)
-        core = EngineCore(program, frontend, core_config)
+        tiers = None
+        if core_config.prefix_reuse and pcfg.num_checkpoint_slots:
+            identity = context_store.model_identity(loaded.params, loaded.config,
+                                                    program.limits, pcfg.dtype)
+            tiers = context_store.open_tiers(store, program, identity)
+        core = EngineCore(program, frontend, core_config, tiers)
         return cls(core, frontend, loaded.path)
 
     def __enter__(self) -> "Engine":

@@ -34,6 +34,7 @@ from ninfer_jax.engine.request import InvariantError, RequestRecord, RequestStat
 from ninfer_jax.engine.resources import LaneState, ResourceManager
 from ninfer_jax.engine.scheduler import DecodeUnit, PrefillUnit, Scheduler
 from ninfer_jax.engine.spec_stats import SpeculativeCounter, SpeculativeStats
+from ninfer_jax.engine.tiers import ContextTiers, TierStats
 from ninfer_jax.errors import ConfigError
 from ninfer_jax.frontend.output_session import FinishReason as TextFinish
 from ninfer_jax.frontend.prompt import PreparedPrompt
@@ -91,16 +92,24 @@ class EngineStats:
     backfilled: int  # requests admitted ahead of a blocked head by the backfill proof
     prefix: CatalogStats
     speculative: SpeculativeStats
+    tiers: TierStats  # the context store (tiers=() when the Engine has none)
 
 
 class EngineCore:
-    def __init__(self, program: Any, frontend: Any, config: EngineCoreConfig = EngineCoreConfig()):
+    def __init__(self, program: Any, frontend: Any, config: EngineCoreConfig = EngineCoreConfig(),
+                 tiers: ContextTiers | None = None):
+        """`tiers`: the context store that checkpoints are offloaded to and reloaded from
+        (prefix reuse must be on); the EngineCore closes it."""
         self.program, self.frontend, self.config = program, frontend, config
         self.limits = program.limits
         self.scheduler = Scheduler()
         self.resources = ResourceManager(self.limits.max_concurrency)
         self.catalog = CheckpointCatalog()
         self.reuse = config.prefix_reuse and self.limits.total_checkpoint_slots > 0
+        self.tiers = tiers if self.reuse else None
+        if tiers is not None and self.tiers is None:
+            tiers.close()
+        self._to_offload: list[CatalogEntry] = []  # retained, blocks not yet sent to the store
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox: queue.SimpleQueue[RequestRecord] = queue.SimpleQueue()
         self._sinks: dict[int, EventSink] = {}
@@ -216,6 +225,8 @@ class EngineCore:
         self._thread.join(timeout)
         if not self._thread.is_alive():
             self.program.close()
+            if self.tiers is not None:
+                self.tiers.close()
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -242,6 +253,7 @@ class EngineCore:
         progressed |= self._take_inbox()
         progressed |= self._expire_waiting(now)  # 1
         progressed |= self._advance_transitions()  # 2
+        progressed |= self._advance_offloads()
         progressed |= self._settle_terminal()  # 3
         progressed |= self._freeze_cancellations(now)  # 4
         progressed |= self._try_admission()  # 5
@@ -367,6 +379,8 @@ class EngineCore:
             return False
         source = self.catalog.lookup(r.prompt.token_ids, r.session_key, r.cache_scope) \
             if self.reuse else None
+        if self.tiers is not None and not r.store_probed:
+            source = self._reload(r, source, may_evict) or source
 
         def plan():
             return self.program.plan_admission(r.prompt_tokens, r.sampling.max_new_tokens,
@@ -396,6 +410,51 @@ class EngineCore:
         self._active.append(r)
         return True
 
+    def _reload(self, r: RequestRecord, source: CatalogEntry | None,
+                may_evict: bool) -> CatalogEntry | None:
+        """A checkpoint longer than the device's `source`, reloaded from the context store, or
+        None. Probes the store once per request, and only when the request could start (the
+        reload takes no capacity an active request was promised: it is planned like any
+        admission, from pages nobody reserved and inactive checkpoints)."""
+        above = 0 if source is None else source.frontier
+        if r.prompt_tokens - 1 <= above:
+            return None
+        victims = [v for v in self.catalog.eviction_order(keep=source)] if may_evict else []
+        need = self.program.pages_needed(r.prompt_tokens, r.sampling.max_new_tokens) + 2
+        if not (self.program.slots.num_free and self.program.pages.num_available
+                + self.program.reclaimable_pages([v.ckpt for v in victims]) >= need):
+            return None
+        r.store_probed = True
+        start = time.perf_counter()
+        found = self.tiers.find(r.prompt.token_ids, r.cache_scope, above)
+        if found is None:
+            return None
+        for victim in victims:
+            if self.program.can_import(found.frontier):
+                break
+            self._drop_checkpoint(victim, evicted=True)
+        if not self.program.can_import(found.frontier):
+            return None
+        image = self.tiers.reload(found)
+        if image is None:
+            return None
+        entry = self.catalog.add(self.program.import_checkpoint(image), found.tokens,
+                                 r.cache_scope)
+        self.tiers.record_reload(found, time.perf_counter() - start)
+        return entry
+
+    def _advance_offloads(self) -> bool:
+        """Sends retained checkpoints to the context store and concludes finished writes."""
+        if self.tiers is None:
+            return False
+        offloaded = bool(self._to_offload)
+        while self._to_offload:
+            self._offload(self._to_offload.pop(0))
+        return self.tiers.poll() or offloaded
+
+    def _offload(self, entry: CatalogEntry) -> None:
+        self.tiers.offload(self.program, entry.ckpt, entry.tokens, entry.scope)
+
     def _retain(self, r: RequestRecord) -> CatalogEntry | None:
         """Checkpoints a sequence at its committed frontier unless that prefix is cataloged;
         evicts the least recently used checkpoint for a slot. None when nothing is kept."""
@@ -410,9 +469,18 @@ class EngineCore:
             if not victims:
                 return None
             self._drop_checkpoint(victims[0], evicted=True)
-        return self.catalog.add(self.program.capture(r.seq), tokens, r.cache_scope)
+        entry = self.catalog.add(self.program.capture(r.seq), tokens, r.cache_scope)
+        if self.tiers is not None:  # written through once this iteration's output is out
+            self._to_offload.append(entry)
+        return entry
 
-    def _drop_checkpoint(self, entry: CatalogEntry, evicted: bool) -> None:
+    def _drop_checkpoint(self, entry: CatalogEntry, evicted: bool, keep: bool = True) -> None:
+        """Releases a device checkpoint; with `keep`, one not yet in the context store goes
+        there first."""
+        if entry in self._to_offload:
+            self._to_offload.remove(entry)
+            if keep:
+                self._offload(entry)
         self.program.release_checkpoint(entry.ckpt)
         self.catalog.remove(entry, evicted)
 
@@ -525,7 +593,7 @@ class EngineCore:
         for handle in self.program.handles():
             _best_effort(self.program.release, handle)
         for entry in self.catalog.entries():
-            _best_effort(self._drop_checkpoint, entry, False)
+            _best_effort(self._drop_checkpoint, entry, False, False)
         self.resources.clear()
         error = message if closing else f"engine_failed: {message}"
         for r in self._active + list(self.scheduler.waiting) + self._drain_inbox():
@@ -556,7 +624,8 @@ class EngineCore:
             total_slots=ps.total_slots, generated_tokens=self._generated,
             finished_requests=self._finished, backfilled=self._backfilled,
             prefix=self.catalog.stats(*self.program.checkpoint_footprint()),
-            speculative=self._speculative.snapshot())
+            speculative=self._speculative.snapshot(),
+            tiers=self.tiers.stats() if self.tiers is not None else TierStats(()))
 
 
 def _seconds(name: str, value: Any) -> float | None:

@@ -58,6 +58,7 @@ class RequestRecord:
     lane: int | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from a checkpoint
+    store_probed: bool = False  # the context store was searched for its prefix (once)
     finish_reason: FinishReason | None = None
     error: str | None = None
     stop_string: str | None = None

@@ -149,6 +149,7 @@ def _serve() -> int:
                      api_key=keys or None, max_concurrency=FLAGS.max_concurrency,
                      max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype,
                      verify_weights=FLAGS.verify_weights, **generate.speculative_settings(),
+                     **generate.store_settings(),
                      header_timeout_s=FLAGS.header_timeout_s, body_timeout_s=FLAGS.body_timeout_s,
                      keepalive_timeout_s=FLAGS.keepalive_timeout_s,
                      max_connections=FLAGS.max_connections)

@@ -60,6 +60,16 @@ flags.DEFINE_enum("speculative", "off", ["off", "mtp"],
 flags.DEFINE_integer("num_speculative_tokens", None,
                      "generate, chat, serve: drafts per round with --speculative=mtp (1..5, "
                      "default 1)", lower_bound=1, upper_bound=5)
+flags.DEFINE_string("context_store", None,
+                    "generate, chat, serve: a JSON file with the context store's topology "
+                    "(prefix checkpoints beyond the device), or 'off'; default: a host-memory "
+                    "tier of --host_cache_gb")
+flags.DEFINE_float("host_cache_gb", None, "generate, chat, serve: host-memory tier of the "
+                   "context store in GiB (default 1; 0: none)", lower_bound=0)
+flags.DEFINE_string("disk_cache_dir", None, "generate, chat, serve: a local-disk tier of the "
+                    "context store under this directory (kept across restarts)")
+flags.DEFINE_string("redis_url", None, "generate, chat, serve: a Redis tier of the context "
+                    "store (redis://host:port/db), shared by every engine using it")
 flags.DEFINE_bool("stats", False, "generate: print the Engine's statistics (speculative "
                   "acceptance, prefix hits) to stderr at the end")
 
@@ -92,6 +102,18 @@ def speculative_settings() -> dict:
     return settings
 
 
+def store_settings() -> dict:
+    """The Engine's context store settings from --context_store and its shortcuts."""
+    shortcuts = {k: getattr(FLAGS, k) for k in ("host_cache_gb", "disk_cache_dir", "redis_url")
+                 if getattr(FLAGS, k) is not None}
+    if FLAGS.context_store is not None:
+        if shortcuts:
+            raise app.UsageError(f"--context_store describes the whole topology; drop "
+                                 f"{', '.join('--' + k for k in shortcuts)}")
+        return {"context_store": FLAGS.context_store}
+    return shortcuts
+
+
 def _open_engine():
     from ninfer_jax.api import Engine
 
@@ -99,7 +121,7 @@ def _open_engine():
     engine = Engine.open(FLAGS.model, max_concurrency=FLAGS.max_concurrency,
                          max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype,
                          prefix_reuse=FLAGS.prefix_reuse, verify_weights=FLAGS.verify_weights,
-                         **speculative_settings())
+                         **speculative_settings(), **store_settings())
     print(f"[ninfer] model {engine.model_path} ready in {time.perf_counter() - start:.1f}s "
           f"(max_concurrency={FLAGS.max_concurrency})", file=sys.stderr)
     return engine
@@ -209,6 +231,11 @@ def stats_line(stats: Any) -> str:
                  f"position [{by_position}]")
     else:
         line += "; speculative off"
+    t = stats.tiers
+    if t.tiers:
+        hits = ", ".join(f"{tier} {n}" for tier, n in t.hits_by_tier)
+        line += (f"; context store {'->'.join(t.tiers)}: {t.offloads} checkpoints written "
+                 f"({t.bytes_written} bytes), {t.reloads} reloaded [{hits}]")
     return line
 
 

@@ -33,6 +33,10 @@ class StepKind(enum.Enum):
     COMMIT = "commit"
     CAPTURE = "capture"
     RESTORE = "restore"
+    EXPORT_PAGES = "export_pages"  # batch: pages per call
+    IMPORT_PAGES = "import_pages"
+    EXPORT_STATE = "export_state"
+    IMPORT_STATE = "import_state"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,6 +72,21 @@ class CheckpointRecord:
         return len(self.tokens)
 
 
+@dataclasses.dataclass
+class CheckpointImage:
+    """A checkpoint's contents on the host, the form the context store holds: one list of
+    buffers per K/V page (`page_bytes` in all; the last page holds nothing beyond what the
+    tokens determine, see `engine/blocks.py`) and the state image (`checkpoint_state_bytes`)."""
+
+    tokens: tuple[int, ...]
+    pages: list[list[np.ndarray]]
+    state: np.ndarray
+
+    @property
+    def frontier(self) -> int:
+        return len(self.tokens)
+
+
 @dataclasses.dataclass(frozen=True)
 class ProgramLimits:
     """Static limits, safe to read from any thread (they never change after start-up)."""
@@ -167,6 +182,15 @@ class HostProgram(abc.ABC):
                      copy_page: tuple[int, int] | None) -> None:
         """Loads `ckpt`'s state into the sequence's slot (fresh penalty state, the checkpoint's
         tokens marked as prompt) and copies page copy_page[0] to copy_page[1] when given."""
+
+    @abc.abstractmethod
+    def _run_export(self, ckpt: CheckpointRecord, pages: Sequence[int]) -> CheckpointImage:
+        """Copies the checkpoint's pages `pages` (indices into ckpt.pages; the others come back
+        as empty lists) and its state image to the host."""
+
+    @abc.abstractmethod
+    def _run_import(self, ckpt: CheckpointRecord, image: CheckpointImage) -> None:
+        """Writes `image` into the checkpoint's (fresh) pages and checkpoint slot."""
 
     def close(self) -> None:
         """Releases what the execution side holds beyond its pools (nothing by default)."""
@@ -279,6 +303,60 @@ class HostProgram(abc.ABC):
         ckpt = CheckpointRecord(CheckpointId(next(self._ids)), tuple(seq.tokens[: seq.frontier]),
                                 self.ckpt_slots.allocate(), list(pages))
         self._run_capture(seq, ckpt.slot)
+        self._ckpts[ckpt.ckpt.ckpt_id] = ckpt
+        self.resource_revision += 1
+        return ckpt.ckpt
+
+    def export_checkpoint(self, ckpt_id: CheckpointId,
+                          pages: Sequence[int] | None = None) -> CheckpointImage:
+        """The checkpoint's pages (all, or the listed page indices) and state image on the host.
+        Waits for the copies; the checkpoint stays as it was."""
+        self._check_idle()
+        ckpt = self._ckpt(ckpt_id)
+        wanted = range(len(ckpt.pages)) if pages is None else pages
+        if any(not 0 <= i < len(ckpt.pages) for i in wanted):
+            raise ResourceError(f"page indices {list(wanted)} out of range for "
+                                f"{len(ckpt.pages)} pages")
+        return self._run_export(ckpt, sorted(set(wanted)))
+
+    def can_import(self, frontier: int) -> bool:
+        """Whether a checkpoint at `frontier` can be imported now (a free checkpoint slot and
+        its pages among those no sequence was promised)."""
+        return (self.can_capture()
+                and self.pages.num_available >= -(-frontier // self.limits.page_size))
+
+    def import_checkpoint(self, image: CheckpointImage) -> CheckpointId:
+        """A new checkpoint holding `image` (a reload from the context store): fresh pages and a
+        checkpoint slot, each with one reference, exactly as `capture` leaves them."""
+        self._check_idle()
+        lim, f = self.limits, image.frontier
+        if not 1 <= f < lim.max_seq_len:
+            raise ResourceError(f"image frontier {f} must be in [1, {lim.max_seq_len})")
+        if min(image.tokens) < 0 or max(image.tokens) >= lim.vocab_size:
+            raise ResourceError(f"image token ids must be in [0, {lim.vocab_size})")
+        n = -(-f // lim.page_size)
+        sizes = [sum(np.asarray(b).nbytes for b in page) for page in image.pages]
+        if len(sizes) != n or any(size != lim.page_bytes for size in sizes):
+            raise ResourceError(f"image of frontier {f} needs {n} pages of {lim.page_bytes} "
+                                f"bytes, got {sizes}")
+        if np.asarray(image.state).nbytes != lim.checkpoint_state_bytes:
+            raise ResourceError(f"image state has {np.asarray(image.state).nbytes} bytes, "
+                                f"expected {lim.checkpoint_state_bytes}")
+        if not self.can_import(f):
+            raise ResourceError(f"no room to import a checkpoint of {n} pages: "
+                                f"{self.pages.num_available} available pages, "
+                                f"{self.ckpt_slots.num_free} free checkpoint slots")
+        self.pages.reserve(n)
+        pages = [self.pages.allocate_reserved() for _ in range(n)]
+        ckpt = CheckpointRecord(CheckpointId(next(self._ids)), tuple(image.tokens),
+                                self.ckpt_slots.allocate(), pages)
+        try:
+            self._run_import(ckpt, image)
+        except BaseException:
+            for page in pages:
+                self.pages.decref(page)
+            self.ckpt_slots.release(ckpt.slot)
+            raise
         self._ckpts[ckpt.ckpt.ckpt_id] = ckpt
         self.resource_revision += 1
         return ckpt.ckpt

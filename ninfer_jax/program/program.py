@@ -25,6 +25,7 @@ from ninfer_jax.program.errors import InfeasibleError
 from ninfer_jax.program.executables import ExecutableTable, StepKey, StepKind, bind
 from ninfer_jax.program.host import (
     GREEDY,
+    CheckpointImage,
     CheckpointRecord,
     HostProgram,
     ProgramLimits,
@@ -36,15 +37,25 @@ from ninfer_jax.program.steps import (
     CaptureInputs,
     CommitInputs,
     DecodeInputs,
+    PageImport,
+    PageRows,
     PrefillInputs,
     RestoreInputs,
+    StateImport,
+    StateRow,
     capture_step,
     commit_step,
     decode_step,
+    export_pages_step,
+    export_state_step,
+    import_pages_step,
+    import_state_step,
     prefill_step,
     restore_step,
     verify_step,
 )
+
+PAGE_GROUP = 16  # pages per export/import call (a fixed shape: one executable each)
 
 
 class Program(HostProgram):
@@ -138,8 +149,36 @@ class Program(HostProgram):
                 RestoreInputs(ckpt_slot=one, slot=one,
                               prefix_ids=np.zeros((1, pcfg.max_seq_len), np.int32),
                               prefix_len=one, copy_src=one, copy_dst=one), background=later)
+        if pcfg.num_checkpoint_slots:
+            self._compile_images(later)
         for b in range(2, bmax + 1):
             decode(b)
+
+    def _compile_images(self, later: bool) -> None:
+        """The copies between checkpoints and the host (the context store's offload/reload)."""
+        pcfg, g = self.pcfg, PAGE_GROUP
+        pages = np.zeros(g, np.int32)
+        kv = np.zeros((g, *self._page_shape()), self._pools.k.dtype)
+        one = np.zeros(1, np.int32)
+        self.executables.compile(StepKey(StepKind.EXPORT_PAGES, g),
+                                 bind(export_pages_step, pcfg=pcfg), self._pools,
+                                 PageRows(pages), background=later)
+        self.executables.compile(StepKey(StepKind.EXPORT_STATE, 1), export_state_step,
+                                 self._pools, StateRow(one), background=later)
+        self.executables.compile(StepKey(StepKind.IMPORT_PAGES, g),
+                                 bind(import_pages_step, pcfg=pcfg), self._pools,
+                                 PageImport(pages, kv, kv), background=later)
+        p = self._pools
+        self.executables.compile(
+            StepKey(StepKind.IMPORT_STATE, 1), import_state_step, self._pools,
+            StateImport(one, np.zeros((1, *p.ck_conv.shape[1:]), p.ck_conv.dtype),
+                        np.zeros((1, *p.ck_rec.shape[1:]), p.ck_rec.dtype),
+                        np.zeros((1, *p.ck_ctx.shape[1:]), p.ck_ctx.dtype)), background=later)
+
+    def _page_shape(self) -> tuple[int, ...]:
+        """[La, page_size, Hkv, D]: one page in every attention layer."""
+        k = self._pools.k
+        return (k.shape[0] // (self.pcfg.num_pages + 1), *k.shape[1:])
 
     def _no_commit(self, rows: int) -> CommitInputs:
         """A commit of `rows` provisional rows that moves nothing: all go to the sink slot."""
@@ -223,8 +262,63 @@ class Program(HostProgram):
             copy_src=np.array([src], np.int32), copy_dst=np.array([dst], np.int32))
         self._pools = self.executables(StepKey(StepKind.RESTORE, 1), self.pools, inputs)
 
+    def _run_export(self, ckpt: CheckpointRecord, pages) -> CheckpointImage:
+        g, sink = PAGE_GROUP, self.pcfg.num_pages
+        self._flush()
+        copies = []
+        for start in range(0, len(pages), g):
+            part = list(pages[start:start + g])
+            rows = np.full(g, sink, np.int32)
+            rows[: len(part)] = [ckpt.pages[i] for i in part]
+            self._pools, kv = self.executables(StepKey(StepKind.EXPORT_PAGES, g), self._pools,
+                                               PageRows(rows))
+            copies.append((part, kv))
+        self._pools, state = self.executables(StepKey(StepKind.EXPORT_STATE, 1), self._pools,
+                                              StateRow(np.array([ckpt.slot], np.int32)))
+        out: list[list[np.ndarray]] = [[] for _ in ckpt.pages]
+        for part, (k, v) in copies:
+            k, v = np.asarray(k), np.asarray(v)
+            for row, i in enumerate(part):
+                out[i] = [np.array(k[row]), np.array(v[row])]
+        last = len(ckpt.pages) - 1
+        if out[last]:  # the tail page: only what the tokens determine (engine/blocks.py)
+            used = ckpt.frontier - last * self.pcfg.page_size
+            mtp = self.cfg.num_attention_layers
+            for part in out[last]:
+                part[:, used:] = 0
+                if self.limits.rewrites_below_frontier:
+                    part[mtp:, used - self.limits.rewrites_below_frontier:] = 0
+        state = np.concatenate([np.asarray(a).reshape(-1).view(np.uint8) for a in state])
+        return CheckpointImage(ckpt.tokens, out, state)
+
+    def _run_import(self, ckpt: CheckpointRecord, image: CheckpointImage) -> None:
+        g, sink = PAGE_GROUP, self.pcfg.num_pages
+        shape, dtype = self._page_shape(), self._pools.k.dtype
+        self._flush()
+        for start in range(0, len(ckpt.pages), g):
+            part = ckpt.pages[start:start + g]
+            rows = np.full(g, sink, np.int32)
+            rows[: len(part)] = part
+            kv = np.zeros((2, g, *shape), dtype)
+            for row, buffers in enumerate(image.pages[start:start + g]):
+                kv[:, row] = _bytes(buffers).view(dtype).reshape(2, *shape)
+            self._pools = self.executables(StepKey(StepKind.IMPORT_PAGES, g), self._pools,
+                                           PageImport(rows, kv[0], kv[1]))
+        p, raw, parts = self._pools, _bytes([image.state]), []
+        for pool in (p.ck_conv, p.ck_rec, p.ck_ctx):
+            n = pool.nbytes // pool.shape[0]
+            parts.append(raw[:n].view(pool.dtype).reshape(1, *pool.shape[1:]))
+            raw = raw[n:]
+        self._pools = self.executables(StepKey(StepKind.IMPORT_STATE, 1), self._pools,
+                                       StateImport(np.array([ckpt.slot], np.int32), *parts))
+
     def _page_table(self, seqs: list[SeqRecord]) -> np.ndarray:
         table = np.zeros((len(seqs), self.pcfg.max_pages_per_seq), np.int32)
         for row, seq in enumerate(seqs):
             table[row, : len(seq.pages)] = seq.pages
         return table
+
+
+def _bytes(buffers) -> np.ndarray:
+    """The buffers' bytes, concatenated (one flat uint8 array)."""
+    return np.concatenate([np.ascontiguousarray(b).reshape(-1).view(np.uint8) for b in buffers])

@@ -107,6 +107,35 @@ class RestoreInputs:
     copy_dst: jax.Array  # [1] int32, the sequence's own copy of it
 
 
+@_register(["pages"])
+@dataclasses.dataclass(frozen=True)
+class PageRows:
+    pages: jax.Array  # [G] int32 page ids (num_pages, the sink, for unused rows)
+
+
+@_register(["pages", "k", "v"])
+@dataclasses.dataclass(frozen=True)
+class PageImport:
+    pages: jax.Array  # [G] int32 page ids (num_pages, the sink, for unused rows)
+    k: jax.Array  # [G, La, page_size, Hkv, D] each page's K in every attention layer
+    v: jax.Array  # [G, La, page_size, Hkv, D]
+
+
+@_register(["ckpt_slot"])
+@dataclasses.dataclass(frozen=True)
+class StateRow:
+    ckpt_slot: jax.Array  # [1] int32
+
+
+@_register(["ckpt_slot", "conv", "rec", "ctx"])
+@dataclasses.dataclass(frozen=True)
+class StateImport:
+    ckpt_slot: jax.Array  # [1] int32
+    conv: jax.Array  # [1, Ll, conv_dim, K-1]
+    rec: jax.Array  # [1, Ll, Hv, dk, dv] float32
+    ctx: jax.Array  # [1, H]
+
+
 @_register(["tokens", "num", "logprobs"])
 @dataclasses.dataclass(frozen=True)
 class StepOutputs:
@@ -313,3 +342,39 @@ def restore_step(pools: Pools, inputs: RestoreInputs, *, pcfg: ProgramConfig) ->
         prompt_mask=write_rows(pools.prompt_mask, slot, mask),
         k=pools.k.at[dst].set(pools.k[src]),
         v=pools.v.at[dst].set(pools.v[src]))
+
+
+def _page_rows(pools: Pools, pages: jax.Array, pcfg: ProgramConfig) -> jax.Array:
+    """[G, La] flat pool rows of `pages` in every attention layer."""
+    per_layer = pcfg.num_pages + 1
+    layers = jnp.arange(pools.k.shape[0] // per_layer, dtype=jnp.int32) * per_layer
+    return pages[:, None] + layers[None, :]
+
+
+def export_pages_step(pools: Pools, inputs: PageRows, *, pcfg: ProgramConfig):
+    """Copies pages out of the pool: (pools unchanged, (k, v) [G, La, page_size, Hkv, D])."""
+    rows = _page_rows(pools, inputs.pages, pcfg)
+    return pools, (pools.k[rows], pools.v[rows])
+
+
+def import_pages_step(pools: Pools, inputs: PageImport, *, pcfg: ProgramConfig) -> Pools:
+    """Writes whole pages into the pool (unused rows go to each layer's sink page)."""
+    rows = _page_rows(pools, inputs.pages, pcfg)
+    return dataclasses.replace(
+        pools, k=pools.k.at[rows].set(inputs.k.astype(pools.k.dtype)),
+        v=pools.v.at[rows].set(inputs.v.astype(pools.v.dtype)))
+
+
+def export_state_step(pools: Pools, inputs: StateRow):
+    """A checkpoint slot's state image: (pools unchanged, (conv, rec, ctx) [1, ...])."""
+    ck = inputs.ckpt_slot
+    return pools, (pools.ck_conv[ck], pools.ck_rec[ck], pools.ck_ctx[ck])
+
+
+def import_state_step(pools: Pools, inputs: StateImport) -> Pools:
+    """Fills a checkpoint slot with a state image."""
+    ck = inputs.ckpt_slot
+    return dataclasses.replace(
+        pools, ck_conv=write_rows(pools.ck_conv, ck, inputs.conv),
+        ck_rec=write_rows(pools.ck_rec, ck, inputs.rec),
+        ck_ctx=write_rows(pools.ck_ctx, ck, inputs.ctx))

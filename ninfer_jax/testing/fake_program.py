@@ -30,6 +30,7 @@ import numpy as np
 
 from ninfer_jax.program.host import (
     GREEDY,
+    CheckpointImage,
     CheckpointRecord,
     HostProgram,
     ProgramLimits,
@@ -60,6 +61,15 @@ def next_token(state: int, position: int, seed: int, vocab_size: int, eos_id: in
     if h % 6 == 0:
         return min(32, vocab_size - 1)
     return 97 + h % 26 if vocab_size > 122 else h % vocab_size
+
+
+def page_content(tokens, nbytes: int) -> np.ndarray:
+    """The fake K/V of a page: a function of every token up to the page's end (or the
+    checkpoint's frontier, for its last page), as a real page's K/V are."""
+    state = 0
+    for t in tokens:
+        state = mix(state, t)
+    return (np.arange(nbytes, dtype=np.uint32) * 2_654_435_761 + state).astype(np.uint8)
 
 
 def expected_tokens(prompt: list[int], max_new: int, *, seed: int = 0, vocab_size: int,
@@ -250,3 +260,25 @@ class FakeProgram(HostProgram):
     def _run_restore(self, ckpt: CheckpointRecord, seq: SeqRecord, copy_page) -> None:
         self._touch()
         self._committed[seq.slot] = self._ckpt_states[ckpt.slot]
+
+    def _run_export(self, ckpt: CheckpointRecord, pages) -> CheckpointImage:
+        self._touch()
+        ps, f = self.limits.page_size, ckpt.frontier
+        out = [[page_content(ckpt.tokens[: min((i + 1) * ps, f)], self.limits.page_bytes)]
+               if i in pages else [] for i in range(len(ckpt.pages))]
+        state = np.zeros(self.limits.checkpoint_state_bytes, np.uint8)
+        state[:4] = np.frombuffer(self._ckpt_states[ckpt.slot].to_bytes(4, "little"), np.uint8)
+        return CheckpointImage(ckpt.tokens, out, state)
+
+    def _run_import(self, ckpt: CheckpointRecord, image: CheckpointImage) -> None:
+        """Adopts the image's state; a page whose bytes are not what its tokens determine is a
+        store that served wrong data, which no test may see."""
+        self._touch()
+        ps, f = self.limits.page_size, ckpt.frontier
+        for i, buffers in enumerate(image.pages):
+            got = np.concatenate([np.asarray(b).reshape(-1).view(np.uint8) for b in buffers])
+            want = page_content(ckpt.tokens[: min((i + 1) * ps, f)], self.limits.page_bytes)
+            if not np.array_equal(got, want):
+                raise AssertionError(f"imported page {i} of frontier {f} holds wrong K/V")
+        state = np.asarray(image.state).reshape(-1).view(np.uint8)
+        self._ckpt_states[ckpt.slot] = int.from_bytes(state[:4].tobytes(), "little")

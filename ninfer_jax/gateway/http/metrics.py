@@ -98,6 +98,28 @@ class _EngineCollector:
         for i, rate in enumerate(spec.acceptance_by_position):
             by_position.add_metric([str(i)], rate)
         yield by_position
+        yield from _tier_metrics(s.tiers)
+
+
+def _tier_metrics(t: Any) -> Iterator[Metric]:
+    """The context store's counters (all zero when the Engine has none)."""
+    counters = {
+        "offloads": "checkpoints written to the context store", "blocks_written": "blocks "
+        "written", "bytes_written": "bytes written", "write_failures": "failed writes",
+        "lookups": "prompts looked up after a device miss", "reloads": "checkpoints "
+        "reloaded from the store", "reloaded_tokens": "prompt tokens reloaded",
+        "bytes_loaded": "bytes read back", "reload_failures": "found checkpoints that could "
+        "not be reloaded (a miss)", "store_errors": "store calls that failed",
+        "reload_seconds": "time from lookup to import, summed over reloads"}
+    for name, doc in counters.items():
+        yield CounterMetricFamily(f"ninfer_store_{name}", doc, value=getattr(t, name))
+    yield GaugeMetricFamily("ninfer_store_pending_writes", "write jobs not yet completed",
+                            value=t.pending_writes)
+    hits = CounterMetricFamily("ninfer_store_hits", "reloads by the slowest tier they came "
+                               "from", labels=["tier"])
+    for tier, n in t.hits_by_tier:
+        hits.add_metric([tier], n)
+    yield hits
 
 
 class Metrics:

@@ -1,0 +1,300 @@
+"""ContextTiers: the Engine's prefix checkpoints in the context store (DESIGN §7, §11).
+
+Owns the store topology the Engine was opened with and three transitions of a checkpoint:
+- offload: when a checkpoint is retained, the blocks the store lacks (`engine/blocks.py`) are
+  copied to the host and written down the topology on the store's transfer threads; their
+  completions are consumed by `poll` on later worker iterations, so decode never waits for a
+  write;
+- find: the longest stored prefix of a prompt, by lookups through the prefetch cycle (lookup ->
+  prefetch signal -> prefetch -> lookup): the run of full K/V blocks bounds the candidate
+  frontiers, the first state block of each says which were checkpointed, and the longest one
+  whose every block is stored wins;
+- reload: its blocks are read into host buffers, the state image's envelope is checked, and the
+  image is handed back for the Program to import.
+Any store failure, missing or corrupted block is a miss (counted, logged), never a wrong answer.
+Runs on the Engine's worker thread only; imports no jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from ninfer_jax.engine.blocks import BlockLayout, ImageError
+from ninfer_jax.program.host import CheckpointImage
+from ninfer_jax.store import BlockId, BlockPayload, RequestContext, StoreError
+from ninfer_jax.store.proxy.api import StoreNode
+
+log = logging.getLogger(__name__)
+PREFETCH_ROUNDS = 3  # lookup -> prefetch rounds before a lookup that still signals is a miss
+
+
+@dataclasses.dataclass(frozen=True)
+class TierStats:
+    """Counters of the context store, published in `EngineStats.tiers`."""
+
+    tiers: tuple[str, ...]  # the topology's stores, head first (empty: no context store)
+    offloads: int = 0  # checkpoints whose missing blocks were written
+    blocks_written: int = 0
+    bytes_written: int = 0
+    pending_writes: int = 0  # write jobs not yet completed
+    write_failures: int = 0
+    lookups: int = 0  # prompts looked up after a device-catalog miss
+    reloads: int = 0  # checkpoints reloaded into the device
+    reloaded_tokens: int = 0
+    bytes_loaded: int = 0
+    reload_failures: int = 0  # found but not reloadable (a failed read, a bad image)
+    store_errors: int = 0  # store calls that raised (each also a miss or a failed write)
+    hits_by_tier: tuple[tuple[str, int], ...] = ()  # reloads by the highest tier holding them
+    reload_seconds: float = 0.0  # total, lookup to import
+    last_reload_seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredPrefix:
+    tokens: tuple[int, ...]  # the checkpoint's F tokens
+    digest: bytes
+    kv: list[BlockId]
+    state: list[BlockId]
+    tier: str
+
+    @property
+    def frontier(self) -> int:
+        return len(self.tokens)
+
+
+class ContextTiers:
+    def __init__(self, node: StoreNode, layout: BlockLayout, tiers: list[Any],
+                 ttl_ms: int | None = None):
+        """`tiers`: the topology's stores, head first (for per-tier statistics only)."""
+        self.node, self.layout, self.ttl_ms = node, layout, ttl_ms
+        self._tiers = tiers
+        self._names = tuple(getattr(t, "name", type(t).__name__) for t in tiers)
+        self._requests = itertools.count()
+        self._jobs = itertools.count()
+        self._puts: dict[int, tuple[str, int, int]] = {}  # job -> (request, blocks, bytes)
+        self._payloads: dict[int, list[BlockPayload]] = {}  # kept alive until completion
+        self._hits = {name: 0 for name in self._names}
+        self._origins: dict[BlockId, int] = {}  # during a find: tier rank of prefetched ids
+        self._stats = TierStats(self._names)
+
+    # Offload -----------------------------------------------------------------------------------
+    def offload(self, program: Any, ckpt: Any, tokens: tuple[int, ...],
+                scope: str | None) -> None:
+        """Writes the blocks of checkpoint `ckpt` (of `tokens`) that the store lacks."""
+        kv, state = self._ids(*self.layout.checkpoint_ids(tokens, scope))
+        rid = self._open("put")
+        try:
+            hits = self.node.lookup(rid, kv + state) or [False] * (len(kv) + len(state))
+            pages = [i for i, hit in enumerate(hits[: len(kv)]) if not hit]
+            with_state = not all(hits[len(kv):])
+            if not pages and not with_state:
+                self.node.on_request_finished(rid)
+                return
+            image = program.export_checkpoint(ckpt, pages)
+            ids = [kv[i] for i in pages]
+            payloads = [BlockPayload(list(image.pages[i])) for i in pages]
+            if with_state:
+                digest = self.layout.prefix_digests(tokens, scope, [len(tokens)])[len(tokens)]
+                sealed = self.layout.seal(image.state, len(tokens), digest)
+                ids += state
+                payloads += [BlockPayload([row]) for row in sealed]
+            token = self.node.prepare_put(rid, ids)
+            job = next(self._jobs)
+            self.node.submit_put(job, payloads, token)
+        except StoreError as e:
+            self._error("offload", e)
+            self._count(write_failures=1)
+            self._finish(rid)
+            return
+        self._puts[job] = (rid, len(ids), len(ids) * self.layout.block_bytes)
+        self._payloads[job] = payloads
+        self._count(pending_writes=1)
+
+    def poll(self) -> bool:
+        """Concludes the writes that completed; True if any did."""
+        if not self._puts:
+            return False
+        try:
+            results = self.node.get_finished()
+        except StoreError as e:
+            self._error("poll", e)
+            return False
+        for result in results:
+            self._conclude(result.job_id, result.success)
+        return bool(results)
+
+    def _conclude(self, job: int, success: bool) -> None:
+        put = self._puts.pop(job, None)
+        self._payloads.pop(job, None)
+        if put is None:
+            log.warning("context store: completion of unknown job %d", job)
+            return
+        rid, blocks, nbytes = put
+        try:
+            self.node.complete_put(rid, success)
+        except StoreError as e:
+            self._error("complete_put", e)
+            success = False
+        self._finish(rid)
+        if success:
+            self._count(pending_writes=-1, offloads=1, blocks_written=blocks,
+                        bytes_written=nbytes)
+        else:
+            self._count(pending_writes=-1, write_failures=1)
+
+    # Find and reload ---------------------------------------------------------------------------
+    def find(self, tokens, scope: str | None, above: int = 0) -> StoredPrefix | None:
+        """The longest stored checkpoint of a prefix of `tokens` longer than `above` (and
+        shorter than the prompt: its last token is always prefilled)."""
+        tokens, ps = tuple(tokens), self.layout.page_size
+        self._count(lookups=1)
+        self._origins = {}
+        rid = self._open("find")
+        try:
+            full = self._ids(self.layout.full_ids(tokens, scope, len(tokens) - 1))[0]
+            run = self._run_length(rid, full)
+            frontiers = range(above + 1, min(len(tokens) - 1, (run + 1) * ps) + 1)
+            if not frontiers:
+                return None
+            digests = self.layout.prefix_digests(tokens, scope, frontiers)
+            firsts = [BlockId(self.layout.state_ids(digests[f])[0]) for f in frontiers]
+            hits = self._lookup(rid, firsts)
+            for f in sorted((f for f, hit in zip(frontiers, hits) if hit), reverse=True):
+                tail = BlockId(self.layout.tail_id(
+                    tokens, f, [k.bytes for k in full], scope))
+                kv = full[: (f - 1) // ps] + [tail]
+                state = self._ids(self.layout.state_ids(digests[f]))[0]
+                if all(self._lookup(rid, kv + state)):
+                    return StoredPrefix(tokens[:f], digests[f], kv, state,
+                                        self._tier(kv + state))
+            return None
+        except StoreError as e:
+            self._error("find", e)
+            return None
+        finally:
+            self._finish(rid)
+
+    def reload(self, found: StoredPrefix) -> CheckpointImage | None:
+        """Reads a found checkpoint's blocks; None (a miss) if any read or check fails."""
+        ids = found.kv + found.state
+        buffers = [np.empty(self.layout.block_bytes, np.uint8) for _ in ids]
+        rid = self._open("get")
+        ok = False
+        try:
+            token = self.node.prepare_get(rid, ids)
+            job = next(self._jobs)
+            try:
+                self.node.submit_get(job, [BlockPayload([b]) for b in buffers], token)
+                ok = self.node.wait([job])[0].success
+            finally:
+                self.node.complete_get(rid)
+        except StoreError as e:
+            self._error("reload", e)
+            ok = False
+        finally:
+            self._finish(rid)
+        if ok:
+            try:
+                state = self.layout.open(np.stack(buffers[len(found.kv):]), found.frontier,
+                                         found.digest)
+                self._count(bytes_loaded=len(ids) * self.layout.block_bytes)
+                return CheckpointImage(found.tokens, [[b] for b in buffers[: len(found.kv)]],
+                                       state)
+            except ImageError as e:
+                log.warning("context store: %s", e)
+        self._count(reload_failures=1)
+        return None
+
+    def record_reload(self, found: StoredPrefix, seconds: float) -> None:
+        self._hits[found.tier] = self._hits.get(found.tier, 0) + 1
+        self._count(reloads=1, reloaded_tokens=found.frontier, reload_seconds=seconds)
+        self._stats = dataclasses.replace(self._stats, last_reload_seconds=seconds,
+                                          hits_by_tier=tuple(self._hits.items()))
+
+    # Life and statistics -----------------------------------------------------------------------
+    def stats(self) -> TierStats:
+        return self._stats
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Waits for the writes in flight (so a clean shutdown leaves them stored), then closes
+        the topology."""
+        deadline = time.monotonic() + timeout_s
+        while self._puts and time.monotonic() < deadline:
+            if not self.poll():
+                time.sleep(0.005)
+        self.node.close()
+
+    # Internals ---------------------------------------------------------------------------------
+    @staticmethod
+    def _ids(*groups: list[bytes]) -> tuple[list[BlockId], ...]:
+        return tuple([BlockId(raw) for raw in group] for group in groups)
+
+    def _open(self, kind: str) -> str:
+        rid = f"{kind}-{next(self._requests)}"
+        self.node.on_new_request(RequestContext(rid, ttl_ms=self.ttl_ms))
+        return rid
+
+    def _finish(self, rid: str) -> None:
+        try:
+            self.node.on_request_finished(rid)
+        except StoreError as e:
+            self._error("finish", e)
+
+    def _lookup(self, rid: str, ids: list[BlockId]) -> list[bool]:
+        """Hits of `ids` through the prefetch cycle; a lookup that keeps signalling is a miss."""
+        for _ in range(PREFETCH_ROUNDS):
+            hits = self.node.lookup(rid, ids)
+            if hits is not None:
+                return hits
+            if len(self._tiers) > 1:
+                self._note_origins(ids)
+            plan = self.node.prepare_prefetch(rid)
+            job, ok = next(self._jobs), False
+            try:
+                self.node.submit_prefetch(job, plan)
+                ok = self.node.wait([job])[0].success
+            finally:
+                self.node.complete_prefetch(rid, ok)
+        return [False] * len(ids)
+
+    def _run_length(self, rid: str, ids: list[BlockId]) -> int:
+        """How many of `ids`, from the first, are stored."""
+        run = 0
+        for hit in self._lookup(rid, ids) if ids else []:
+            if not hit:
+                break
+            run += 1
+        return run
+
+    def _note_origins(self, ids: list[BlockId]) -> None:
+        """Before a prefetch moves them up: which tier below the head holds each missing id."""
+        try:
+            missing = [b for b, hit in zip(ids, self._tiers[0].lookup(ids)) if not hit]
+            for rank in range(1, len(self._tiers)):
+                if not missing:
+                    break
+                hits = self._tiers[rank].lookup(missing)
+                self._origins.update({b: rank for b, hit in zip(missing, hits) if hit})
+                missing = [b for b, hit in zip(missing, hits) if not hit]
+        except StoreError as e:  # statistics only
+            log.debug("context store: tier probe failed: %s", e)
+
+    def _tier(self, ids: list[BlockId]) -> str:
+        """The slowest tier the blocks of a reload came from (the head if none was below)."""
+        if not self._names:
+            return "store"
+        return self._names[max((self._origins.get(b, 0) for b in ids), default=0)]
+
+    def _count(self, **deltas: float) -> None:
+        self._stats = dataclasses.replace(
+            self._stats, **{k: getattr(self._stats, k) + v for k, v in deltas.items()})
+
+    def _error(self, where: str, error: Exception) -> None:
+        log.warning("context store: %s failed: %s", where, error)
+        self._count(store_errors=1)
