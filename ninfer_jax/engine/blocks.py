@@ -92,8 +92,10 @@ class BlockLayout:
             out[f] = h.copy().digest()
         return out
 
-    def state_ids(self, digest: bytes) -> list[bytes]:
-        return [_h(b"state", digest, j.to_bytes(4, "little")) for j in range(self.state_blocks)]
+    def state_ids(self, digest: bytes, count: int | None = None) -> list[bytes]:
+        """Ids of the state image's blocks (the first `count` of them)."""
+        n = self.state_blocks if count is None else count
+        return [_h(b"state", digest, j.to_bytes(4, "little")) for j in range(n)]
 
     def checkpoint_ids(self, tokens, scope: str | None) -> tuple[list[bytes], list[bytes]]:
         """(K/V block ids in page order, state block ids) of a checkpoint of `tokens`."""

@@ -163,7 +163,7 @@ class ContextTiers:
             if not frontiers:
                 return None
             digests = self.layout.prefix_digests(tokens, scope, frontiers)
-            firsts = [BlockId(self.layout.state_ids(digests[f])[0]) for f in frontiers]
+            firsts = [BlockId(self.layout.state_ids(digests[f], 1)[0]) for f in frontiers]
             hits = self._lookup(rid, firsts)
             for f in sorted((f for f, hit in zip(frontiers, hits) if hit), reverse=True):
                 tail = BlockId(self.layout.tail_id(
