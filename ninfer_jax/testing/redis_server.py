@@ -27,6 +27,8 @@ from types import TracebackType
 from typing import Self
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 START_TIMEOUT_S = 10.0  # how long the server may take to answer PING
 STOP_TIMEOUT_S = 5.0  # how long SIGTERM may take before SIGKILL
@@ -81,10 +83,14 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def client(self, socket_timeout_s: float = 5.0) -> redis.Redis:
-        """A new redis-py client of this server's database 0 (bytes in, bytes out)."""
+        """A new redis-py client of this server's database 0 (bytes in, bytes out).
+
+        A lost connection is retried once at once (redis-py's default backs off for seconds).
+        """
         return redis.Redis(host="127.0.0.1", port=self.port, db=0,
                            socket_timeout=socket_timeout_s,
-                           socket_connect_timeout=socket_timeout_s)
+                           socket_connect_timeout=socket_timeout_s,
+                           retry=Retry(NoBackoff(), 1, (redis.ConnectionError,)))
 
     def start(self) -> Self:
         """Starts the server and returns once it answers PING; a failure says why."""

