@@ -129,6 +129,18 @@ class ContextTiers:
             self._conclude(result.job_id, result.success)
         return bool(results)
 
+    def _drain(self) -> None:
+        """Waits for the writes in flight and concludes them."""
+        if not self._puts:
+            return
+        try:
+            results = self.node.wait(list(self._puts))
+        except StoreError as e:
+            self._error("wait", e)
+            return
+        for result in results:
+            self._conclude(result.job_id, result.success)
+
     def _conclude(self, job: int, success: bool) -> None:
         put = self._puts.pop(job, None)
         self._payloads.pop(job, None)
@@ -153,6 +165,7 @@ class ContextTiers:
         """The longest stored checkpoint of a prefix of `tokens` longer than `above` (and
         shorter than the prompt: its last token is always prefilled)."""
         tokens, ps = tuple(tokens), self.layout.page_size
+        self._drain()  # this Engine's own writes in flight are not half-visible to its lookups
         self._count(lookups=1)
         self._origins = {}
         rid = self._open("find")

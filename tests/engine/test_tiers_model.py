@@ -60,12 +60,15 @@ def stores(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def writer(stores):
-    """An Engine over host -> disk -> Redis that ran the first turn (its checkpoints written
-    through to every tier) and knows the follow-up prompt."""
-    engine = _open(_pipe(stores["cache"], stores["posix"], stores["redis"]))
+    """An Engine over host -> disk that ran the first turn (its checkpoints written through to
+    both tiers, and to Redis by an Engine over host -> Redis) and knows the follow-up prompt."""
+    engine = _open(_pipe(stores["cache"], stores["posix"]))
     first = engine.generate(HISTORY, sampling=GREEDY)
     _drained(engine)
     assert engine.stats().tiers.offloads >= 2  # the prompt's and the turn's checkpoints
+    with _open(_pipe(stores["redis"])) as to_redis:
+        assert to_redis.generate(HISTORY, sampling=GREEDY).token_ids == first.token_ids
+        _drained(to_redis)
     engine.follow_up = HISTORY + first.text + FOLLOW_UP
     engine.history_tokens = first.usage.prompt_tokens
     yield engine
@@ -95,7 +98,7 @@ def test_host(writer):
     writer.clear_prefix_cache()
     before = _hits(writer).get("cache", 0)
     result = writer.generate(writer.follow_up, sampling=GREEDY)
-    assert result.usage.cached_tokens >= writer.history_tokens
+    assert result.usage.cached_tokens >= writer.history_tokens, writer.stats()
     assert _hits(writer)["cache"] == before + 1
     _check(result, writer)
 

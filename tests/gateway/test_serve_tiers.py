@@ -50,7 +50,7 @@ class Server:
         raise AssertionError("serve did not become ready")
 
     def chat(self, messages: list[dict], **extra) -> dict:
-        body = {"model": "default", "messages": messages, "temperature": 0, "max_tokens": 12,
+        body = {"model": "demo", "messages": messages, "temperature": 0, "max_tokens": 12,
                 **extra}
         response = httpx.post(f"{self.url}/v1/chat/completions", json=body, timeout=120)
         assert response.status_code == 200, response.text
