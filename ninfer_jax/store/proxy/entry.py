@@ -83,20 +83,23 @@ class StoreEntry(StoreNode):
     # -- lookups --------------------------------------------------------------------------------
     @while_open
     def lookup(self, request_id: str, keys: Keys) -> list[bool] | None:
-        ids = as_block_ids(keys)
-        with self._lock:
-            self._request(request_id)
-        if self._prefetchable is not None:
-            return self._prefetchable.lookup(request_id, ids)
-        return self.store.lookup(ids)
+        return self._lookup(request_id, keys, prefix=False)
 
     @while_open
     def lookup_on_prefix(self, request_id: str, keys: Keys) -> int | None:
-        return lookup_on_prefix(self.lookup(request_id, keys))
+        return lookup_on_prefix(self._lookup(request_id, keys, prefix=True))
 
     @while_open
     def lookup_on_reverse(self, request_id: str, keys: Keys) -> int | None:
         return lookup_on_reverse(self.lookup(request_id, keys))
+
+    def _lookup(self, request_id: str, keys: Keys, prefix: bool) -> list[bool] | None:
+        ids = as_block_ids(keys)
+        with self._lock:
+            self._request(request_id)
+        if self._prefetchable is not None:
+            return self._prefetchable.lookup(request_id, ids, prefix)
+        return self.store.lookup(ids)
 
     @while_open
     def touch(self, request_id: str, keys: Keys) -> None:
