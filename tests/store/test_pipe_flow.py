@@ -1,14 +1,15 @@
 """A pipe driven as the engine drives it: a small `cache` head over `posix`, many blocks a request.
 
 Through the StoreAssembler API only: a prefix lookup followed by prefetches converges to hits
-that really load (the prefetch never evicts the prefix it completes).
+that really load (the prefetch never evicts the prefix it completes), and a put larger than the
+head lands in the tier below.
 """
 
 import itertools
 
 import pytest
 
-from ninfer_jax.store import IoContext, StoreAssembler
+from ninfer_jax.store import InvalidParam, IoContext, NoSpace, StoreAssembler
 from tests.store.helpers import (
     BLOCK_BYTES,
     get_blocks,
@@ -95,3 +96,44 @@ def test_a_block_another_put_is_writing_is_a_miss_not_a_prefetch(tmp_path):
     node.complete_put("w")
     assert prefix_with_prefetch(node, "r", ids(5), next_job) == (0, 1)
     get_blocks(node, "r", [5], next_job())
+
+
+# -- 2. a put larger than the head ----------------------------------------------------------------
+def test_put_larger_than_the_head_lands_in_the_tier_below(tmp_path):
+    node = pipe(tmp_path, capacity=2)
+    register(node, "w")
+    token = node.prepare_put("w", ids(*range(5)))
+    node.submit_put(1, payloads(range(5)), token)
+    node.store.jobs.wait_all_finished()
+    with pytest.raises(InvalidParam, match="not been consumed"):
+        node.complete_put("w")  # G4 holds for the blocks that went straight below too
+    assert node.wait([1])[0].success
+    node.complete_put("w")
+    assert node.tiers[1].lookup(ids(*range(5))) == [True] * 5
+    assert node.store.buffer.num_allocs() == 0 and not node.store.overflow_allocs
+    register(node, "r")
+    next_job = job_counter()
+    for chunk in ([0, 1], [2, 3], [4]):
+        last, lookups = prefix_with_prefetch(node, "r", ids(*chunk), next_job)
+        assert last == len(chunk) - 1 and lookups <= 2
+        get_blocks(node, "r", chunk, next_job())
+
+
+def test_failed_put_larger_than_the_head_publishes_nothing_here(tmp_path):
+    node = pipe(tmp_path, capacity=2)
+    register(node, "w")
+    node.prepare_put("w", ids(*range(4)))
+    node.complete_put("w", success=False)  # no dump: nothing was written anywhere
+    assert node.store.lookup(ids(*range(4))) == [False] * 4
+    assert node.tiers[1].lookup(ids(*range(4))) == [False] * 4
+    assert node.store.buffer.num_allocs() == 0 and not node.store.overflow_allocs
+
+
+def test_put_larger_than_a_head_without_a_lower_tier_is_no_space_naming_the_limits():
+    node = StoreAssembler({"type": "store", "store": "cache",
+                           "config": {"capacity": 2, "block_bytes": BLOCK_BYTES}}).root
+    register(node, "w")
+    with pytest.raises(NoSpace, match=r"batch of 3 block\(s\).*capacity is 2"):
+        node.prepare_put("w", ids(1, 2, 3))
+    assert node.store.buffer.num_allocs() == 0
+    put(node, "w", [1, 2], 1)  # the failed prepare opened nothing
