@@ -1,17 +1,21 @@
 """A pipe driven as the engine drives it: a small `cache` head over `posix`, many blocks a request.
 
 Through the StoreAssembler API only: a prefix lookup followed by prefetches converges to hits
-that really load (the prefetch never evicts the prefix it completes), and a put larger than the
-head lands in the tier below.
+that really load (the prefetch never evicts the prefix it completes), a put larger than the
+head lands in the tier below, and finishing a request with an unconsumed job releases its pins
+and reservations once the completion is consumed (G4, G11).
 """
 
 import itertools
 
+import numpy as np
 import pytest
 
 from ninfer_jax.store import InvalidParam, IoContext, NoSpace, StoreAssembler
 from tests.store.helpers import (
     BLOCK_BYTES,
+    block_data,
+    empties,
     get_blocks,
     ids,
     payloads,
@@ -137,3 +141,67 @@ def test_put_larger_than_a_head_without_a_lower_tier_is_no_space_naming_the_limi
         node.prepare_put("w", ids(1, 2, 3))
     assert node.store.buffer.num_allocs() == 0
     put(node, "w", [1, 2], 1)  # the failed prepare opened nothing
+
+
+# -- 3. a request finished while a job of its window is unconsumed --------------------------------
+def test_finish_with_an_unconsumed_get_releases_the_pin_once_consumed(tmp_path):
+    node = pipe(tmp_path, capacity=2)
+    register(node, "w")
+    put(node, "w", [1], 1)
+    register(node, "r")
+    outs = empties(1)
+    node.submit_get(2, outs, node.prepare_get("r", ids(1)))
+    node.store.jobs.wait_all_finished()
+    node.on_request_finished("r")
+    buf = node.store.buffer
+    assert buf.pin_count(ids(1)[0]) == 1  # never released under an unconsumed transfer (G4)
+    assert [r.job_id for r in node.get_finished()] == [2]
+    assert buf.num_pins() == 0
+    np.testing.assert_array_equal(outs[0].buffers[0], block_data(1))
+    put(node, "w", [2, 3], 3)  # the block is evictable again
+    assert node.store.lookup(ids(1, 2, 3)) == [False, True, True]
+
+
+def test_finish_with_an_unconsumed_put_concludes_the_reservation_once_consumed(tmp_path):
+    node = pipe(tmp_path, capacity=2)
+    register(node, "r")
+    node.submit_put(1, payloads([1, 2, 3]), node.prepare_put("r", ids(1, 2, 3)))
+    node.store.jobs.wait_all_finished()
+    node.on_request_finished("r")
+    assert node.store.buffer.num_allocs() == 2 and len(node.store.overflow_allocs) == 1
+    assert node.wait([1])[0].success
+    assert node.store.buffer.num_allocs() == 0 and not node.store.overflow_allocs
+    assert node.store.lookup(ids(1, 2)) == [False, False]  # a finished put is not published
+
+
+def test_finish_with_an_unconsumed_prefetch_completes_the_plan_once_consumed(tmp_path):
+    node = pipe(tmp_path, capacity=2)
+    register(node, "w")
+    put(node, "w", [1, 2], 1)
+    put(node, "w", [3, 4], 2)
+    register(node, "r")
+    assert node.lookup_on_prefix("r", ids(1, 2)) is None
+    node.submit_prefetch(3, node.prepare_prefetch("r"))
+    node.store.jobs.wait_all_finished()
+    node.on_request_finished("r")
+    buf = node.store.buffer
+    assert buf.num_allocs() == 2
+    assert node.wait([3])[0].success
+    assert buf.num_allocs() == 0 and buf.num_pins() == 0
+    put(node, "w", [5, 6], 4)  # every slot can be reused
+    assert node.store.lookup(ids(5, 6)) == [True, True]
+
+
+def test_a_job_submitted_on_a_finished_requests_token_also_defers_the_release(tmp_path):
+    node = pipe(tmp_path, capacity=2)
+    register(node, "w")
+    put(node, "w", [1], 1)
+    register(node, "r")
+    token = node.prepare_get("r", ids(1))
+    node.submit_get(2, empties(1), token)
+    node.on_request_finished("r")
+    node.submit_get(3, empties(1), token)  # still pinned: the window's release is pending
+    assert node.wait([2])[0].success
+    assert node.store.buffer.pin_count(ids(1)[0]) == 1
+    assert node.wait([3])[0].success
+    assert node.store.buffer.num_pins() == 0
