@@ -103,12 +103,18 @@ class Prefetchable(abc.ABC):
 
     Protocol: lookup -> None; prepare_prefetch -> plan; prefetch(job, plan); wait;
     complete_prefetch(plan, ok); lookup -> hits. `request_id` joins the steps; it names one set
-    of blocks, and state is dropped once final hits are returned.
+    of blocks, and state is dropped once final hits are returned. The loop must converge: a
+    lookup signals only when a prefetch would add hits without evicting the ones it counted.
     """
 
     @abc.abstractmethod
-    def lookup(self, request_id: str, ids: Sequence[BlockId]) -> list[bool] | None:
-        """Hits, or None as the prefetch signal; errors raise (separate channels, G13)."""
+    def lookup(self, request_id: str, ids: Sequence[BlockId],
+               prefix: bool = False) -> list[bool] | None:
+        """Hits, or None as the prefetch signal; errors raise (separate channels, G13).
+
+        `prefix=True` says only the contiguous hit prefix matters (lookup_on_prefix), so a
+        prefetch is planned for the prefix alone.
+        """
 
     @abc.abstractmethod
     def prepare_prefetch(self, request_id: str, ctx: RequestContext) -> AddressedToken:

@@ -7,7 +7,9 @@ Owns the block -> slot mapping, visibility, shared reservations, pins and TTL. D
   reference, a committed block is re-admitted: it keeps its slot, policy-pinned until concluded),
   then newcomers are placed (sweep expired under pressure, then acquire; evictees are reported).
   A failure replays the journal in reverse: victims come back in place with their deadlines (G2,
-  G3, G8).
+  G3, G8). `partial=True` instead keeps what was placed and reports the newcomers that found no
+  slot as `unplaced` (the leading newcomers in batch order win): for a store with a tier below
+  that takes the rest.
 - commit(ids, success): one reference per call; the last one decides, any success commits (G7).
   A re-admitted block that expired meanwhile is revived by a successful conclusion (G9).
 - TTL: deadlines on an injectable monotonic clock; expiry is lazy at lookup/touch/pin and swept
@@ -39,10 +41,14 @@ class _Entry:
 
 @dataclasses.dataclass(frozen=True)
 class Reservation:
-    """Slots for a reserved batch, in batch order, and the blocks evicted to make room."""
+    """Slots for a reserved batch, in batch order, and the blocks evicted to make room.
 
-    slots: tuple[int, ...]
+    `slots[i]` is None exactly when `ids[i]` is in `unplaced` (a partial reservation only).
+    """
+
+    slots: tuple[int | None, ...]
     evicted: tuple[BlockId, ...]
+    unplaced: tuple[BlockId, ...] = ()
 
 
 class CacheBuffer:
@@ -72,6 +78,20 @@ class CacheBuffer:
         """The slot of a visible (committed, unexpired) block."""
         entry = self._visible(block_id, self._clock())
         return None if entry is None else entry.slot
+
+    def is_pending(self, block_id: BlockId) -> bool:
+        """Reserved and not yet committed: being written here, invisible to lookup."""
+        entry = self._entries.get(block_id)
+        return entry is not None and not entry.committed
+
+    def is_guarded(self, block_id: BlockId) -> bool:
+        """Pinned (by a caller or a re-admission) or reserved: no reservation can evict it."""
+        entry = self._entries.get(block_id)
+        return entry is not None and not self._policy.is_evictable(entry.slot)
+
+    def num_placeable(self) -> int:
+        """How many newcomers a reservation could place now: free or evictable slots."""
+        return self._policy.num_free + self._policy.num_evictable
 
     def touch(self, ids: Sequence[BlockId], ttl_ms: int | None = None) -> None:
         """Refreshes heat of visible blocks; a TTL extends (never shortens) their deadline."""
@@ -118,12 +138,14 @@ class CacheBuffer:
         return 0 if entry is None else entry.pins
 
     # -- admission ------------------------------------------------------------------------------
-    def reserve(self, ids: Sequence[BlockId], ttl_ms: int | None = None) -> Reservation:
+    def reserve(self, ids: Sequence[BlockId], ttl_ms: int | None = None,
+                partial: bool = False) -> Reservation:
         require_unique(ids, "reserve")
         now = self._clock()
         journal: list[tuple] = []
         slots: list[int | None] = [None] * len(ids)
         evicted: list[BlockId] = []
+        unplaced: list[BlockId] = []
         try:
             newcomers = []
             for i, block_id in enumerate(ids):
@@ -142,12 +164,21 @@ class CacheBuffer:
                 entry.refs += 1
                 entry.ttl_ms = ttl_ms
                 slots[i] = entry.slot
-            for i in newcomers:
+            for n, i in enumerate(newcomers):
                 slots[i] = self._place(ids[i], ttl_ms, now, journal, evicted)
+                if slots[i] is None:
+                    if not partial:
+                        raise NoSpace(
+                            f"reserve: a batch of {len(ids)} block(s) ({len(newcomers)} new) "
+                            f"does not fit: no slot for block {ids[i].hex()}; capacity is "
+                            f"{self.capacity}, {n} slot(s) went to the batch's earlier newcomers "
+                            f"and the other {self.capacity - n} slots are pinned or reserved")
+                    unplaced = [ids[j] for j in newcomers[n:]]
+                    break
         except NoSpace:
             self._rollback(journal)
             raise
-        return Reservation(tuple(slots), tuple(evicted))
+        return Reservation(tuple(slots), tuple(evicted), tuple(unplaced))
 
     def commit(self, ids: Sequence[BlockId], success: bool) -> None:
         """Concludes one outstanding alloc per id; every id is checked before anything changes."""
@@ -226,15 +257,23 @@ class CacheBuffer:
     def num_heap_items(self) -> int:
         return len(self._expiry)
 
+    def num_pins(self) -> int:
+        """Caller pins held, summed over blocks (re-admission pins are counted as allocs)."""
+        return sum(e.pins for e in self._entries.values())
+
+    def num_allocs(self) -> int:
+        """Allocs awaiting their commit, summed over blocks (shared reservations count each)."""
+        return sum(e.refs for e in self._entries.values())
+
     # -- internals ------------------------------------------------------------------------------
     def _place(self, block_id: BlockId, ttl_ms: int | None, now: float, journal: list,
-               evicted: list[BlockId]) -> int:
+               evicted: list[BlockId]) -> int | None:
+        """The newcomer's slot, evicting a victim if needed; None when every slot is guarded."""
         if self._policy.num_free == 0:
             self.sweep_expired()
         acquired = self._policy.acquire_slot()
         if acquired is None:
-            raise NoSpace(f"reserve: no slot for block {block_id.hex()}: all "
-                          f"{self.capacity} slots are pinned or reserved")
+            return None
         victim = None
         if acquired.evicted:
             victim_id = self._slot_owner[acquired.slot]

@@ -6,7 +6,12 @@ threads, default 2), and `piped_lower_store` (injected by a pipe: the tier below
 
 Owns the slab, the CacheBuffer and the job table. With a lower tier it writes through (a dump
 completes only once the tier below holds the block too, so an evicted block stays readable from
-there) and is Prefetchable (see memory_prefetch). Safety rules enforced here (G4): a final
+there) and is Prefetchable (see memory_prefetch). A batch larger than what the slab can place
+still lands: blocks already here keep their slots, the leading newcomers (batch order) that find
+a slot are written here and through, the rest straight to the tier below (`overflow_allocs`
+counts their outstanding allocs; every alloc of such a block goes below until they are concluded,
+so sharers agree on where it lives, G7). Without a tier below such a batch is NoSpace naming the
+batch size and the capacity, and reserves nothing. Safety rules (G4): a final
 `commit` is refused while a dump of the block is unconsumed, and an `unpin` that would leave a
 block unpinned is refused while a load of it is unconsumed; `commit(True)` publishes only blocks
 a successful dump wrote (G2). Life (lifecycle.py): after `close()` the store and its facets refuse
@@ -39,6 +44,7 @@ from ninfer_jax.store.types import (
     JobDescriptor,
     RequestContext,
     ids_hex,
+    require_unique,
 )
 
 _FIELDS = ("capacity", "policy", "block_bytes", "num_threads", "piped_lower_store")
@@ -75,6 +81,7 @@ class CacheStore(Store):
         self.pool = TransferPool("cache", num_threads)
         self._busy: dict[tuple[bool, BlockId], int] = {}
         self._written: set[BlockId] = set()
+        self.overflow_allocs: dict[BlockId, int] = {}
         self._lower_job_ids = itertools.count()
         self._token_facet = _CacheTokenFacet(self)
         self._prefetch_facet = CachePrefetch(self) if lower is not None else None
@@ -126,16 +133,16 @@ class CacheStore(Store):
         """Reserves, writes (through to the tier below) and commits on the transfer's outcome."""
         with self.lock:
             self.check_sizes(job)
-            slots = self.buffer.reserve(job.block_ids).slots
+            slots = self.admit(job.block_ids, None)
             try:
                 self.jobs.accept(job_id)
             except Exception:
-                self.buffer.commit(job.block_ids, False)
+                self.conclude(job.block_ids, slots, False)
                 raise
 
         def release(success: bool) -> None:
             with self.lock:
-                self.buffer.commit(job.block_ids, success)
+                self.conclude(job.block_ids, slots, success)
 
         self.pool.start(self.jobs, job_id, job.prerequisite, lambda: self.copy_in(slots, job),
                         release)
@@ -164,14 +171,46 @@ class CacheStore(Store):
         for slot, payload in zip(slots, payloads):
             scatter(self.slab[slot], payload.views())
 
-    def copy_in(self, slots: Sequence[int], job: JobDescriptor) -> bool:
-        """Writes the sources into the slots, then through to the tier below; True if both did."""
+    def copy_in(self, slots: Sequence[int | None], job: JobDescriptor) -> bool:
+        """Writes the sources into the slots, then all blocks to the tier below (a block without
+        a slot straight from its source); True if every write did."""
+        rows = []
         for slot, payload in zip(slots, job.payloads):
+            if slot is None:
+                rows.append(payload)
+                continue
             gather(payload.views(), self.slab[slot])
+            rows.append(BlockPayload([self.slab[slot]]))
         if self.lower is None:
             return True
-        rows = [BlockPayload([self.slab[slot]]) for slot in slots]
         return self.lower_transfer("dump", job.block_ids, rows)
+
+    def admit(self, ids: Sequence[BlockId], ttl_ms: int | None) -> list[int | None]:
+        """Reserves a slot per block, or None for one that goes only below (see the module doc).
+
+        Without a tier below the batch must fit whole (NoSpace otherwise, nothing reserved).
+        """
+        if self.lower is None:
+            return list(self.buffer.reserve(ids, ttl_ms).slots)
+        here = [b for b in ids if b not in self.overflow_allocs]
+        slot_of = dict(zip(here, self.buffer.reserve(here, ttl_ms, partial=True).slots))
+        slots = [slot_of.get(b) for b in ids]
+        for block_id, slot in zip(ids, slots):
+            if slot is None:
+                self.overflow_allocs[block_id] = self.overflow_allocs.get(block_id, 0) + 1
+        return slots
+
+    def conclude(self, ids: Sequence[BlockId], slots: Sequence[int | None],
+                 success: bool) -> None:
+        """Concludes one admission: commits the blocks given a slot, drops the others' count."""
+        self.buffer.commit([b for b, slot in zip(ids, slots) if slot is not None], success)
+        self.drop_overflow([b for b, slot in zip(ids, slots) if slot is None])
+
+    def drop_overflow(self, ids: Sequence[BlockId]) -> None:
+        for block_id in ids:
+            self.overflow_allocs[block_id] -= 1
+            if not self.overflow_allocs[block_id]:
+                del self.overflow_allocs[block_id]
 
     def lower_transfer(self, kind: str, ids: list[BlockId], payloads: list[BlockPayload],
                        token: AddressedToken | None = None) -> bool:
@@ -260,24 +299,31 @@ class _CacheTokenFacet(TokenAddressed):
 
     @while_open
     def alloc(self, ids: Sequence[BlockId], ctx: RequestContext | None) -> AddressedToken:
+        require_unique(ids, "alloc")
         with self._s.lock:
-            self._s.buffer.reserve(ids, None if ctx is None else ctx.ttl_ms)
+            self._s.admit(ids, None if ctx is None else ctx.ttl_ms)
         return AddressedToken(tuple(ids))
 
     @while_open
     def commit(self, ids: Sequence[BlockId], success: bool) -> None:
         s = self._s
         with s.lock:
-            for block_id in ids:
+            require_unique(ids, "commit")
+            below = [b for b in ids if b in s.overflow_allocs]
+            here = [b for b in ids if b not in s.overflow_allocs]
+            for block_id in here:
                 if s.buffer.alloc_refs(block_id) == 0:
                     raise InvalidParam(f"commit: block {block_id.hex()} has no outstanding alloc")
-            final = [b for b in ids if s.buffer.alloc_refs(b) == 1]
+            final = ([b for b in here if s.buffer.alloc_refs(b) == 1]
+                     + [b for b in below if s.overflow_allocs[b] == 1])
             s.require_idle(final, True, "final commit")
-            # A success vote counts only for data a successful dump actually wrote (G2).
-            votes = {b: bool(success) and s.is_written(b) for b in ids}
+            # A success vote counts only for data a successful dump actually wrote (G2); a block
+            # that went only below was committed there by its dump.
+            votes = {b: bool(success) and s.is_written(b) for b in here}
             s.forget_written(final)
-            s.buffer.commit([b for b in ids if votes[b]], True)
-            s.buffer.commit([b for b in ids if not votes[b]], False)
+            s.buffer.commit([b for b in here if votes[b]], True)
+            s.buffer.commit([b for b in here if not votes[b]], False)
+            s.drop_overflow(below)
 
     @while_open
     def load(self, job_id: int, job: JobDescriptor, token: AddressedToken) -> None:
@@ -306,8 +352,10 @@ class _CacheTokenFacet(TokenAddressed):
         s = self._s
         with s.lock:
             _check_token(job, token)
-            slots = [s.buffer.reserved_slot(b) for b in job.block_ids]
-            missing = [b for b, slot in zip(job.block_ids, slots) if slot is None]
+            below = {b for b in job.block_ids if b in s.overflow_allocs}
+            slots = [None if b in below else s.buffer.reserved_slot(b) for b in job.block_ids]
+            missing = [b for b, slot in zip(job.block_ids, slots)
+                       if slot is None and b not in below]
             if missing:
                 raise InvalidParam(f"cache: dump of block(s) {ids_hex(missing)} without an "
                                    "outstanding alloc")
@@ -317,7 +365,7 @@ class _CacheTokenFacet(TokenAddressed):
         def work() -> bool:
             ok = s.copy_in(slots, job)
             if ok:
-                s.mark_written(job.block_ids)
+                s.mark_written([b for b, slot in zip(job.block_ids, slots) if slot is not None])
             return ok
 
         s.pool.start(s.jobs, job_id, job.prerequisite, work)

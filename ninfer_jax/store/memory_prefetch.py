@@ -1,11 +1,28 @@
 """CacheStore's Prefetchable facet: bringing blocks up from the tier directly below (seed §5.4).
 
-Owns the per-request prefetch signals and the prefetch plans. `lookup` answers hits, or None
-when some missing block is present below; `prepare_prefetch` pins the sources below (when that
-tier is tokened) and admits the destinations here with the request's TTL, so prefetched blocks
-inherit the window's TTL (G9); `prefetch` moves the bytes straight into the slab; and
-`complete_prefetch` commits only if every prefetch job of the plan succeeded (G2), refusing while
-a job of the plan has not been consumed (G4).
+Owns the per-request prefetch signals and the prefetch plans. `prepare_prefetch` pins the sources
+below (when that tier is tokened) and admits the destinations here with the request's TTL, so
+prefetched blocks inherit the window's TTL (G9); `prefetch` moves the bytes straight into the
+slab; and `complete_prefetch` commits only if every prefetch job of the plan succeeded (G2),
+refusing while a job of the plan has not been consumed (G4).
+
+Which blocks a lookup plans for (so that lookup -> prefetch -> lookup converges). The lookup walks
+its ids in the order given, spending the slots a reservation could take now (free, or holding an
+unpinned committed block) on them:
+- a hit here is kept: the plan pins it for its whole life, so the plan's own reservation never
+  evicts a block the lookup counted (an unpinned hit costs one slot, a pinned one none);
+- a block missing here that the tier below holds is fetched, at one slot;
+- a block being written here by another job (reserved, not committed) is neither: it is a miss
+  until that job commits it;
+- once the slots are spent, later blocks are left as they are (a later unpinned hit may become a
+  victim of the plan's reservation).
+With `prefix=True` (lookup_on_prefix) the walk also stops at the first block that neither is here
+nor can be fetched, or that no longer fits, since nothing after it extends the prefix: the head is
+spent on the prefix alone. The lookup signals (returns None) only when the walk fetches at least
+one block; otherwise it answers the hits as they stand. So a prefix longer than the head can hold
+answers the longest prefix the head can serve, and after one successful prefetch the same lookup
+answers (unless other requests evicted or pinned blocks meanwhile). `prepare_prefetch` walks again
+under the lock, so the plan matches the state it reserves against.
 """
 
 from __future__ import annotations
@@ -27,11 +44,20 @@ if TYPE_CHECKING:
 _PLAN = struct.Struct("<Q")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Signal:
+    """What a signalling lookup asked for; the plan is walked again from it at prepare time."""
+
+    ids: list[BlockId]
+    prefix: bool
+
+
 @dataclasses.dataclass
 class _Plan:
     request_id: str
-    ids: list[BlockId]
+    ids: list[BlockId]  # fetched: reserved here, pinned below when that tier is tokened
     slots: list[int]
+    kept: list[BlockId]  # hits pinned here for the plan's life
     lower_pinned: bool
     running: set[int] = dataclasses.field(default_factory=set)
     num_ok: int = 0
@@ -42,46 +68,85 @@ class CachePrefetch(Prefetchable):
     def __init__(self, store: CacheStore):
         self._s = store
         self.life = store.life
-        self._signals: dict[str, list[BlockId]] = {}
+        self._signals: dict[str, _Signal] = {}
         self._plans: dict[int, _Plan] = {}
         self._plan_numbers = itertools.count()
 
     @while_open
-    def lookup(self, request_id: str, ids: Sequence[BlockId]) -> list[bool] | None:
-        s = self._s
-        assert s.lower is not None
-        with s.lock:
-            hits = s.buffer.lookup(ids)
-            missing = [b for b, hit in zip(ids, hits) if not hit]
-            below = s.lower.lookup(missing) if missing else []
-            prefetchable = [b for b, hit in zip(missing, below) if hit]
-            if prefetchable:
-                self._signals[request_id] = prefetchable
+    def lookup(self, request_id: str, ids: Sequence[BlockId],
+               prefix: bool = False) -> list[bool] | None:
+        ids = list(ids)
+        with self._s.lock:
+            hits, _, fetch = self._walk(ids, prefix)
+            if fetch:
+                self._signals[request_id] = _Signal(ids, prefix)
                 return None
             self._signals.pop(request_id, None)
             return hits
+
+    def _walk(self, ids: list[BlockId],
+              prefix: bool) -> tuple[list[bool], list[BlockId], list[BlockId]]:
+        """(hits, kept, fetched) for `ids` as the module docstring says; caller holds the lock."""
+        s = self._s
+        assert s.lower is not None
+        buffer = s.buffer
+        hits = buffer.lookup(ids)
+        absent = [b for b, hit in zip(ids, hits) if not hit and not buffer.is_pending(b)]
+        below = dict(zip(absent, s.lower.lookup(absent))) if absent else {}
+        room = buffer.num_placeable()
+        kept: list[BlockId] = []
+        fetch: list[BlockId] = []
+        seen: set[BlockId] = set()
+        for block_id, hit in zip(ids, hits):
+            if block_id in seen:
+                continue
+            seen.add(block_id)
+            if hit:
+                cost = 0 if buffer.is_guarded(block_id) else 1
+            elif below.get(block_id, False):
+                cost = 1
+            elif prefix:
+                break
+            else:
+                continue
+            if cost > room:
+                if prefix:
+                    break
+                continue
+            room -= cost
+            (kept if hit else fetch).append(block_id)
+        return hits, kept, fetch
 
     @while_open
     def prepare_prefetch(self, request_id: str, ctx: RequestContext) -> AddressedToken:
         s = self._s
         assert s.lower is not None
         with s.lock:
-            ids = self._signals.get(request_id)
-            if ids is None:
+            signal = self._signals.get(request_id)
+            if signal is None:
                 raise InvalidParam(f"cache: request {request_id!r} has no pending prefetch "
                                    "signal; a lookup must return None first")
-            facet = s.lower.as_token_addressed()
-            if facet is not None:
-                facet.pin(ids)
+            _, kept, fetch = self._walk(signal.ids, signal.prefix)
+            s.buffer.pin(kept)
             try:
-                slots = list(s.buffer.reserve(ids, ctx.ttl_ms).slots)
+                reservation = s.buffer.reserve(fetch, ctx.ttl_ms, partial=True)
             except StoreError:
-                if facet is not None:
-                    facet.unpin(ids)
+                s.buffer.unpin(kept)
                 raise
+            ids = [b for b, slot in zip(fetch, reservation.slots) if slot is not None]
+            slots = [slot for slot in reservation.slots if slot is not None]
+            facet = s.lower.as_token_addressed()
+            if facet is not None and ids:
+                try:
+                    facet.pin(ids)
+                except StoreError:
+                    s.buffer.commit(ids, False)
+                    s.buffer.unpin(kept)
+                    raise
             del self._signals[request_id]
             number = next(self._plan_numbers)
-            self._plans[number] = _Plan(request_id, ids, slots, facet is not None)
+            self._plans[number] = _Plan(request_id, ids, slots, kept,
+                                        facet is not None and bool(ids))
             return AddressedToken(tuple(ids), _PLAN.pack(number))
 
     @while_open
@@ -121,6 +186,7 @@ class CachePrefetch(Prefetchable):
                                    f"{sorted(record.running)} not consumed yet")
             ok = bool(success) and record.num_ok > 0 and record.num_failed == 0
             s.buffer.commit(record.ids, ok)
+            s.buffer.unpin(record.kept)
             del self._plans[number]
             if record.lower_pinned:
                 facet = s.lower.as_token_addressed()

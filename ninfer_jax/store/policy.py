@@ -9,6 +9,8 @@ reserved/committed flags) and the slot lifecycle
 A subclass contributes only the discipline: `on_setup`, `on_slot_admitted`, `on_slot_touched`,
 `on_slot_released`, `select_victim_slot`. An evicted slot goes straight from committed to reserved
 for the newcomer and is reported, so the caller invalidates the victim's mapping first.
+`num_free` and `num_evictable` (committed, unpinned) are kept current in O(1), so a caller can ask
+how many newcomers would find a slot without scanning the pool.
 Block ids, visibility and TTL belong to CacheBuffer, not here. Policies register by name.
 """
 
@@ -50,6 +52,7 @@ class ReplacementPolicy(abc.ABC):
         self._next_free[-1] = capacity - 1
         self._free_head: int | None = 0
         self.num_free = capacity
+        self.num_evictable = 0
         self.on_setup(capacity)
 
     # -- the discipline -------------------------------------------------------------------------
@@ -97,11 +100,13 @@ class ReplacementPolicy(abc.ABC):
                                  "committed and unpinned")
         self.on_slot_released(victim)
         self._state[victim] = SlotState.RESERVED
+        self.num_evictable -= 1
         return AcquiredSlot(victim, evicted=True)
 
     def commit_slot(self, slot: int) -> None:
         self._expect(slot, SlotState.RESERVED)
         self._state[slot] = SlotState.COMMITTED
+        self.num_evictable += int(self._pins[slot] == 0)
         self.on_slot_admitted(slot)
 
     def abort_slot(self, slot: int) -> None:
@@ -113,6 +118,7 @@ class ReplacementPolicy(abc.ABC):
         if self._pins[slot]:
             raise AssertionError(f"slot {slot} released while pinned {self._pins[slot]} times")
         self.on_slot_released(slot)
+        self.num_evictable -= 1
         self._free(slot)
 
     def touch_slot(self, slot: int) -> None:
@@ -120,12 +126,14 @@ class ReplacementPolicy(abc.ABC):
         self.on_slot_touched(slot)
 
     def pin_slot(self, slot: int) -> None:
+        self.num_evictable -= int(self.is_evictable(slot))
         self._pins[slot] += 1
 
     def unpin_slot(self, slot: int) -> None:
         if self._pins[slot] == 0:
             raise AssertionError(f"slot {slot} unpinned more often than pinned")
         self._pins[slot] -= 1
+        self.num_evictable += int(self.is_evictable(slot))
 
     def _free(self, slot: int) -> None:
         self._state[slot] = SlotState.FREE

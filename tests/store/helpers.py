@@ -81,3 +81,38 @@ def within(seconds: float, fn, *args):
     if "error" in outcome:
         raise outcome["error"]
     return outcome.get("result")
+
+
+def register(node, rid: str, ttl_ms=None) -> None:
+    from ninfer_jax.store import RequestContext
+
+    node.on_new_request(RequestContext(rid, ttl_ms))
+
+
+def prefix_with_prefetch(node, rid: str, keys, next_job, max_lookups: int = 5):
+    """The engine's loop: lookup_on_prefix, and while it signals, prefetch and look again.
+
+    Returns (index of the last prefix hit, number of lookups); fails the test if the loop has
+    not answered after `max_lookups` lookups (a loop that would never converge).
+    """
+    for lookups in range(1, max_lookups + 1):
+        answer = node.lookup_on_prefix(rid, keys)
+        if answer is not None:
+            return answer, lookups
+        plan = node.prepare_prefetch(rid)
+        job = next_job()
+        node.submit_prefetch(job, plan)
+        assert node.wait([job])[0].success
+        node.complete_prefetch(rid)
+    pytest.fail(f"lookup_on_prefix still signals a prefetch after {max_lookups} lookups")
+
+
+def get_blocks(node, rid: str, numbers, job: int) -> None:
+    """Pins, loads and releases `numbers` through `node`; asserts their exact bytes."""
+    token = node.prepare_get(rid, ids(*numbers))
+    outs = empties(len(numbers))
+    node.submit_get(job, outs, token)
+    assert node.wait([job])[0].success
+    node.complete_get(rid)
+    for i, out in zip(numbers, outs):
+        np.testing.assert_array_equal(out.buffers[0], block_data(i))

@@ -38,7 +38,8 @@ CACHE = {"type": "store", "store": "cache", "config": {"capacity": 4, "block_byt
 AFTER_CLOSE = {"close", "wait", "get_finished"}
 # CacheStore's public helpers are called only by its facets, which check the life first.
 CACHE_HELPERS = {"check_sizes", "copy_out", "copy_in", "lower_transfer", "track",
-                 "require_idle", "mark_written", "is_written", "forget_written"}
+                 "require_idle", "mark_written", "is_written", "forget_written", "admit",
+                 "conclude", "drop_overflow"}
 
 
 def posix_node(root):

@@ -13,9 +13,17 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ninfer_jax.store import BlockPayload, InvalidParam, JobDescriptor, NoSpace, NotFound
+from ninfer_jax.store import (
+    BlockPayload,
+    CacheBuffer,
+    InvalidParam,
+    JobDescriptor,
+    NoSpace,
+    NotFound,
+    create_policy,
+)
 from ninfer_jax.store.types import RequestContext
-from tests.store.helpers import BLOCK_BYTES, FakeClock, block_data, buffer, cache_store, ids
+from tests.store.helpers import BLOCK_BYTES, FakeClock, block_data, cache_store, ids
 
 NUM_IDS = 6
 batches = st.lists(st.integers(0, NUM_IDS - 1), min_size=1, max_size=3, unique=True)
@@ -26,7 +34,8 @@ class BufferMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.clock = FakeClock()
-        self.buf = buffer(capacity=4, policy="lru", clock=self.clock)
+        self.policy = create_policy("lru", 4)
+        self.buf = CacheBuffer(4, self.policy, self.clock)
         self.committed: dict[int, float | None] = {}  # block -> deadline, may be evicted
         self.pins: dict[int, int] = {}
         self.refs: dict[int, int] = {}
@@ -37,12 +46,15 @@ class BufferMachine(RuleBasedStateMachine):
         d = self.committed.get(i)
         return i in self.committed and (d is None or d > self.clock.now)
 
-    @rule(batch=batches, ttl=ttls)
-    def reserve(self, batch, ttl):
+    @rule(batch=batches, ttl=ttls, partial=st.booleans())
+    def reserve(self, batch, ttl, partial):
         try:
-            res = self.buf.reserve(ids(*batch), ttl)
+            res = self.buf.reserve(ids(*batch), ttl, partial=partial)
         except NoSpace:
+            assert not partial, "a partial reservation never fails for want of space"
             return
+        unplaced = {int.from_bytes(b.bytes, "little") for b in res.unplaced}
+        assert [slot is None for slot in res.slots] == [i in unplaced for i in batch]
         for block in res.evicted:
             victim = int.from_bytes(block.bytes, "little")
             assert not self.pins.get(victim) and not self.refs.get(victim), "guarded victim"
@@ -51,6 +63,9 @@ class BufferMachine(RuleBasedStateMachine):
             if i in self.committed and not self._live(i) and self.pins.get(i, 0) == 0 \
                     and self.refs.get(i, 0) == 0:
                 del self.committed[i]
+            if i in unplaced:
+                assert i not in self.committed and not self.refs.get(i), "a known block unplaced"
+                continue
             if self.refs.get(i, 0) == 0:
                 self.success[i] = False
             self.refs[i] = self.refs.get(i, 0) + 1
@@ -126,6 +141,13 @@ class BufferMachine(RuleBasedStateMachine):
     def pool_accounting(self):
         held = self.buf.pending_ids() | self.buf.committed_ids()
         assert len(held) + self.buf.num_free_slots() <= self.buf.capacity
+        evictable = sum(self.policy.is_evictable(slot) for slot in range(self.buf.capacity))
+        assert self.buf.num_placeable() == self.buf.num_free_slots() + evictable
+
+    @invariant()
+    def counters_match_reference(self):
+        assert self.buf.num_pins() == sum(self.pins.values())
+        assert self.buf.num_allocs() == sum(self.refs.values())
 
 
 TestBufferModel = BufferMachine.TestCase

@@ -5,9 +5,14 @@ Dispatches by capability: lookups go to the Prefetchable facet when present, els
 lookup; transfers go to the TokenAddressed facet when present, else the base load/dump. For an
 untokened store, prepare_get/put mint keys-only tokens without calling the store; for a store
 that cannot prefetch, submit_prefetch synthesizes a successful completion. Leftover windows are
-closed best-effort when a request finishes (G11). After `close()` (idempotent; the first call
-closes the store) every call but `wait`/`get_finished` raises InvalidParam at once, and the
-completions of jobs that were in flight stay consumable.
+closed best-effort when a request finishes (G11): a window with no unconsumed job at once; one
+with unconsumed jobs when the last of them is consumed by get_finished/wait (G4: a slot is never
+released under a transfer, and never left held once its jobs are consumed). A job belongs to
+every window whose token equals the one it was submitted with (the token prepare_* returned),
+so a job submitted on a finished request's token also holds back that window's release. After
+`close()` (idempotent; the first call closes the store) every call but `wait`/`get_finished`
+raises InvalidParam at once, the completions of jobs that were in flight stay consumable, and
+releases still waiting on them are dropped with the store.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from collections.abc import Sequence
 from ninfer_jax.store.base import Store, lookup_on_prefix, lookup_on_reverse
 from ninfer_jax.store.errors import InvalidParam, NotFound, StoreError
 from ninfer_jax.store.jobs import JobTable
-from ninfer_jax.store.lifecycle import Lifecycle, while_open
+from ninfer_jax.store.lifecycle import Lifecycle, State, while_open
 from ninfer_jax.store.proxy.api import Keys, StoreNode
 from ninfer_jax.store.types import (
     AddressedToken,
@@ -42,6 +47,22 @@ class _Request:
     windows: dict[str, AddressedToken] = dataclasses.field(default_factory=dict)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    synthesized: bool  # completed here (a prefetch on a store that cannot prefetch)
+    token: AddressedToken
+
+
+@dataclasses.dataclass
+class _Deferred:
+    """A finished request's window, released once every job in `pending` is consumed."""
+
+    request_id: str
+    kind: str
+    token: AddressedToken
+    pending: set[int]
+
+
 class StoreEntry(StoreNode):
     def __init__(self, store: Store):
         self.store = store
@@ -49,7 +70,8 @@ class StoreEntry(StoreNode):
         self._prefetchable = store.as_prefetchable()
         self._lock = threading.RLock()
         self._requests: dict[str, _Request] = {}
-        self._in_flight: dict[int, bool] = {}  # job id -> synthesized here (not in the store)
+        self._in_flight: dict[int, _Job] = {}
+        self._deferred: list[_Deferred] = []
         self._synthesized = JobTable(f"{store.name} entry")
         self.life = Lifecycle(f"{store.name} entry", opened=True)
 
@@ -67,12 +89,14 @@ class StoreEntry(StoreNode):
         with self._lock:
             request = self._request(request_id)
             for kind in WINDOW_KINDS:
-                if kind in request.windows:
-                    try:
-                        self._close_window(request, kind, success=False)
-                    except StoreError as e:
-                        _log.warning("request %r: leftover %s window not released: %s",
-                                     request_id, kind, e)
+                token = request.windows.pop(kind, None)
+                if token is None:
+                    continue
+                pending = {j for j, job in self._in_flight.items() if job.token == token}
+                if pending:
+                    self._deferred.append(_Deferred(request_id, kind, token, pending))
+                else:
+                    self._release_leftover(request_id, kind, token)
             del self._requests[request_id]
 
     @while_open
@@ -83,20 +107,23 @@ class StoreEntry(StoreNode):
     # -- lookups --------------------------------------------------------------------------------
     @while_open
     def lookup(self, request_id: str, keys: Keys) -> list[bool] | None:
-        ids = as_block_ids(keys)
-        with self._lock:
-            self._request(request_id)
-        if self._prefetchable is not None:
-            return self._prefetchable.lookup(request_id, ids)
-        return self.store.lookup(ids)
+        return self._lookup(request_id, keys, prefix=False)
 
     @while_open
     def lookup_on_prefix(self, request_id: str, keys: Keys) -> int | None:
-        return lookup_on_prefix(self.lookup(request_id, keys))
+        return lookup_on_prefix(self._lookup(request_id, keys, prefix=True))
 
     @while_open
     def lookup_on_reverse(self, request_id: str, keys: Keys) -> int | None:
         return lookup_on_reverse(self.lookup(request_id, keys))
+
+    def _lookup(self, request_id: str, keys: Keys, prefix: bool) -> list[bool] | None:
+        ids = as_block_ids(keys)
+        with self._lock:
+            self._request(request_id)
+        if self._prefetchable is not None:
+            return self._prefetchable.lookup(request_id, ids, prefix)
+        return self.store.lookup(ids)
 
     @while_open
     def touch(self, request_id: str, keys: Keys) -> None:
@@ -152,14 +179,23 @@ class StoreEntry(StoreNode):
 
     def _close_window(self, request: _Request, kind: str, success: bool) -> None:
         """Releases the window's store state; the window stays open if the store refuses."""
-        token = request.windows[kind]
+        self._release_window(kind, request.windows[kind], success)
+        del request.windows[kind]
+
+    def _release_leftover(self, request_id: str, kind: str, token: AddressedToken) -> None:
+        """Best-effort release of a finished request's window (G11): a refusal is logged."""
+        try:
+            self._release_window(kind, token, success=False)
+        except StoreError as e:
+            _log.warning("request %r: leftover %s window not released: %s", request_id, kind, e)
+
+    def _release_window(self, kind: str, token: AddressedToken, success: bool) -> None:
         if kind == "get" and self._tokened:
             self._tokened.unpin(token.keys)
         elif kind == "put" and self._tokened:
             self._tokened.commit(token.keys, success)
         elif kind == "prefetch" and self._prefetchable:
             self._prefetchable.complete_prefetch(token, success)
-        del request.windows[kind]
 
     def _request(self, request_id: str) -> _Request:
         request = self._requests.get(request_id)
@@ -180,7 +216,7 @@ class StoreEntry(StoreNode):
 
     @while_open
     def submit_prefetch(self, job_id: int, token: AddressedToken) -> None:
-        self._claim(job_id, synthesized=self._prefetchable is None)
+        self._claim(job_id, _Job(self._prefetchable is None, token))
         try:
             if self._prefetchable is None:
                 self._synthesized.accept(job_id)
@@ -201,7 +237,7 @@ class StoreEntry(StoreNode):
                                "token carries a payload")
         job = JobDescriptor(list(token.keys), list(payloads),
                             prerequisite=None if io is None else io.prerequisite)
-        self._claim(job_id, synthesized=False)
+        self._claim(job_id, _Job(False, token))
         try:
             if self._tokened is not None:
                 getattr(self._tokened, kind)(job_id, job, token)
@@ -211,15 +247,27 @@ class StoreEntry(StoreNode):
             self._release(job_id)
             raise
 
-    def _claim(self, job_id: int, synthesized: bool) -> None:
+    def _claim(self, job_id: int, job: _Job) -> None:
         with self._lock:
             if job_id in self._in_flight:
                 raise InvalidParam(f"job id {job_id} is already in flight")
-            self._in_flight[job_id] = synthesized
+            self._in_flight[job_id] = job
+            for deferred in self._deferred:
+                if deferred.token == job.token:
+                    deferred.pending.add(job_id)
 
     def _release(self, job_id: int) -> None:
+        """Forgets a consumed (or refused) job; releases the deferred windows it held last."""
         with self._lock:
             self._in_flight.pop(job_id, None)
+            if self.life.state is State.CLOSED:
+                self._deferred.clear()
+                return
+            for deferred in list(self._deferred):
+                deferred.pending.discard(job_id)
+                if not deferred.pending:
+                    self._deferred.remove(deferred)
+                    self._release_leftover(deferred.request_id, deferred.kind, deferred.token)
 
     def get_finished(self) -> list[IoResult]:
         results = self.store.get_finished() + self._synthesized.get_finished()
@@ -233,7 +281,7 @@ class StoreEntry(StoreNode):
             for job_id in job_ids:
                 if job_id not in self._in_flight:
                     raise NotFound(f"job id {job_id} is not in flight")
-            synthesized = [j for j in job_ids if self._in_flight[j]]
+            synthesized = [j for j in job_ids if self._in_flight[j].synthesized]
         stored = [j for j in job_ids if j not in synthesized]
         by_id = {r.job_id: r for r in self.store.wait(stored) + self._synthesized.wait(synthesized)}
         for job_id in job_ids:
