@@ -1,6 +1,8 @@
 """The `posix` store: one checksummed file per block under a root directory.
 
-Config: `root` (directory, created if absent), `num_threads` (transfer threads, default 4).
+Config: `root` (directory, created if absent), `num_threads` (transfer threads, default 4),
+`block_bytes` (optional: every block is exactly this many bytes; a dump or load of another size is
+refused at submit) and `piped_lower_store` (injected by a pipe: the tier below).
 
 Layout: `root/blocks/<hh>/<hex>.blk` (committed blocks, fanned out by the id's first byte),
 `root/tmp/` (writes in progress, named per writer; see posix_files), and `root/quarantine/`
@@ -23,6 +25,24 @@ load verifies the data it copies, so corruption that keeps the identity (bit rot
 unchanged inode) fails the load and quarantines the file. Timestamps must come from this
 machine's clock (a local filesystem). This store is untokened: a successful dump is its commit
 (the rename), and it never evicts.
+
+With a tier below (a middle tier of a pipe, e.g. cache -> posix -> redis), it behaves as the cache
+tier does with one:
+- Write-through: a dump first stores its blocks below (lower.py) and only then writes its files,
+  so it succeeds only once the tier below holds every block too; a failure below fails the job
+  and leaves no file here.
+- `lookup(ids)` (the base lookup, which a tier above calls on this one) reports a block as a hit
+  if it is a verified file here OR the tier below reports it (asked only for the blocks missing
+  here, so a block can come up from any depth); a failure below is OsApiError as usual.
+- `load` reads the blocks it has here and fetches the rest from below in one lower load (a
+  block whose file fails verification is quarantined and fetched too), then writes them here,
+  best-effort (a failed write is logged; the load still succeeds). Bytes from below are verified
+  by that tier; the file written holds exactly them.
+- Prefetchable (posix_prefetch) when `block_bytes` is also given (a prefetch has no caller's
+  buffer to size its reads by): its lookup answers hits here or the prefetch signal, and a
+  prefetch writes the blocks below as files here. Without `block_bytes` there is no facet and
+  the base lookup and load above serve every block, from here or from below.
+`touch` is not passed down (retention below is that tier's own), as in the cache tier.
 """
 
 from __future__ import annotations
@@ -30,6 +50,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import logging
 import os
 import pathlib
 import stat
@@ -41,13 +62,17 @@ from typing import Any
 
 from ninfer_jax.store import posix_files as files
 from ninfer_jax.store.base import Prefetchable, Store, TokenAddressed
-from ninfer_jax.store.config import get_int, get_str, require_mapping
+from ninfer_jax.store.config import get_int, get_str, reject_unknown, require_mapping
 from ninfer_jax.store.errors import InvalidParam, OsApiError
 from ninfer_jax.store.jobs import JobTable
 from ninfer_jax.store.lifecycle import Lifecycle, while_open
+from ninfer_jax.store.lower import LowerTier
+from ninfer_jax.store.posix_prefetch import PosixPrefetch
 from ninfer_jax.store.transfer import TransferPool
 from ninfer_jax.store.types import BlockId, BlockPayload, IoResult, JobDescriptor
 
+_log = logging.getLogger(__name__)
+_FIELDS = ("root", "num_threads", "block_bytes", "piped_lower_store")
 MAX_VERIFIED = 1 << 16  # remembered verifications (oldest forgotten first)
 SETTLE_NS = 2_000_000_000  # a file's timestamps must be this old for its check to be remembered
 
@@ -61,15 +86,12 @@ class PosixStore(Store):
     def setup(self, config: Mapping[str, Any]) -> None:
         self.life.require_new("setup")
         config = require_mapping(config, "posix")
-        if "piped_lower_store" in config:
-            raise InvalidParam("posix: must be the last tier of a pipe (it has no tier below "
-                               "to write through to)")
-        unknown = sorted(set(config) - {"root", "num_threads"})
-        if unknown:
-            raise InvalidParam(f"posix: unknown config field(s) {unknown}; known: "
-                               "['num_threads', 'root']")
+        reject_unknown(config, _FIELDS, "posix")
         self.root = pathlib.Path(get_str(config, "root", "posix"))
         num_threads = get_int(config, "num_threads", "posix", default=4, minimum=1)
+        self.block_bytes = (None if config.get("block_bytes") is None
+                            else get_int(config, "block_bytes", "posix", minimum=1))
+        self._lower = LowerTier.from_config(config, "posix")
         self._blocks = self.root / "blocks"
         self._tmp = self.root / "tmp"
         self._quarantine = self.root / "quarantine"
@@ -90,6 +112,10 @@ class PosixStore(Store):
         self._verified_lock = threading.Lock()
         self._jobs = JobTable("posix")
         self._pool = TransferPool("posix", num_threads)
+        self._prefetch = None
+        if self._lower is not None and self.block_bytes is not None:
+            self._prefetch = PosixPrefetch(self.life, self._lower, self._jobs, self._pool,
+                                           self.block_bytes, self._present, self._write)
         self.life.open()
 
     @while_open
@@ -98,7 +124,7 @@ class PosixStore(Store):
 
     @while_open
     def as_prefetchable(self) -> Prefetchable | None:
-        return None
+        return self._prefetch
 
     @while_open
     def path_of(self, block_id: BlockId) -> pathlib.Path:
@@ -106,8 +132,13 @@ class PosixStore(Store):
 
     @while_open
     def lookup(self, ids: Sequence[BlockId]) -> list[bool]:
-        """Hits are verified block files; a permission or I/O failure raises OsApiError."""
-        return [self._present(block_id) for block_id in ids]
+        """Hits are verified block files, or blocks the tier below reports (if there is one);
+        a permission or I/O failure, here or below, raises OsApiError."""
+        hits = [self._present(block_id) for block_id in ids]
+        if self._lower is None:
+            return hits
+        below = iter(self._lower.lookup([b for b, hit in zip(ids, hits) if not hit]))
+        return [hit or next(below) for hit in hits]
 
     @while_open
     def touch(self, ids: Sequence[BlockId], ttl_ms: int | None) -> None:
@@ -116,15 +147,19 @@ class PosixStore(Store):
 
     @while_open
     def load(self, job_id: int, job: JobDescriptor) -> None:
+        """Reads files here; with a tier below, blocks missing here are read from it."""
+        self._check_sizes(job)
         self._jobs.accept(job_id)
         self._pool.start(self._jobs, job_id, job.prerequisite,
-                         lambda: all(self._read(b, p) for b, p in zip(job.block_ids, job.payloads)))
+                         lambda: self._load(job.block_ids, job.payloads))
 
     @while_open
     def dump(self, job_id: int, job: JobDescriptor) -> None:
+        """Writes through to the tier below (if any), then writes the files here."""
+        self._check_sizes(job)
         self._jobs.accept(job_id)
         self._pool.start(self._jobs, job_id, job.prerequisite,
-                         lambda: all(self._write(b, p) for b, p in zip(job.block_ids, job.payloads)))
+                         lambda: self._dump(job.block_ids, job.payloads))
 
     def get_finished(self) -> list[IoResult]:
         self.life.require_set_up("get_finished")
@@ -143,6 +178,37 @@ class PosixStore(Store):
     @while_open
     def quarantined(self) -> list[pathlib.Path]:
         return sorted(self._quarantine.iterdir())
+
+    # -- jobs -------------------------------------------------------------------------------------
+    def _check_sizes(self, job: JobDescriptor) -> None:
+        if self.block_bytes is None:
+            return
+        for block_id, payload in zip(job.block_ids, job.payloads):
+            if payload.nbytes != self.block_bytes:
+                raise InvalidParam(f"posix: payload of block {block_id.hex()} has "
+                                   f"{payload.nbytes} bytes, block_bytes is {self.block_bytes}")
+
+    def _load(self, ids: list[BlockId], payloads: list[BlockPayload]) -> bool:
+        if self._lower is None:
+            return all(self._read(b, p) for b, p in zip(ids, payloads))
+        missing = [i for i, (b, p) in enumerate(zip(ids, payloads)) if not self._read(b, p)]
+        if not missing:
+            return True
+        ids, payloads = [ids[i] for i in missing], [payloads[i] for i in missing]
+        if not self._lower.load(ids, payloads, pinned=False):
+            return False
+        for block_id, payload in zip(ids, payloads):
+            try:
+                self._write(block_id, payload)
+            except OsApiError as e:
+                _log.warning("posix: block %s was read from the tier below but not stored "
+                             "here: %s", block_id.hex(), e)
+        return True
+
+    def _dump(self, ids: list[BlockId], payloads: list[BlockPayload]) -> bool:
+        if self._lower is not None and not self._lower.dump(ids, payloads):
+            return False
+        return all(self._write(b, p) for b, p in zip(ids, payloads))
 
     # -- verification memory --------------------------------------------------------------------
     def _is_verified(self, block_id: BlockId, ident: files.Identity) -> bool:

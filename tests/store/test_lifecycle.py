@@ -104,6 +104,13 @@ def _cache_with_lower(tmp_path):
     return cache_store(lower=_posix(tmp_path))
 
 
+def _posix_with_lower(tmp_path):
+    store = PosixStore()
+    store.setup({"root": str(tmp_path), "block_bytes": BLOCK_BYTES,
+                 "piped_lower_store": cache_store()})
+    return store
+
+
 def _store(make):
     def build(tmp_path):
         store = make(tmp_path)
@@ -146,6 +153,8 @@ CASES = {
     "cache token facet": (_facet(lambda tmp: cache_store(), "as_token_addressed"),
                           [TokenAddressed], TOKEN_CALLS),
     "prefetching cache": (_facet(_cache_with_lower, "as_prefetchable"), [Prefetchable],
+                          PREFETCH_CALLS),
+    "prefetching posix": (_facet(_posix_with_lower, "as_prefetchable"), [Prefetchable],
                           PREFETCH_CALLS),
     "entry": (_node(lambda tmp: CACHE), [StoreNode],
               {**node_calls(UNFRAMED), "context": lambda n: n.context("r")}),
@@ -245,6 +254,7 @@ IN_FLIGHT = {
     "posix": (_posix, _submit_store),
     "cache token facet": (lambda tmp: cache_store(), _submit_token),
     "prefetching cache": (_cache_with_lower, _submit_token),
+    "posix over cache": (_posix_with_lower, _submit_store),
     "entry": (lambda tmp: _registered(CACHE), _submit_node),
     "pipe": (lambda tmp: _registered(_pipe(tmp)), _submit_node),
     "peer": (lambda tmp: _registered(_peer(tmp)), _submit_node),
@@ -296,10 +306,11 @@ class FiresOnceClosing:
         return True
 
 
-@pytest.mark.parametrize("kind", ["cache", "cache over posix", "posix"])
+@pytest.mark.parametrize("kind", ["cache", "cache over posix", "posix", "posix over cache"])
 def test_a_transfer_under_way_when_close_begins_keeps_its_outcome(tmp_path, kind):
     store = {"cache": lambda: cache_store(), "cache over posix": lambda: _cache_with_lower(tmp_path),
-             "posix": lambda: _posix(tmp_path)}[kind]()
+             "posix": lambda: _posix(tmp_path),
+             "posix over cache": lambda: _posix_with_lower(tmp_path)}[kind]()
     store.dump(1, JobDescriptor(B, payloads([1])))
     assert store.wait([1])[0].success
     outs = empties(1)

@@ -337,7 +337,7 @@ def test_posix_unwritable_root_is_os_api_error(tmp_path):
 
 @pytest.mark.parametrize("config,field", [({}, "root"), ({"root": "/tmp/x", "n": 1}, "n"),
                                           ({"root": "/tmp/x", "piped_lower_store": 1},
-                                           "last tier")])
+                                           "'piped_lower_store' must be a Store")])
 def test_posix_config_errors(config, field):
     with pytest.raises(InvalidParam, match=field):
         PosixStore().setup(config)
