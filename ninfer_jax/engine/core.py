@@ -419,7 +419,7 @@ class EngineCore:
         above = 0 if source is None else source.frontier
         if r.prompt_tokens - 1 <= above:
             return None
-        victims = [v for v in self.catalog.eviction_order(keep=source)] if may_evict else []
+        victims = self.catalog.eviction_order(keep=source) if may_evict else []
         need = self.program.pages_needed(r.prompt_tokens, r.sampling.max_new_tokens) + 2
         if not (self.program.slots.num_free and self.program.pages.num_available
                 + self.program.reclaimable_pages([v.ckpt for v in victims]) >= need):
@@ -592,8 +592,8 @@ class EngineCore:
             _best_effort(self.program.abort_pending, pending)
         for handle in self.program.handles():
             _best_effort(self.program.release, handle)
-        for entry in self.catalog.entries():
-            _best_effort(self._drop_checkpoint, entry, False, False)
+        for entry in self.catalog.entries():  # a clean close still stores what it retained
+            _best_effort(self._drop_checkpoint, entry, False, closing)
         self.resources.clear()
         error = message if closing else f"engine_failed: {message}"
         for r in self._active + list(self.scheduler.waiting) + self._drain_inbox():

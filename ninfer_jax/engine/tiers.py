@@ -259,10 +259,11 @@ class ContextTiers:
         except StoreError as e:
             self._error("finish", e)
 
-    def _lookup(self, rid: str, ids: list[BlockId]) -> list[bool]:
-        """Hits of `ids` through the prefetch cycle; a lookup that keeps signalling is a miss."""
+    def _lookup(self, rid: str, ids: list[BlockId], prefix: bool = False):
+        """Hits of `ids` through the prefetch cycle (with `prefix`: the index of the last hit
+        of the run of hits from the first); a lookup that keeps signalling is a miss."""
         for _ in range(PREFETCH_ROUNDS):
-            hits = self.node.lookup(rid, ids)
+            hits = self.node.lookup_on_prefix(rid, ids) if prefix else self.node.lookup(rid, ids)
             if hits is not None:
                 return hits
             if len(self._tiers) > 1:
@@ -274,26 +275,23 @@ class ContextTiers:
                 ok = self.node.wait([job])[0].success
             finally:
                 self.node.complete_prefetch(rid, ok)
-        return [False] * len(ids)
+        return -1 if prefix else [False] * len(ids)
 
     def _run_length(self, rid: str, ids: list[BlockId]) -> int:
         """How many of `ids`, from the first, are stored."""
-        run = 0
-        for hit in self._lookup(rid, ids) if ids else []:
-            if not hit:
-                break
-            run += 1
-        return run
+        return self._lookup(rid, ids, prefix=True) + 1 if ids else 0
 
     def _note_origins(self, ids: list[BlockId]) -> None:
-        """Before a prefetch moves them up: which tier below the head holds each missing id."""
+        """Before a prefetch moves them up: the highest tier holding each missing id itself
+        (a middle tier's plain lookup also reports the tiers below it)."""
         try:
-            missing = [b for b, hit in zip(ids, self._tiers[0].lookup(ids)) if not hit]
-            for rank in range(1, len(self._tiers)):
+            missing = list(ids)
+            for rank, tier in enumerate(self._tiers):
                 if not missing:
                     break
-                hits = self._tiers[rank].lookup(missing)
-                self._origins.update({b: rank for b, hit in zip(missing, hits) if hit})
+                probe = getattr(tier, "lookup_here", tier.lookup)
+                hits = probe(missing)
+                self._origins.update({b: rank for b, hit in zip(missing, hits) if hit and rank})
                 missing = [b for b, hit in zip(missing, hits) if not hit]
         except StoreError as e:  # statistics only
             log.debug("context store: tier probe failed: %s", e)

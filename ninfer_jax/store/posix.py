@@ -141,6 +141,11 @@ class PosixStore(Store):
         return [hit or next(below) for hit in hits]
 
     @while_open
+    def lookup_here(self, ids: Sequence[BlockId]) -> list[bool]:
+        """Hits among this tier's own files only (not the tiers below)."""
+        return [self._present(block_id) for block_id in ids]
+
+    @while_open
     def touch(self, ids: Sequence[BlockId], ttl_ms: int | None) -> None:
         """No retention here: blocks stay until deleted."""
         del ids, ttl_ms

@@ -113,6 +113,19 @@ def test_disk_and_redis(writer, stores, tier):
         _check(result, engine)
 
 
+def test_redis_below_an_empty_disk(stores, writer, tmp_path):
+    """host -> disk -> Redis, the history only in Redis: it comes up through the disk tier
+    (and is written there on the way)."""
+    disk = {"store": "posix", "config": {"root": str(tmp_path)}}
+    with _open(_pipe(stores["cache"], disk, stores["redis"])) as engine:
+        engine.follow_up = writer.follow_up
+        result = engine.generate(engine.follow_up, sampling=GREEDY)
+        assert result.usage.cached_tokens >= writer.history_tokens
+        assert _hits(engine) == {"cache": 0, "posix": 0, "redis": 1}
+        assert list((tmp_path / "blocks").rglob("*.blk"))
+        _check(result, engine)
+
+
 def test_host_reload_with_mtp(stores):
     with _open(_pipe(stores["cache"]), speculative="mtp", num_speculative_tokens=2) as engine:
         first = engine.generate(HISTORY, sampling=GREEDY)

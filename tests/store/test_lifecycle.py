@@ -149,7 +149,7 @@ CASES = {
               store_calls({"capacity": 2, "block_bytes": BLOCK_BYTES})),
     "posix": (_store(_posix), [Store],
               {**store_calls({"root": "unused"}), "path_of": lambda s: s.path_of(B[0]),
-               "quarantined": lambda s: s.quarantined()}),
+               "lookup_here": lambda s: s.lookup_here(B), "quarantined": lambda s: s.quarantined()}),
     "cache token facet": (_facet(lambda tmp: cache_store(), "as_token_addressed"),
                           [TokenAddressed], TOKEN_CALLS),
     "prefetching cache": (_facet(_cache_with_lower, "as_prefetchable"), [Prefetchable],
