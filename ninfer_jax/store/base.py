@@ -128,6 +128,10 @@ class Prefetchable(abc.ABC):
     def complete_prefetch(self, plan: AddressedToken, success: bool) -> None:
         """Commits (or rolls back) the destinations and unpins the sources."""
 
+    def forget(self, request_id: str) -> None:
+        """Drops the prefetch signal a lookup of the finished request left (idempotent)."""
+        del request_id
+
 
 def lookup_on_prefix(hits: list[bool] | None) -> int | None:
     """Index of the last hit of the contiguous hit prefix, -1 for none, None passes the signal."""

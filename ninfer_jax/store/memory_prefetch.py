@@ -174,6 +174,10 @@ class CachePrefetch(Prefetchable):
         s.pool.start(s.jobs, job_id, None,
                      lambda: s.lower_transfer("load", record.ids, rows, pin_token))
 
+    def forget(self, request_id: str) -> None:
+        with self._s.lock:
+            self._signals.pop(request_id, None)
+
     @while_open
     def complete_prefetch(self, plan: AddressedToken, success: bool) -> None:
         s = self._s

@@ -103,6 +103,10 @@ class PosixPrefetch(Prefetchable):
             record.running.add(job_id)
         self._pool.start(self._jobs, job_id, None, lambda: self._move(record))
 
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self._signals.pop(request_id, None)
+
     @while_open
     def complete_prefetch(self, plan: AddressedToken, success: bool) -> None:
         """Concludes the plan; its files stay whatever `success` says (see the module doc)."""

@@ -98,6 +98,8 @@ class StoreEntry(StoreNode):
                 else:
                     self._release_leftover(request_id, kind, token)
             del self._requests[request_id]
+        if self._prefetchable is not None:
+            self._prefetchable.forget(request_id)
 
     @while_open
     def context(self, request_id: str) -> RequestContext:
