@@ -594,8 +594,8 @@ class EngineCore:
             _best_effort(self.program.abort_pending, pending)
         for handle in self.program.handles():
             _best_effort(self.program.release, handle)
-        for entry in self.catalog.entries():
-            _best_effort(self._drop_checkpoint, entry, False, False)
+        for entry in self.catalog.entries():  # a clean close still stores what was retained
+            _best_effort(self._drop_checkpoint, entry, False, closing)
         self.resources.clear()
         error = message if closing else f"engine_failed: {message}"
         for r in self._active + list(self.scheduler.waiting) + self._drain_inbox():
