@@ -429,14 +429,16 @@ class EngineCore:
         found = self.tiers.find(r.prompt.token_ids, r.cache_scope, above)
         if found is None:
             return None
+        # Read the blocks before evicting on the device: a victim not yet in the store is
+        # written there first, and that write may evict the blocks just found.
+        image = self.tiers.reload(found)
+        if image is None:
+            return None
         for victim in victims:
             if self.program.can_import(found.frontier):
                 break
             self._drop_checkpoint(victim, evicted=True)
         if not self.program.can_import(found.frontier):
-            return None
-        image = self.tiers.reload(found)
-        if image is None:
             return None
         entry = self.catalog.add(self.program.import_checkpoint(image), found.tokens,
                                  r.cache_scope)

@@ -174,6 +174,7 @@ class CachePrefetch(Prefetchable):
         s.pool.start(s.jobs, job_id, None,
                      lambda: s.lower_transfer("load", record.ids, rows, pin_token))
 
+    @while_open
     def forget(self, request_id: str) -> None:
         with self._s.lock:
             self._signals.pop(request_id, None)

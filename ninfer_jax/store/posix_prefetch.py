@@ -65,7 +65,10 @@ class PosixPrefetch(Prefetchable):
         self._plan_numbers = itertools.count()
 
     @while_open
-    def lookup(self, request_id: str, ids: Sequence[BlockId]) -> list[bool] | None:
+    def lookup(self, request_id: str, ids: Sequence[BlockId],
+               prefix: bool = False) -> list[bool] | None:
+        """`prefix` changes nothing here: this tier has no capacity to spend."""
+        del prefix
         hits = [self._present(block_id) for block_id in ids]
         missing = [b for b, hit in zip(ids, hits) if not hit]
         below = self._lower.lookup(missing)
@@ -103,6 +106,7 @@ class PosixPrefetch(Prefetchable):
             record.running.add(job_id)
         self._pool.start(self._jobs, job_id, None, lambda: self._move(record))
 
+    @while_open
     def forget(self, request_id: str) -> None:
         with self._lock:
             self._signals.pop(request_id, None)

@@ -71,6 +71,7 @@ PREFETCH_CALLS = {
     "prepare_prefetch": lambda f: f.prepare_prefetch("r", RequestContext("r")),
     "prefetch": lambda f: f.prefetch(94, AddressedToken(tuple(B), bytes(8))),
     "complete_prefetch": lambda f: f.complete_prefetch(AddressedToken(tuple(B), bytes(8)), True),
+    "forget": lambda f: f.forget("r"),
 }
 
 
