@@ -135,7 +135,8 @@ def open_tiers(config: dict | None, program: Any, identity: bytes) -> ContextTie
     except StoreError as e:
         raise ConfigError(f"context_store: {e}") from None
     root = assembler.get_scheduler()
-    tiers = list(getattr(root, "tiers", None) or [getattr(root, "store", root)])
+    # The stores, head first, for statistics and probes (none behind a peer's routing).
+    tiers = list(getattr(root, "tiers", None) or filter(None, [getattr(root, "store", None)]))
     layout = BlockLayout(identity, lim.page_size, lim.rewrites_below_frontier, lim.page_bytes,
                          lim.checkpoint_state_bytes)
     return ContextTiers(root, layout, tiers)

@@ -74,7 +74,7 @@ class ContextTiers:
         """`tiers`: the topology's stores, head first (for per-tier statistics only)."""
         self.node, self.layout, self.ttl_ms = node, layout, ttl_ms
         self._tiers = tiers
-        self._names = tuple(getattr(t, "name", type(t).__name__) for t in tiers)
+        self._names = tuple(getattr(t, "name", type(t).__name__) for t in tiers) or ("store",)
         self._requests = itertools.count()
         self._jobs = itertools.count()
         self._puts: dict[int, tuple[str, int, int]] = {}  # job -> (request, blocks, bytes)
@@ -90,7 +90,10 @@ class ContextTiers:
         kv, state = self._ids(*self.layout.checkpoint_ids(tokens, scope))
         rid = self._open("put")
         try:
-            hits = self.node.lookup(rid, kv + state) or [False] * (len(kv) + len(state))
+            hits = self.node.lookup(rid, kv + state)
+            if hits is None:  # some are below the head only: the bottom tier holds them all
+                hits = self._tiers[-1].lookup(kv + state) if self._tiers \
+                    else [False] * (len(kv) + len(state))
             pages = [i for i, hit in enumerate(hits[: len(kv)]) if not hit]
             with_state = not all(hits[len(kv):])
             if not pages and not with_state:

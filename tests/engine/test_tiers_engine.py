@@ -309,3 +309,29 @@ def test_finished_store_requests_leave_no_prefetch_signal(tmp_path):
         wait_writes(t.core)
         assert_store_quiet(t)
         assert not t.head._prefetch_facet._signals
+
+
+def test_a_peer_topology_serves_reloads(tmp_path):
+    """A peer (routing by request length) over a host tier and a disk tier, through the
+    Engine's own set-up: offloads and reloads go through whichever branch routing picks."""
+    from ninfer_jax.engine import EngineCore, EngineCoreConfig
+    from tests.engine.conftest import FRONTEND
+    from tests.engine.tier_helpers import tier_limits
+
+    program = FakeProgram(tier_limits(2), eos_id=EOS)
+    peer = {"type": "peer", "routing": {"strategy": "length", "config": {"thresholds": [4]}},
+            "branches": [{"type": "store", "store": "cache", "config": {"capacity": 64}},
+                         {"type": "store", "store": "posix", "config": {"root": str(tmp_path)}}]}
+    tiers = open_tiers(peer, program, b"fake-model")
+    core = EngineCore(program, FRONTEND, EngineCoreConfig(idle_wait_s=0.005), tiers)
+    try:
+        first = submit(core, X, 2).result(timeout=10)
+        wait_writes(core)
+        assert core.stats().tiers.offloads >= 1 and core.stats().tiers.tiers == ("store",)
+        core.clear_prefix_cache()
+        r = submit(core, X + MORE, 2).result(timeout=10)
+        assert list(r.token_ids) == want_ids(X + MORE, 2)
+        assert r.usage.cached_tokens >= len(X) and first.usage.cached_tokens == 0
+        assert dict(core.stats().tiers.hits_by_tier) == {"store": 1}
+    finally:
+        core.close()
