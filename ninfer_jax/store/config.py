@@ -6,6 +6,7 @@ raise `InvalidParam` naming the owner and the field, so a typo never silently be
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -52,6 +53,24 @@ def get_str(
             f"{owner}: config field {key!r} must be one of {sorted(choices)}, got {value!r}"
         )
     return value
+
+
+def get_float(
+    config: Mapping[str, Any], key: str, owner: str, *, default: float | None = None,
+    above: float | None = None,
+) -> float:
+    """Reads a finite number (an int is accepted); it must be greater than `above` if given."""
+    if key not in config:
+        if default is None:
+            raise InvalidParam(f"{owner}: config field {key!r} is required")
+        return default
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidParam(f"{owner}: config field {key!r} must be a finite number, "
+                           f"got {value!r}")
+    if above is not None and value <= above:
+        raise InvalidParam(f"{owner}: config field {key!r} must be > {above}, got {value}")
+    return float(value)
 
 
 def get_int_list(config: Mapping[str, Any], key: str, owner: str) -> list[int]:

@@ -1,7 +1,7 @@
 """Stores by name: a registry of built-ins plus `module:Class` paths (seed §6.6).
 
 `load_store(name_or_path)` returns a new, not yet set-up instance. A name containing ':' is an
-import path; otherwise it is looked up in the registry (`cache`, `posix`, and whatever
+import path; otherwise it is looked up in the registry (`cache`, `posix`, `redis`, and whatever
 `register_store` added). Errors: unknown name -> InvalidParam listing the known names; a module
 or class that cannot be found -> NotFound; a class that is not a Store -> InvalidParam; a
 constructor that fails -> General.
@@ -17,6 +17,7 @@ from ninfer_jax.store.errors import General, InvalidParam, NotFound
 _BUILTINS = {
     "cache": "ninfer_jax.store.memory:CacheStore",
     "posix": "ninfer_jax.store.posix:PosixStore",
+    "redis": "ninfer_jax.store.redis_store:RedisStore",
 }
 _REGISTERED: dict[str, type[Store]] = {}
 
