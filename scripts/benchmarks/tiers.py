@@ -20,8 +20,9 @@ Each topology is its own Program + EngineCore over the same random weights (MEDI
 parameters fp32, or the tiny test config) and a byte-level tokenizer. Every repetition draws a
 fresh history (no repetition reuses another's blocks) and prepares it on the three Engines
 untimed before its turns. Every source's answer must equal the recompute answer of its
-repetition; a mismatch, a reload that did not happen or a failed request is reported in
-`errors`. The disk tier is read right after it was written, so from the OS page cache.
+repetition; a mismatch, or cached tokens or a reload count other than the source implies, is
+reported in `errors`; a failed request stops the run, naming the Engine and its error. The
+disk tier is read right after it was written, so from the OS page cache.
 The weights are N(0, 0.2) so that the answer depends on the history (see WEIGHT_STD). Even so,
 random GDN layers forget fast (A_log as transformers initialises it decays the recurrent state
 by exp(g) <= 0.27 a token), so after a 32-token follow-up the check guards the K/V pages more
