@@ -51,6 +51,7 @@ class TierStats:
     reload_failures: int = 0  # found but not reloadable (a failed read, a bad image)
     store_errors: int = 0  # store calls that raised (each also a miss or a failed write)
     hits_by_tier: tuple[tuple[str, int], ...] = ()  # reloads by the highest tier holding them
+    evictions_by_tier: tuple[tuple[str, int], ...] = ()  # blocks evicted by host-memory tiers
     reload_seconds: float = 0.0  # total, lookup to import
     last_reload_seconds: float = 0.0
 
@@ -235,7 +236,9 @@ class ContextTiers:
 
     # Life and statistics -----------------------------------------------------------------------
     def stats(self) -> TierStats:
-        return self._stats
+        evictions = tuple((name, tier.buffer.evictions) for name, tier in
+                          zip(self._names, self._tiers) if hasattr(tier, "buffer"))
+        return dataclasses.replace(self._stats, evictions_by_tier=evictions)
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Waits for the writes in flight (so a clean shutdown leaves them stored), then closes

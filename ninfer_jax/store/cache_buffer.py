@@ -64,6 +64,7 @@ class CacheBuffer:
         self._slot_owner: dict[int, BlockId] = {}
         self._expiry = ExpiryQueue()
         self._num_deadlines = 0
+        self.evictions = 0  # committed blocks evicted for newcomers (rolled-back ones excluded)
 
     @property
     def capacity(self) -> int:
@@ -178,6 +179,7 @@ class CacheBuffer:
         except NoSpace:
             self._rollback(journal)
             raise
+        self.evictions += len(evicted)
         return Reservation(tuple(slots), tuple(evicted), tuple(unplaced))
 
     def commit(self, ids: Sequence[BlockId], success: bool) -> None:

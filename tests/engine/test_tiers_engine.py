@@ -335,3 +335,12 @@ def test_a_peer_topology_serves_reloads(tmp_path):
         assert dict(core.stats().tiers.hits_by_tier) == {"store": 1}
     finally:
         core.close()
+
+
+def test_host_tier_evictions_are_counted(tmp_path):
+    with tiered_engine(tmp_path, capacity=4) as t:
+        for i in range(3):
+            submit(t.core, X + [i], 2).result(timeout=10)
+            wait_writes(t.core)
+        evicted = dict(t.core.stats().tiers.evictions_by_tier)
+        assert evicted == {"cache": t.head.buffer.evictions} and evicted["cache"] > 0

@@ -33,6 +33,16 @@ def test_evictees_are_reported():
     admit(buf, [1, 2])
     res = buf.reserve(ids(3))
     assert res.evicted == (bid(1),) and buf.lookup(ids(1)) == [False]
+    assert buf.evictions == 1
+
+
+def test_evictions_of_a_rolled_back_reservation_are_not_counted():
+    buf = buffer(capacity=3)
+    admit(buf, [1, 2, 3])
+    buf.pin(ids(3))
+    with pytest.raises(NoSpace):  # 4 and 5 evict 1 and 2, then 6 finds no slot
+        buf.reserve(ids(4, 5, 6))
+    assert buf.evictions == 0 and buf.lookup(ids(1, 2)) == [True, True]
 
 
 def test_pin_is_atomic():

@@ -120,6 +120,12 @@ def _tier_metrics(t: Any) -> Iterator[Metric]:
     for tier, n in t.hits_by_tier:
         hits.add_metric([tier], n)
     yield hits
+    evictions = CounterMetricFamily("ninfer_store_evictions", "blocks evicted by a host-memory "
+                                    "tier (they stay readable from the tiers below)",
+                                    labels=["tier"])
+    for tier, n in t.evictions_by_tier:
+        evictions.add_metric([tier], n)
+    yield evictions
 
 
 class Metrics:
