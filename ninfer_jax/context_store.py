@@ -129,7 +129,9 @@ def open_tiers(config: dict | None, program: Any, identity: bytes) -> ContextTie
     lim = program.limits
     if not lim.total_checkpoint_slots or not lim.page_bytes:
         raise ConfigError("context_store needs prefix checkpoints (num_checkpoint_slots > 0)")
-    fill(config, lim.page_bytes)
+    layout = BlockLayout(identity, lim.page_size, lim.rewrites_below_frontier, lim.page_bytes,
+                         lim.checkpoint_state_bytes)
+    fill(config, layout.block_bytes)
     try:
         assembler = StoreAssembler(config)
     except StoreError as e:
@@ -137,6 +139,4 @@ def open_tiers(config: dict | None, program: Any, identity: bytes) -> ContextTie
     root = assembler.get_scheduler()
     # The stores, head first, for statistics and probes (none behind a peer's routing).
     tiers = list(getattr(root, "tiers", None) or filter(None, [getattr(root, "store", None)]))
-    layout = BlockLayout(identity, lim.page_size, lim.rewrites_below_frontier, lim.page_bytes,
-                         lim.checkpoint_state_bytes)
     return ContextTiers(root, layout, tiers)

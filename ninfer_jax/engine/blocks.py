@@ -1,8 +1,8 @@
 """How a prefix checkpoint becomes content-addressed store blocks (DESIGN §7, §11).
 
-Owns the block ids and the state image's envelope; imports no jax. Every block has the same
-size, one K/V page over all attention layers (`page_bytes`), so one store configuration holds
-them all:
+Owns the block ids, the K/V blocks' tags and the state image's envelope; imports no jax. Every
+block has the same size, `block_bytes`: one K/V page over all attention layers (`page_bytes`)
+and a tag, so one store configuration holds them all:
 
 - K/V blocks. A checkpoint at frontier F has ceil(F / page_size) pages. Page i < last is a
   *full* block; its id chains the previous block's id, the page's tokens and the `lookahead`
@@ -11,6 +11,8 @@ them all:
   a *tail* block: its id chains the previous id and the tokens of the page below F, and the
   Program zeroes what is not determined by them (positions >= F, and the head's K/V at F - 1),
   so one id means one content (G1). Two checkpoints sharing a prefix share its full blocks.
+  Each K/V block ends with a tag, a blake2b of its bytes keyed by its id, checked when a reload
+  reads it: a store that serves another block's bytes, or damaged ones, causes a miss.
 - State blocks. The GDN state image (plus the MTP context) is keyed by the digest of the whole
   prefix, wrapped in an envelope (magic, frontier, prefix digest, length, blake2b of the image)
   and split into blocks of the same size. The envelope is checked when a reload assembles them,
@@ -30,6 +32,7 @@ import numpy as np
 
 _ENVELOPE = struct.Struct("<8sQ16sQ32s")  # magic, frontier, prefix digest, image bytes, blake2b
 _MAGIC = b"NICKPT01"
+TAG_BYTES = 16
 
 
 class ImageError(ValueError):
@@ -53,8 +56,13 @@ class BlockLayout:
     identity: bytes  # the model package: weights digest, dtype, page layout
     page_size: int
     lookahead: int  # positions after a page its K/V depend on (1 with MTP, else 0)
-    block_bytes: int  # one K/V page over all attention layers
+    page_bytes: int  # one K/V page over all attention layers
     state_bytes: int  # one GDN state image (+ MTP context)
+
+    @property
+    def block_bytes(self) -> int:
+        """What every block stores: a page and its tag."""
+        return self.page_bytes + TAG_BYTES
 
     @property
     def state_blocks(self) -> int:
@@ -103,6 +111,19 @@ class BlockLayout:
         full = self.full_ids(tokens, scope, f)[: (f - 1) // self.page_size]
         kv = full + [self.tail_id(tokens, f, full, scope)]
         return kv, self.state_ids(self.prefix_digests(tokens, scope, [f])[f])
+
+    @staticmethod
+    def tag(block_id: bytes, buffers) -> np.ndarray:
+        """The tag of a K/V block: blake2b of its page bytes, keyed by its id."""
+        h = hashlib.blake2b(digest_size=TAG_BYTES, key=block_id)
+        for buffer in buffers:
+            h.update(np.ascontiguousarray(buffer).reshape(-1).view(np.uint8))
+        return np.frombuffer(h.digest(), np.uint8).copy()
+
+    def check(self, block_id: bytes, block: np.ndarray) -> bool:
+        """Whether a K/V block read back carries its own tag."""
+        page = block[: self.page_bytes]
+        return bool(np.array_equal(self.tag(block_id, [page]), block[self.page_bytes:]))
 
     def seal(self, state: np.ndarray, frontier: int, digest: bytes) -> np.ndarray:
         """The state image in its envelope, padded to whole blocks: [state_blocks, block_bytes]."""

@@ -102,7 +102,8 @@ class ContextTiers:
                 return
             image = program.export_checkpoint(ckpt, pages)
             ids = [kv[i] for i in pages]
-            payloads = [BlockPayload(list(image.pages[i])) for i in pages]
+            payloads = [BlockPayload([*image.pages[i], self.layout.tag(kv[i].bytes, image.pages[i])])
+                        for i in pages]
             if with_state:
                 digest = self.layout.prefix_digests(tokens, scope, [len(tokens)])[len(tokens)]
                 sealed = self.layout.seal(image.state, len(tokens), digest)
@@ -217,12 +218,18 @@ class ContextTiers:
         finally:
             self._finish(rid)
         if ok:
+            kv = buffers[: len(found.kv)]
+            bad = [i for i, (b, block) in enumerate(zip(found.kv, kv))
+                   if not self.layout.check(b.bytes, block)]
             try:
+                if bad:
+                    raise ImageError(f"K/V block(s) {bad} of frontier {found.frontier} do not "
+                                     "carry their own tags")
                 state = self.layout.open(np.stack(buffers[len(found.kv):]), found.frontier,
                                          found.digest)
                 self._count(bytes_loaded=len(ids) * self.layout.block_bytes)
-                return CheckpointImage(found.tokens, [[b] for b in buffers[: len(found.kv)]],
-                                       state)
+                pages = [[block[: self.layout.page_bytes]] for block in kv]
+                return CheckpointImage(found.tokens, pages, state)
             except ImageError as e:
                 log.warning("context store: %s", e)
         self._count(reload_failures=1)

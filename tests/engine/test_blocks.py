@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from ninfer_jax.engine.blocks import BlockLayout, ImageError
 
-LAYOUT = BlockLayout(b"model", page_size=4, lookahead=0, block_bytes=64, state_bytes=150)
-MTP = BlockLayout(b"model", page_size=4, lookahead=1, block_bytes=64, state_bytes=150)
+LAYOUT = BlockLayout(b"model", page_size=4, lookahead=0, page_bytes=48, state_bytes=150)
+MTP = BlockLayout(b"model", page_size=4, lookahead=1, page_bytes=48, state_bytes=150)
 
 tokens = st.lists(st.integers(0, 50), min_size=1, max_size=40)
 
@@ -31,7 +31,7 @@ def test_shared_prefixes_share_full_blocks_and_nothing_else(a, b):
 def test_ids_separate_models_and_scopes():
     seq = list(range(10))
     base = LAYOUT.checkpoint_ids(seq, None)
-    other_model = BlockLayout(b"other", 4, 0, 64, 150).checkpoint_ids(seq, None)
+    other_model = BlockLayout(b"other", 4, 0, 48, 150).checkpoint_ids(seq, None)
     tenant = LAYOUT.checkpoint_ids(seq, "tenant")
     for ids in (other_model, tenant):
         assert not set(ids[0] + ids[1]) & set(base[0] + base[1])
@@ -63,3 +63,14 @@ def test_seal_and_open_round_trip_and_refuse_anything_else():
         LAYOUT.open(flipped, 3, digest)
     with pytest.raises(ImageError, match="149 bytes"):
         LAYOUT.seal(state[:-1], 3, digest)
+
+
+def test_a_k_v_block_carries_a_tag_bound_to_its_id():
+    kv, _ = LAYOUT.checkpoint_ids(list(range(9)), None)
+    page = [np.arange(20, dtype=np.uint8), np.arange(28, dtype=np.uint8)]  # 48 bytes in two
+    block = np.concatenate([*page, LAYOUT.tag(kv[0], page)])
+    assert block.nbytes == LAYOUT.block_bytes and LAYOUT.check(kv[0], block)
+    assert not LAYOUT.check(kv[1], block)  # another block's bytes
+    damaged = block.copy()
+    damaged[5] ^= 1
+    assert not LAYOUT.check(kv[0], damaged)

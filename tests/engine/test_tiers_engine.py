@@ -22,8 +22,8 @@ from ninfer_jax.store.proxy.loader import known_stores
 from ninfer_jax.testing.fake_program import FakeProgram
 from tests.engine.conftest import EOS
 from tests.engine.tier_helpers import (
+    BLOCK_BYTES,
     IDENTITY,
-    PAGE_BYTES,
     assert_program_explained,
     assert_store_quiet,
     block_path,
@@ -98,7 +98,7 @@ def test_offload_writes_the_missing_blocks_and_a_reload_serves_the_frontier(tmp_
         first = submit(t.core, X, 1).result(timeout=10)
         s = wait_writes(t.core).tiers
         assert list(first.token_ids) == want_ids(X, 1)
-        assert (s.offloads, s.blocks_written, s.bytes_written) == (1, 3, 3 * PAGE_BYTES)
+        assert (s.offloads, s.blocks_written, s.bytes_written) == (1, 3, 3 * BLOCK_BYTES)
         assert {b.bytes for b in stored_blocks(t)} == set(_ids(t, X))
         turn = X + MORE
         second = submit(t.core, turn, 1).result(timeout=10)  # a device hit at X
@@ -115,7 +115,7 @@ def test_offload_writes_the_missing_blocks_and_a_reload_serves_the_frontier(tmp_
         assert list(third.token_ids) == want_ids(follow, 4)
         assert third.usage.cached_tokens == len(turn)
         assert (s.reloads, s.reloaded_tokens, s.reload_failures) == (1, len(turn), 0)
-        assert s.bytes_loaded == 4 * PAGE_BYTES and dict(s.hits_by_tier)["cache"] == 1
+        assert s.bytes_loaded == 4 * BLOCK_BYTES and dict(s.hits_by_tier)["cache"] == 1
         assert_program_explained(t)
         assert_store_quiet(t)
 

@@ -31,7 +31,7 @@ from ninfer_jax.store.posix_files import HEADER
 from ninfer_jax.testing.fake_program import HOOK_POINTS
 from tests.engine.conftest import EOS, settle
 from tests.engine.tier_helpers import (
-    PAGE_BYTES,
+    BLOCK_BYTES,
     assert_program_explained,
     assert_store_quiet,
     block_files,
@@ -220,7 +220,7 @@ def _damage(data, root: Path) -> set[bytes]:
             os.truncate(path, path.stat().st_size // 2)
         elif how == "forge":  # valid checksum, wrong bytes: only state blocks can be refused
             if _is_state_block(path):
-                forge(path, bytes(PAGE_BYTES))
+                forge(path, bytes(BLOCK_BYTES))
                 forged.add(bytes.fromhex(path.name.split(".")[0]))
         elif how == "delete":
             path.unlink()
@@ -248,7 +248,7 @@ def test_storm_with_damaged_block_files_answers_identically(data):
         _storm(data, Path(root), damage=True)
 
 
-@pytest.mark.parametrize("how", ["flip", "delete", "forge_state"])
+@pytest.mark.parametrize("how", ["flip", "delete", "forge_state", "forge_kv"])
 def test_a_damaged_block_is_a_miss_that_stats_show(tmp_path, how):
     """After a restart (an empty head), one damaged block of the longest checkpoint: the next
     turn reuses less (or the forged state image is refused), answers the same, and says so."""
@@ -268,13 +268,13 @@ def test_a_damaged_block_is_a_miss_that_stats_show(tmp_path, how):
     elif how == "delete":
         victim.unlink()
     else:
-        forge(victim, bytes(PAGE_BYTES))
+        forge(victim, bytes(BLOCK_BYTES))
     with tiered_engine(tmp_path, 1) as t:
         r = submit(t.core, turn, 5).result(timeout=10)
         s = t.core.stats()
     assert list(r.token_ids) == want_ids(turn, 5)
     assert s.available and s.tiers.lookups == 1
-    if how == "forge_state":  # found whole, refused by its envelope: nothing reused
+    if how.startswith("forge"):  # found whole, refused by its envelope or tag: nothing reused
         assert s.tiers.reload_failures == 1 and s.tiers.reloads == 0
         assert r.usage.cached_tokens == 0
     else:  # a miss at lookup: the prompt's checkpoint below it is reloaded instead

@@ -12,7 +12,7 @@ import time
 import zlib
 
 from ninfer_jax.engine import EngineCore, EngineCoreConfig
-from ninfer_jax.engine.blocks import BlockLayout
+from ninfer_jax.engine.blocks import TAG_BYTES, BlockLayout
 from ninfer_jax.engine.tiers import ContextTiers, StoredPrefix
 from ninfer_jax.program.host import ProgramLimits
 from ninfer_jax.sampling_params import SamplingParams
@@ -22,7 +22,8 @@ from ninfer_jax.testing.fake_program import FakeProgram, expected_tokens
 from tests.engine.conftest import EOS, FRONTEND, TOKENIZER, limits, settle
 
 PAGE_BYTES = 128
-STATE_BYTES = 40  # + the 72-byte envelope: one block of PAGE_BYTES
+STATE_BYTES = 40  # + the 72-byte envelope: one block
+BLOCK_BYTES = PAGE_BYTES + TAG_BYTES  # what the store holds per block: a page and its tag
 IDENTITY = b"fake-model"
 
 
@@ -48,7 +49,7 @@ class RecordingTiers(ContextTiers):
 def topology(root: pathlib.Path, capacity: int, policy: str = "lru",
              lower: str = "posix") -> dict:
     return {"type": "pipe", "stores": [
-        {"store": "cache", "config": {"capacity": capacity, "block_bytes": PAGE_BYTES,
+        {"store": "cache", "config": {"capacity": capacity, "block_bytes": BLOCK_BYTES,
                                       "policy": policy}},
         {"store": lower, "config": {"root": str(root)}}]}
 
