@@ -98,11 +98,12 @@ class ContextTiers:
             pages = [i for i, hit in enumerate(hits[: len(kv)]) if not hit]
             with_state = not all(hits[len(kv):])
             if not pages and not with_state:
-                self.node.on_request_finished(rid)
+                self._finish(rid)
                 return
             image = program.export_checkpoint(ckpt, pages)
             ids = [kv[i] for i in pages]
-            payloads = [BlockPayload([*image.pages[i], self.layout.tag(kv[i].bytes, image.pages[i])])
+            payloads = [BlockPayload([*image.pages[i],
+                                      self.layout.tag(kv[i].bytes, image.pages[i])])
                         for i in pages]
             if with_state:
                 digest = self.layout.prefix_digests(tokens, scope, [len(tokens)])[len(tokens)]

@@ -128,7 +128,8 @@ def masked_url(url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
-def _chunks(ids: Sequence[BlockId], views: Sequence[Views]) -> Iterator[list[tuple[BlockId, Views]]]:
+def _chunks(ids: Sequence[BlockId],
+            views: Sequence[Views]) -> Iterator[list[tuple[BlockId, Views]]]:
     chunk: list[tuple[BlockId, Views]] = []
     size = 0
     for block_id, block_views in zip(ids, views):
