@@ -27,8 +27,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ninfer_jax.engine import Finished, FinishReason, GenerationStart
-from ninfer_jax.store.posix_files import HEADER
 from ninfer_jax.testing.fake_program import HOOK_POINTS
+from ninfer_jax.testing.redis_server import RedisServer
 from tests.engine.conftest import EOS, settle
 from tests.engine.tier_helpers import (
     BLOCK_BYTES,
@@ -134,7 +134,7 @@ def _quiet(t, clear: bool, forged: frozenset[bytes]) -> None:
             assert tokens in frontiers_of(events[:i], scope), (scope, tokens)
 
 
-def _storm(data, root: Path, damage: bool) -> None:
+def _storm(data, root: Path, damage: bool, redis_url: str | None = None) -> None:
     concurrency = data.draw(st.integers(1, 3), label="lanes")
     kw = {"capacity": data.draw(st.integers(2, 8), label="head blocks"),
           "policy": data.draw(st.sampled_from(["lru", "clock", "fifo"]), label="policy"),
@@ -144,7 +144,9 @@ def _storm(data, root: Path, damage: bool) -> None:
           "max_seq_len": MAX_SEQ, "page_size": PS}
     scopes = [None, None, "tenant"]
     step = data.draw(st.sampled_from([0.0, 0.001]), label="step seconds")
-    with tiered_engine(root, concurrency, program_kw={"step_seconds": step}, **kw) as t:
+    lower = {"lower": "redis", "redis_url": redis_url} if redis_url else {}
+    with tiered_engine(root, concurrency, program_kw={"step_seconds": step}, **lower,
+                       **kw) as t:
         histories: list[tuple[str | None, list[int]]] = []
         forged: set[bytes] = set()
         for _ in range(data.draw(st.integers(2, 4), label="turns")):
@@ -197,7 +199,7 @@ def _storm(data, root: Path, damage: bool) -> None:
                     t.core.clear_prefix_cache()  # the next turn reloads from the store
         _quiet(t, False, frozenset(forged))
         _quiet(t, True, frozenset(forged))
-        if not damage:
+        if not damage and not redis_url:
             assert t.core.stats().tiers.reload_failures == 0
             assert not list((t.root / "quarantine").iterdir())
 
@@ -218,17 +220,12 @@ def _damage(data, root: Path) -> set[bytes]:
             path.write_bytes(bytes(raw))
         elif how == "cut":
             os.truncate(path, path.stat().st_size // 2)
-        elif how == "forge":  # valid checksum, wrong bytes: only state blocks can be refused
-            if _is_state_block(path):
-                forge(path, bytes(BLOCK_BYTES))
-                forged.add(bytes.fromhex(path.name.split(".")[0]))
+        elif how == "forge":  # valid checksum, wrong bytes: the envelope or the tag refuses it
+            forge(path, bytes(BLOCK_BYTES))
+            forged.add(bytes.fromhex(path.name.split(".")[0]))
         elif how == "delete":
             path.unlink()
     return forged
-
-
-def _is_state_block(path: Path) -> bool:
-    return path.read_bytes()[HEADER.size:].startswith(b"NICKPT01")  # the envelope's magic
 
 
 STORM = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
@@ -280,3 +277,24 @@ def test_a_damaged_block_is_a_miss_that_stats_show(tmp_path, how):
     else:  # a miss at lookup: the prompt's checkpoint below it is reloaded instead
         assert s.tiers.reload_failures == 0 and s.tiers.reloads == 1
         assert r.usage.cached_tokens == len(system)
+
+
+@pytest.fixture(scope="module")
+def evicting_redis():
+    """A Redis that holds about a hundred blocks beyond its own use, evicting the least
+    recently used."""
+    with RedisServer(maxmemory_policy="allkeys-lru") as server:
+        client = server.client()
+        client.config_set("maxmemory", client.info("memory")["used_memory"] + 40_000)
+        yield server
+        assert server.client().info("stats")["evicted_keys"] > 0  # it did evict
+
+
+@STORM
+@given(data=st.data())
+def test_storm_over_an_evicting_redis_answers_identically(data, evicting_redis):
+    """The bottom tier is Redis evicting under memory pressure: blocks vanish below the head
+    between turns, and every reload that misses a block is a miss, never a wrong answer."""
+    evicting_redis.client().flushdb()
+    with tempfile.TemporaryDirectory() as root:
+        _storm(data, Path(root), damage=False, redis_url=evicting_redis.url)

@@ -18,6 +18,7 @@ from ninfer_jax.program.host import ProgramLimits
 from ninfer_jax.sampling_params import SamplingParams
 from ninfer_jax.store import BlockId, StoreAssembler
 from ninfer_jax.store.posix_files import HEADER, MAGIC, VERSION
+from ninfer_jax.store.redis_store import HEADER as REDIS_HEADER
 from ninfer_jax.testing.fake_program import FakeProgram, expected_tokens
 from tests.engine.conftest import EOS, FRONTEND, TOKENIZER, limits, settle
 
@@ -47,11 +48,13 @@ class RecordingTiers(ContextTiers):
 
 
 def topology(root: pathlib.Path, capacity: int, policy: str = "lru",
-             lower: str = "posix") -> dict:
+             lower: str = "posix", redis_url: str | None = None) -> dict:
+    """A cache head over `lower`: a posix-like store in `root`, or Redis at `redis_url`."""
+    config = {"url": redis_url} if lower == "redis" else {"root": str(root)}
     return {"type": "pipe", "stores": [
         {"store": "cache", "config": {"capacity": capacity, "block_bytes": BLOCK_BYTES,
                                       "policy": policy}},
-        {"store": lower, "config": {"root": str(root)}}]}
+        {"store": lower, "config": config}]}
 
 
 def tier_limits(max_concurrency: int, **kw) -> ProgramLimits:
@@ -80,10 +83,10 @@ class Tiered:
 @contextlib.contextmanager
 def tiered_engine(root: pathlib.Path, max_concurrency: int = 2, *, capacity: int = 64,
                   policy: str = "lru", lower: str = "posix", idle_wait_s: float = 0.005,
-                  program_kw=None, **limit_kw):
+                  program_kw=None, redis_url: str | None = None, **limit_kw):
     lim = tier_limits(max_concurrency, **limit_kw)
     program = FakeProgram(lim, eos_id=EOS, **(program_kw or {}))
-    asm = StoreAssembler(topology(root, capacity, policy, lower))
+    asm = StoreAssembler(topology(root, capacity, policy, lower, redis_url))
     layout = BlockLayout(IDENTITY, lim.page_size, lim.rewrites_below_frontier, PAGE_BYTES,
                          STATE_BYTES)
     tiers = RecordingTiers(asm.get_scheduler(), layout, asm.root.tiers)
@@ -172,7 +175,10 @@ def assert_store_quiet(t: Tiered, forged: frozenset[bytes] = frozenset()) -> Non
     ids = sorted(committed)
     for block_id, hit in zip(ids, lower.lookup(ids)):
         if hit and block_id.bytes not in forged:
-            raw = block_path(t.root, block_id.bytes).read_bytes()[HEADER.size:]
+            if lower.name == "redis":
+                raw = (lower._client.get(lower.key_of(block_id)) or b"")[REDIS_HEADER.size:]
+            else:
+                raw = block_path(t.root, block_id.bytes).read_bytes()[HEADER.size:]
             assert raw == head.slab[buf.slot_of(block_id)].tobytes(), block_id
 
 
