@@ -2,9 +2,9 @@
 
 Owns the device pools and the compiled step table; the host bookkeeping it shares with its test
 double lives in `host.py`. It knows nothing of requests, queues, text or users. All executables
-(prefill chunk, decode for every exact B, commit, capture, restore) are compiled at start-up:
-the prefill step before the constructor returns, the rest on a background thread in the order
-they are first needed (decode B = 1 first), unless `ProgramConfig.background_compile` is off;
+(prefill chunk, decode for every exact B, commit, capture, restore, and the copies of
+checkpoint images to and from the host) are compiled at start-up: the prefill step before the
+constructor returns, the rest on a background thread in the order they are first needed (decode B = 1 first), unless `ProgramConfig.background_compile` is off;
 `wait_compiled()` waits for all of them.
 
 A commit is applied by the next prefill or decode step (its `commit` input) rather than by a
