@@ -223,11 +223,11 @@ def prefill_step(params: dict, pools: Pools, inputs: PrefillInputs, *, cfg: Mode
     kv = PagedKV(layers=(pools.k, pools.v), page_tables=inputs.page_table,
                  lengths=inputs.start_pos, num_valid=inputs.num_valid, impl=pcfg.attention_impl,
                  pages_per_layer=pcfg.num_pages + 1)
-    out = step(params, cfg, inputs.token_ids, inputs.start_pos, gdn, kv, inputs.num_valid)
-    last_at = (inputs.num_valid - 1)[:, None, None]
-    last = jnp.take_along_axis(out.logits, last_at, axis=1)[:, 0]
-    ctx = jnp.take_along_axis(out.hidden, last_at, axis=1)[:, 0]
-    pools, outputs = _finish(pools, out, last, counts, mask, inputs, ctx)
+    last_at = inputs.num_valid - 1
+    out = step(params, cfg, inputs.token_ids, inputs.start_pos, gdn, kv, inputs.num_valid,
+               logits_at=last_at)
+    ctx = jnp.take_along_axis(out.hidden, last_at[:, None, None], axis=1)[:, 0]
+    pools, outputs = _finish(pools, out, out.logits[:, 0], counts, mask, inputs, ctx)
     if pcfg.speculative == "mtp":
         pools = _prefill_mtp(params, cfg, pools, out.hidden, inputs, kv)
     return pools, outputs

@@ -30,7 +30,7 @@ from ninfer_jax.models.qwen3_6.layers import einsum32, mlp, rms_norm, rope_cos_s
                    data_fields=["logits", "hidden", "gdn", "kv"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
-    logits: jax.Array  # [B, T, vocab] float32
+    logits: jax.Array  # [B, T, vocab] float32 ([B, 1, vocab] with `logits_at`)
     hidden: jax.Array  # [B, T, H] after the final norm (the MTP head's input)
     gdn: GDNState
     kv: Any  # the KVAccess after this call's writes
@@ -149,7 +149,7 @@ def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
 
 def step(params: dict, cfg: ModelConfig, token_ids: jax.Array, start_pos: jax.Array,
          gdn: GDNState, kv: KVAccess, num_valid: jax.Array | None = None,
-         keep_states: bool = False) -> StepOutput:
+         keep_states: bool = False, logits_at: jax.Array | None = None) -> StepOutput:
     """Runs T new tokens per row from the carried state.
 
     token_ids [B, T] int32; start_pos [B] int32 absolute position of token_ids[:, 0];
@@ -158,13 +158,18 @@ def step(params: dict, cfg: ModelConfig, token_ids: jax.Array, start_pos: jax.Ar
     frontier and are overwritten later). T == 1 is a decode step (recurrent GDN form); T > 1 a
     prefill chunk (chunked form). With `keep_states` (speculative verify) the GDN state comes
     back after every token (`gdn_mixer`): conv [L, B, T, ...], recurrent [L, B, T, ...].
+    logits_at [B] int32 (optional): the logits only at position logits_at[b] of row b
+    ([B, 1, vocab]); a prefill chunk needs one row, and the lm head over every position of a
+    chunk costs as much as a layer (vocab x hidden per token).
     """
     positions = start_pos[:, None] + jnp.arange(token_ids.shape[1], dtype=jnp.int32)[None, :]
     h = params["embed"][token_ids]
     layers_fn = run_layers_unrolled if "layers" in params else run_layers
     h, gdn, kv = layers_fn(params, cfg, h, positions, gdn, kv, num_valid, keep_states)
     hidden = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    return StepOutput(logits=lm_head(params, cfg, hidden), hidden=hidden, gdn=gdn, kv=kv)
+    head_in = hidden if logits_at is None else jnp.take_along_axis(
+        hidden, logits_at[:, None, None], axis=1)
+    return StepOutput(logits=lm_head(params, cfg, head_in), hidden=hidden, gdn=gdn, kv=kv)
 
 
 def forward(params: dict, cfg: ModelConfig, token_ids: jax.Array) -> jax.Array:
