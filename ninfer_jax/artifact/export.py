@@ -2,9 +2,9 @@
 
 Owns writing a text-only transformers checkpoint (`config.json` for `Qwen3_5ForCausalLM` /
 `Qwen3_5MoeForCausalLM`, one `model.safetensors` with `model.*`, `lm_head.*` when untied and
-`mtp.*` when the params have a head) plus the model's frontend files. Every tensor is transposed
-back to nn.Linear's [out, in]; reading the result with `params_from_hf` gives the same params
-bit for bit. The directory is written through `staging.staged_dir`; `model.safetensors` records
+`mtp.*` when the params have a head) plus the model's frontend files. Linear weights are already
+in nn.Linear's [out, in]; reading the result with `params_from_hf` gives the same params bit for
+bit. The directory is written through `staging.staged_dir`; `model.safetensors` records
 in its metadata (`ninfer_export_files`) the files written, which is how a later `--overwrite`
 recognises a checkpoint of ours.
 """
@@ -26,8 +26,8 @@ from ninfer_jax.models.qwen3_6.weights import check_param_shapes
 
 
 def _t(a) -> np.ndarray:
-    """[in, out] -> nn.Linear's [out, in]."""
-    return np.ascontiguousarray(np.asarray(a).T)
+    """A linear weight as stored (the params keep nn.Linear's [out, in])."""
+    return np.ascontiguousarray(np.asarray(a))
 
 
 def _mlp(p: dict, pre: str, cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -37,9 +37,8 @@ def _mlp(p: dict, pre: str, cfg: ModelConfig) -> dict[str, np.ndarray]:
     ex = {k: np.asarray(v) for k, v in p["experts"].items()}
     return {
         f"{pre}mlp.gate.weight": _t(p["router"]),
-        f"{pre}mlp.experts.gate_up_proj": np.ascontiguousarray(
-            np.concatenate([ex["gate"], ex["up"]], axis=2).transpose(0, 2, 1)),
-        f"{pre}mlp.experts.down_proj": np.ascontiguousarray(ex["down"].transpose(0, 2, 1)),
+        f"{pre}mlp.experts.gate_up_proj": np.concatenate([ex["gate"], ex["up"]], axis=1),
+        f"{pre}mlp.experts.down_proj": _t(ex["down"]),
         f"{pre}mlp.shared_expert.gate_proj.weight": _t(p["shared"]["gate"]),
         f"{pre}mlp.shared_expert.up_proj.weight": _t(p["shared"]["up"]),
         f"{pre}mlp.shared_expert.down_proj.weight": _t(p["shared"]["down"]),

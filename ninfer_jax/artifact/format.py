@@ -4,7 +4,9 @@
                       files' sha256, the frontend resources present, notes (what was skipped);
                       since format 2 also every tensor's shape, dtype and digest
                       (`artifact/digests.py`) and the exact list of files written
-    weights/          the params pytree saved with orbax
+    weights/          the params pytree saved with orbax; since format 3 linear weights are
+                      nn.Linear's [out, in] (formats 1 and 2 stored [in, out]: they load
+                      through `weights.from_legacy_layout`)
     <frontend files>  tokenizer files and chat template, copied when the source has them
 
 Owns writing and reading that layout. Writing goes through `staging.staged_dir` (a temporary
@@ -13,7 +15,8 @@ what the manifest's config implies, what the manifest lists, what orbax stored â
 restoring, because orbax restores the stored shape and casts the stored dtype whatever the
 target says; then, unless `verify=False`, it checks every tensor's digest and finiteness.
 Format 1 (no digests) loads only with `verify=False`: a default that promises verified weights
-must not quietly load unverifiable ones (`python -m ninfer_jax.artifact.upgrade DIR` adds them).
+must not quietly load unverifiable ones (`python -m ninfer_jax.artifact.upgrade DIR` adds them
+and rewrites older layouts as format 3).
 """
 
 from __future__ import annotations
@@ -32,10 +35,11 @@ import orbax.checkpoint as ocp
 from ninfer_jax.artifact import digests, staging
 from ninfer_jax.errors import CheckpointError
 from ninfer_jax.models.qwen3_6.config import ModelConfig
-from ninfer_jax.models.qwen3_6.weights import param_shapes
+from ninfer_jax.models.qwen3_6.weights import from_legacy_layout, param_shapes
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # 1: no digests and no file list
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # 1: no digests and no file list; 1 and 2: [in, out] linears
+DIGESTS_SINCE = 2
 FAMILY = "qwen3_6"
 MANIFEST = "manifest.json"
 WEIGHTS = "weights"
@@ -62,9 +66,11 @@ def sha256_file(path: pathlib.Path) -> str:
     return h.hexdigest()
 
 
-def expected_tensors(cfg: ModelConfig, num_mtp_layers: int, dtype: str) -> dict[str, Spec]:
-    """{tensor name: (shape, dtype)} that a config, MTP depth and dtype imply."""
-    shapes = digests.named_leaves(param_shapes(cfg, num_mtp_layers),
+def expected_tensors(cfg: ModelConfig, num_mtp_layers: int, dtype: str,
+                     legacy: bool = False) -> dict[str, Spec]:
+    """{tensor name: (shape, dtype)} that a config, MTP depth and dtype imply (`legacy`: as
+    formats 1 and 2 store them)."""
+    shapes = digests.named_leaves(param_shapes(cfg, num_mtp_layers, legacy),
                                   is_leaf=lambda x: isinstance(x, tuple))
     return {name: (tuple(shape), dtype) for name, shape in shapes.items()}
 
@@ -212,19 +218,23 @@ def read_artifact(path: str | pathlib.Path, *,
     """(config, params as numpy arrays in the stored dtype, manifest) of the artifact at `path`.
 
     Every tensor's shape and dtype are checked before restoring; with `verify`, every digest
-    and finiteness after. Any disagreement is a CheckpointError naming the tensor.
+    and finiteness after (digests are of the tensors as stored). Any disagreement is a
+    CheckpointError naming the tensor. Params of an older layout come back in today's.
     """
     root = pathlib.Path(path).absolute()
     file = root / MANIFEST
     manifest = read_manifest(root)
-    if verify and manifest["format_version"] != FORMAT_VERSION:
+    version = manifest["format_version"]
+    legacy = version < FORMAT_VERSION
+    if verify and version < DIGESTS_SINCE:
         raise CheckpointError(
-            f"{file}: format_version {manifest['format_version']} records no tensor digests, so "
+            f"{file}: format_version {version} records no tensor digests, so "
             f"the weights cannot be verified; add them with `python -m ninfer_jax.artifact."
             f"upgrade {root}`, re-run `ninfer convert`, or load with verify=False")
     cfg = ModelConfig.from_dict(manifest["config"])
-    expected = expected_tensors(cfg, manifest.get("num_mtp_layers", 0), manifest["dtype"])
-    if manifest["format_version"] == FORMAT_VERSION:
+    expected = expected_tensors(cfg, manifest.get("num_mtp_layers", 0), manifest["dtype"],
+                                legacy)
+    if version >= DIGESTS_SINCE:
         _check_specs(_recorded(manifest, file), expected, f"{file}'s 'tensors'")
     weights = root / WEIGHTS
     if not weights.is_dir():
@@ -237,7 +247,7 @@ def read_artifact(path: str | pathlib.Path, *,
     _check_specs({n: _stored_spec(n, m, weights) for n, m in stored.items()}, expected,
                  str(weights))
     target = jax.tree.map(lambda s: np.empty(s, np.dtype(manifest["dtype"])),
-                          param_shapes(cfg, manifest.get("num_mtp_layers", 0)),
+                          param_shapes(cfg, manifest.get("num_mtp_layers", 0), legacy),
                           is_leaf=lambda x: isinstance(x, tuple))
     try:
         with ocp.StandardCheckpointer() as ckpt:
@@ -255,5 +265,5 @@ def read_artifact(path: str | pathlib.Path, *,
                     "changed after they were written")
         if nonfinite:
             raise CheckpointError(f"tensor {nonfinite[0]!r} in {weights} holds NaN or inf values")
-    return cfg, params, manifest
+    return cfg, from_legacy_layout(params) if legacy else params, manifest
 

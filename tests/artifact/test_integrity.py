@@ -7,6 +7,7 @@ import json
 import pathlib
 import shutil
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -15,10 +16,12 @@ from safetensors.numpy import load_file, save_file
 
 from ninfer_jax import load_model
 from ninfer_jax.artifact import digests
+from ninfer_jax.artifact import format as format_
 from ninfer_jax.artifact.convert import convert
 from ninfer_jax.artifact.upgrade import upgrade
 from ninfer_jax.errors import CheckpointError
 from ninfer_jax.loader import DEFAULT_MODEL
+from ninfer_jax.models.qwen3_6.weights import from_legacy_layout
 from tests.conftest import FIXTURES
 
 
@@ -63,7 +66,8 @@ def _flip_a_byte_of(path: pathlib.Path, name: str) -> None:
 
 def test_the_demo_loads_verified_and_equals_the_fast_path(art, demo):
     manifest = json.loads((DEFAULT_MODEL / "manifest.json").read_text())
-    assert manifest["format_version"] == 2 and set(manifest["tensors"]) == set(demo)
+    assert manifest["format_version"] == format_.FORMAT_VERSION
+    assert set(manifest["tensors"]) == set(demo)
     verified = _named(load_model(art).params)
     assert verified.keys() == demo.keys()
     for name in demo:
@@ -164,15 +168,51 @@ def test_an_int_or_bool_tensor_in_an_hf_checkpoint_is_named_not_cast(tmp_path, d
         convert(src, tmp_path / "art")
 
 
-def test_a_format_1_artifact_is_refused_when_verifying_and_upgrade_adds_digests(art, demo):
+def _as_format_2(path: pathlib.Path) -> None:
+    """Rewrites the artifact at `path` as format 2 wrote it: linear weights [in, out], digests
+    of the tensors as stored."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    stored = from_legacy_layout(load_model(path).params)
+    shutil.rmtree(path / "weights")
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(path / "weights", jax.tree.map(np.asarray, stored))
+    tensors = _named(stored)
+    sums, _ = digests.scan(tensors)
+    files = [*manifest["frontend_files"],
+             *(f.relative_to(path).as_posix() for f in (path / "weights").rglob("*")
+               if f.is_file())]
+    _edit_manifest(path, lambda m: {**m, "format_version": 2, "files": sorted(files),
+                                    "tensors": format_.tensor_records(tensors, sums)})
+
+
+def test_a_format_2_artifact_loads_in_todays_layout_and_upgrade_rewrites_it(art, demo):
+    _as_format_2(art)
+    assert load_model(art).params["linear"]["mixer"]["in_qkv"].shape == \
+        demo["linear.mixer.in_qkv"].shape
+    for name, value in _named(load_model(art).params).items():
+        np.testing.assert_array_equal(value, demo[name])
+    upgrade(art)
     manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["format_version"] == format_.FORMAT_VERSION
+    assert manifest["tensors"] == json.loads((DEFAULT_MODEL / "manifest.json").read_text())[
+        "tensors"]
+    for name, value in _named(load_model(art).params).items():
+        np.testing.assert_array_equal(value, demo[name])
+    assert not [p for p in art.parent.iterdir() if p.name.startswith(".")]
+
+
+def test_a_format_1_artifact_is_refused_when_verifying_and_upgrade_adds_digests(art, demo):
+    _as_format_2(art)
     _edit_manifest(art, lambda m: {k: v for k, v in {**m, "format_version": 1}.items()
                                    if k not in ("tensors", "files", "tensor_digest")})
-    weights = {p: p.read_bytes() for p in (art / "weights").rglob("*") if p.is_file()}
     with pytest.raises(CheckpointError, match="format_version 1 records no tensor digests"):
         load_model(art)
-    assert load_model(art, verify=False).config == load_model().config
+    for name, value in _named(load_model(art, verify=False).params).items():
+        np.testing.assert_array_equal(value, demo[name])
     upgrade(art)
-    assert json.loads((art / "manifest.json").read_text()) == manifest
-    assert {p: p.read_bytes() for p in (art / "weights").rglob("*") if p.is_file()} == weights
-    load_model(art)
+    assert json.loads((art / "manifest.json").read_text())["tensors"] == json.loads(
+        (DEFAULT_MODEL / "manifest.json").read_text())["tensors"]
+    for name, value in _named(load_model(art).params).items():
+        np.testing.assert_array_equal(value, demo[name])
+
+

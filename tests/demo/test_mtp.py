@@ -39,10 +39,10 @@ def test_fc_takes_the_embedding_first_and_the_hidden_state_second():
     h = CFG.hidden_size
     hidden, next_ids = _inputs(1)
     other_hidden, other_ids = _inputs(2)
-    no_embed = {**params, "mtp": {**params["mtp"], "fc": params["mtp"]["fc"].at[:h].set(0)}}
+    no_embed = {**params, "mtp": {**params["mtp"], "fc": params["mtp"]["fc"].at[:, :h].set(0)}}
     np.testing.assert_array_equal(_full(no_embed, hidden, next_ids),
                                   _full(no_embed, hidden, other_ids))
-    no_hidden = {**params, "mtp": {**params["mtp"], "fc": params["mtp"]["fc"].at[h:].set(0)}}
+    no_hidden = {**params, "mtp": {**params["mtp"], "fc": params["mtp"]["fc"].at[:, h:].set(0)}}
     np.testing.assert_array_equal(_full(no_hidden, hidden, next_ids),
                                   _full(no_hidden, other_hidden, next_ids))
     assert not np.allclose(_full(params, hidden, next_ids), _full(params, other_hidden, next_ids))

@@ -24,8 +24,10 @@ def einsum32(subscripts: str, *operands: jax.Array) -> jax.Array:
 
 
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., in] @ w [in, out] with fp32 accumulation, returned in x's dtype."""
-    return einsum32("...i,io->...o", x, w).astype(x.dtype)
+    """x [..., in] times w [out, in] (nn.Linear's layout) with fp32 accumulation, returned in
+    x's dtype. On XLA:CPU this layout reads the weight faster than [in, out] at few rows
+    (DESIGN §15): MEDIUM decode 1.13x at B=1, 1.17x at B=8."""
+    return einsum32("...i,oi->...o", x, w).astype(x.dtype)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -68,38 +70,39 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def swiglu(p: dict, x: jax.Array) -> jax.Array:
-    """Dense SwiGLU: down(silu(gate(x)) * up(x)). p: gate/up [H, I], down [I, H]."""
+    """Dense SwiGLU: down(silu(gate(x)) * up(x)). p: gate/up [I, H], down [H, I]."""
     return dense(jax.nn.silu(dense(x, p["gate"])) * dense(x, p["up"]), p["down"])
 
 
 def moe(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Sparse MoE with a shared expert. x [..., H].
 
-    Router: softmax over all experts in fp32, top-k, renormalised. Experts are SwiGLU
-    (p["experts"]: gate/up [E, H, I], down [E, I, H]). The shared expert is SwiGLU times
-    sigmoid(shared_gate(x)). With few tokens the selected experts' weights are gathered per
+    Router: softmax over all experts in fp32, top-k, renormalised. Experts are SwiGLU. The
+    shared expert is SwiGLU times
+    sigmoid(shared_gate(x)). Weights are [out, in]: router [E, H], experts gate/up [E, I, H],
+    down [E, H, I]. With few tokens the selected experts' weights are gathered per
     token (decode reads only k experts); with many, every expert runs densely and a [N, E]
     combine matrix with zeros for unselected experts mixes them (same sums, no gather).
     """
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
     n, k, e = xt.shape[0], cfg.num_experts_per_tok, cfg.num_experts
-    logits = einsum32("nh,he->ne", xt, p["router"])
+    logits = einsum32("nh,eh->ne", xt, p["router"])
     probs = jax.nn.softmax(logits, axis=-1)
     top_w, top_i = jax.lax.top_k(probs, k)
     top_w = (top_w / jnp.sum(top_w, axis=-1, keepdims=True)).astype(x.dtype)
     ex = p["experts"]
     if n * k < e:
-        gate = einsum32("nh,nkhi->nki", xt, ex["gate"][top_i])
-        up = einsum32("nh,nkhi->nki", xt, ex["up"][top_i])
+        gate = einsum32("nh,nkih->nki", xt, ex["gate"][top_i])
+        up = einsum32("nh,nkih->nki", xt, ex["up"][top_i])
         act = (jax.nn.silu(gate) * up).astype(x.dtype)
-        out = einsum32("nki,nkih->nkh", act, ex["down"][top_i])
+        out = einsum32("nki,nkhi->nkh", act, ex["down"][top_i])
         routed = einsum32("nkh,nk->nh", out.astype(x.dtype), top_w).astype(x.dtype)
     else:
-        gate = einsum32("nh,ehi->nei", xt, ex["gate"])
-        up = einsum32("nh,ehi->nei", xt, ex["up"])
+        gate = einsum32("nh,eih->nei", xt, ex["gate"])
+        up = einsum32("nh,eih->nei", xt, ex["up"])
         act = (jax.nn.silu(gate) * up).astype(x.dtype)
-        out = einsum32("nei,eih->neh", act, ex["down"])
+        out = einsum32("nei,ehi->neh", act, ex["down"])
         combine = jnp.zeros((n, e), x.dtype).at[jnp.arange(n)[:, None], top_i].set(top_w)
         routed = einsum32("neh,ne->nh", out.astype(x.dtype), combine).astype(x.dtype)
     shared = swiglu(p["shared"], xt) * jax.nn.sigmoid(dense(xt, p["shared_gate"]))

@@ -142,9 +142,8 @@ def run_layers_unrolled(params: dict, cfg: ModelConfig, h: jax.Array, positions:
 
 def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Logits [..., vocab] in fp32 from final-normed hidden states."""
-    if cfg.tie_word_embeddings:  # contract with embed [V, H] in place: no transposed copy
-        return einsum32("...h,vh->...v", hidden, params["embed"])
-    return einsum32("...h,hv->...v", hidden, params["lm_head"])
+    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]  # [V, H] both
+    return einsum32("...h,vh->...v", hidden, head)
 
 
 def step(params: dict, cfg: ModelConfig, token_ids: jax.Array, start_pos: jax.Array,

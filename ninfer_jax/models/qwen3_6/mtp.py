@@ -1,6 +1,6 @@
 """The multi-token-prediction (MTP) head of DESIGN §14: draft logits one token further ahead.
 
-Owns the head's forward pass over the params' `"mtp"` subtree (`fc [2H, H]`, `embed_norm`,
+Owns the head's forward pass over the params' `"mtp"` subtree (`fc [H, 2H]`, `embed_norm`,
 `hidden_norm`, `final_norm`, and a stack of full-attention decoder layers). For input position t
 it combines the main model's final-normed hidden state `h_t` with the embedding of the next token
 `tok_{t+1}` and predicts `tok_{t+2}`:

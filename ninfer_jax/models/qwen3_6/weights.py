@@ -1,8 +1,10 @@
 """The weight schema: Hugging Face tensor names and shapes <-> this project's params pytree.
 
 Owns the mapping of DESIGN §14's checkpoints (`model.*` or `model.language_model.*`, `lm_head.*`,
-`mtp.*`; experts split per expert or fused) onto the stacked params layout, with the transposes
-to `x @ W` form. Every tensor is checked against the shape the config implies and must be
+`mtp.*`; experts split per expert or fused) onto the stacked params layout. Every linear weight
+keeps nn.Linear's [out, in] layout (experts [E, out, in]), the layout XLA:CPU's few-row matmuls
+read fastest (`layers.dense`); artifacts of format 2 and older stored [in, out] and are turned
+by `from_legacy_layout` at load. Every tensor is checked against the shape the config implies and must be
 floating point (every weight of the family is); a missing tensor, a shape mismatch or an
 int/bool/unsigned tensor raises a `CheckpointError` naming it: nothing else is ever cast. It
 reads tensors through a `TensorSource` and knows nothing about files.
@@ -71,8 +73,8 @@ class _Reader:
         return arr
 
     def linear(self, name: str, out_dim: int, in_dim: int) -> np.ndarray:
-        """An nn.Linear weight [out, in] as [in, out]."""
-        return np.ascontiguousarray(self.get(name, (out_dim, in_dim)).T)
+        """An nn.Linear weight [out, in], as it is stored."""
+        return self.get(name, (out_dim, in_dim))
 
 
 def _mlp(r: _Reader, pre: str, cfg: ModelConfig) -> dict:
@@ -89,11 +91,9 @@ def _mlp(r: _Reader, pre: str, cfg: ModelConfig) -> dict:
     if r.has(fused):
         gate_up = r.get(fused, (e, 2 * i, h))
         experts = {
-            "gate": np.ascontiguousarray(gate_up[:, :i].transpose(0, 2, 1)),
-            "up": np.ascontiguousarray(gate_up[:, i:].transpose(0, 2, 1)),
-            "down": np.ascontiguousarray(
-                r.get(f"{pre}mlp.experts.down_proj", (e, h, i)).transpose(0, 2, 1)
-            ),
+            "gate": np.ascontiguousarray(gate_up[:, :i]),
+            "up": np.ascontiguousarray(gate_up[:, i:]),
+            "down": r.get(f"{pre}mlp.experts.down_proj", (e, h, i)),
         }
     else:
         per = [
@@ -221,33 +221,34 @@ def params_from_hf(cfg: ModelConfig, source: TensorSource,
     return jax.tree.map(cast, params), notes
 
 
-def param_shapes(cfg: ModelConfig, num_mtp_layers: int = 0) -> dict:
+def param_shapes(cfg: ModelConfig, num_mtp_layers: int = 0, legacy: bool = False) -> dict:
     """The params pytree's leaf shapes implied by the config (tuples as leaves).
 
     `params_from_hf` checks its result against this, so the two cannot drift apart; artifact
-    loading uses it as the restore target.
+    loading uses it as the restore target. `legacy`: the [in, out] layout of linear weights
+    that artifacts of format 2 and older stored.
     """
     h, v, d = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
     hq, hkv, hv, dv = cfg.num_q_heads, cfg.num_kv_heads, cfg.linear_num_v_heads, cfg.linear_v_dim
     if cfg.variant == "dense":
         i = cfg.intermediate_size
-        mlp = {"gate": (h, i), "up": (h, i), "down": (i, h)}
+        mlp = {"gate": (i, h), "up": (i, h), "down": (h, i)}
     else:
         e, i, s = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
         mlp = {
-            "router": (h, e),
-            "experts": {"gate": (e, h, i), "up": (e, h, i), "down": (e, i, h)},
-            "shared": {"gate": (h, s), "up": (h, s), "down": (s, h)},
-            "shared_gate": (h, 1),
+            "router": (e, h),
+            "experts": {"gate": (e, i, h), "up": (e, i, h), "down": (e, h, i)},
+            "shared": {"gate": (s, h), "up": (s, h), "down": (h, s)},
+            "shared_gate": (1, h),
         }
     norms = {"input_norm": (h,), "post_norm": (h,)}
     attention = {**norms, "mlp": mlp, "mixer": {
-        "q": (h, hq * d * 2), "k": (h, hkv * d), "v": (h, hkv * d), "o": (hq * d, h),
+        "q": (hq * d * 2, h), "k": (hkv * d, h), "v": (hkv * d, h), "o": (h, hq * d),
         "q_norm": (d,), "k_norm": (d,)}}
     linear = {**norms, "mlp": mlp, "mixer": {
-        "in_qkv": (h, cfg.conv_dim), "in_z": (h, hv * dv), "in_b": (h, hv), "in_a": (h, hv),
+        "in_qkv": (cfg.conv_dim, h), "in_z": (hv * dv, h), "in_b": (hv, h), "in_a": (hv, h),
         "conv": (cfg.conv_kernel, cfg.conv_dim), "dt_bias": (hv,), "A_log": (hv,), "norm": (dv,),
-        "out": (hv * dv, h)}}
+        "out": (h, hv * dv)}}
 
     def stacked(tree, n):
         if n == 0:
@@ -261,11 +262,32 @@ def param_shapes(cfg: ModelConfig, num_mtp_layers: int = 0) -> dict:
         "attention": stacked(attention, cfg.num_attention_layers),
     }
     if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (h, v)
+        shapes["lm_head"] = (v, h)
     if num_mtp_layers:
-        shapes["mtp"] = {"fc": (2 * h, h), "embed_norm": (h,), "hidden_norm": (h,),
+        shapes["mtp"] = {"fc": (h, 2 * h), "embed_norm": (h,), "hidden_norm": (h,),
                          "final_norm": (h,), "layers": stacked(attention, num_mtp_layers)}
+    if legacy:
+        return _map_linear(shapes, lambda s: (*s[:-2], s[-1], s[-2]),
+                           is_leaf=lambda x: isinstance(x, tuple))
     return shapes
+
+
+# The linear weights' leaf names ([..., out, in]; the rest are embeddings, norms, conv, scalars).
+LINEAR_LEAVES = frozenset({"q", "k", "v", "o", "in_qkv", "in_z", "in_b", "in_a", "out", "gate",
+                           "up", "down", "router", "shared_gate", "fc", "lm_head"})
+
+
+def _map_linear(tree: dict, fn: Callable, is_leaf=None) -> dict:
+    """`tree` with `fn` applied to every linear weight leaf (by its last key)."""
+    def one(path, leaf):
+        return fn(leaf) if getattr(path[-1], "key", None) in LINEAR_LEAVES else leaf
+
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_leaf)
+
+
+def from_legacy_layout(params: dict) -> dict:
+    """Params with [in, out] linear weights (artifact format <= 2) in today's [out, in]."""
+    return _map_linear(params, lambda a: np.ascontiguousarray(np.swapaxes(np.asarray(a), -1, -2)))
 
 
 def check_param_shapes(cfg: ModelConfig, params: dict) -> None:
