@@ -10,7 +10,11 @@ import numpy as np
 import pytest
 
 from ninfer_jax.models.qwen3_6 import ContiguousKV, GDNState, forward, step
-from ninfer_jax.models.qwen3_6.gdn import chunked_delta_rule, recurrent_delta_rule
+from ninfer_jax.models.qwen3_6.gdn import (
+    _inverse_unit_lower,
+    chunked_delta_rule,
+    recurrent_delta_rule,
+)
 from tests.models.conftest import jit_static_cfg, loaded, reference, rel_err
 
 _step = jit_static_cfg(step)
@@ -88,7 +92,7 @@ def _random_gdn_inputs(seed, b=2, t=45, h=3, dk=16, dv=24):
     return tuple(map(jnp.asarray, (q, k, v, g, beta, s0)))
 
 
-@pytest.mark.parametrize("seed,chunk", [(0, 16), (1, 8), (2, 64)])
+@pytest.mark.parametrize("seed,chunk", [(0, 16), (1, 8), (2, 64), (3, 32)])
 def test_chunked_delta_rule_equals_recurrent(seed, chunk):
     q, k, v, g, beta, s0 = _random_gdn_inputs(seed)
     assert q.shape[1] % chunk != 0
@@ -96,6 +100,15 @@ def test_chunked_delta_rule_equals_recurrent(seed, chunk):
     out_c, s_c = jax.jit(chunked_delta_rule, static_argnums=6)(q, k, v, g, beta, s0, chunk)
     assert rel_err(out_c, out_r) <= 1e-5
     assert rel_err(s_c, s_r) <= 1e-5
+
+
+@pytest.mark.parametrize("c", [8, 16, 32, 64, 128, 48])
+def test_blocked_unit_lower_inverse_equals_the_inverse(c):
+    rng = np.random.default_rng(c)
+    a = np.tril(rng.standard_normal((2, 3, c, c)).astype(np.float32) * 0.3, -1)
+    want = np.linalg.inv(np.eye(c) - a.astype(np.float64))
+    got = np.asarray(jax.jit(_inverse_unit_lower)(jnp.asarray(a)))
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
 
 
 def test_chunk_size_does_not_change_the_model():

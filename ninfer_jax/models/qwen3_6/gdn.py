@@ -72,6 +72,45 @@ def recurrent_delta_rule(q, k, v, g, beta, state, keep_states: bool = False):
     return jnp.moveaxis(out, 0, 1), state
 
 
+INVERSE_BLOCK = 16  # rows solved by forward substitution; larger blocks are merged by matmuls
+
+
+def _diagonal_blocks(a: jax.Array, size: int) -> jax.Array:
+    """[..., c, c] -> its c // size diagonal blocks [..., c // size, size, size]."""
+    n = a.shape[-1] // size
+    blocks = a.reshape(*a.shape[:-2], n, size, n, size)
+    return jnp.moveaxis(jnp.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)
+
+
+def _inverse_unit_lower(a: jax.Array) -> jax.Array:
+    """(I - a)^-1 for strictly lower-triangular a [..., c, c].
+
+    Diagonal blocks of INVERSE_BLOCK rows are solved by forward substitution, all at once;
+    then pairs of neighbouring blocks are merged until one block spans c:
+    [[M1, 0], [M21, M2]]^-1 = [[T1, 0], [-T2 M21 T1, T2]] with M21 = -a21. The substitution's
+    loop runs INVERSE_BLOCK - 1 steps instead of c - 1 (a loop step is a small op with a fixed
+    cost; the merges are matmuls).
+    """
+    c = a.shape[-1]
+    size = INVERSE_BLOCK if c % INVERSE_BLOCK == 0 and (c // INVERSE_BLOCK) & (
+        c // INVERSE_BLOCK - 1) == 0 else c
+
+    def substitute(i, m):
+        row = m[..., i, :]
+        return m.at[..., i, :].set(row + jnp.einsum("...j,...jk->...k", row, m))
+
+    t = jax.lax.fori_loop(1, size, substitute, _diagonal_blocks(a, size))
+    t = t + jnp.eye(size, dtype=a.dtype)
+    while size < c:  # t: [..., n, size, size], the inverses of the diagonal blocks
+        t1, t2 = t[..., 0::2, :, :], t[..., 1::2, :, :]
+        a21 = _diagonal_blocks(a, 2 * size)[..., size:, :size]
+        lower = t2 @ a21 @ t1
+        top = jnp.concatenate([t1, jnp.zeros_like(t1)], axis=-1)
+        t = jnp.concatenate([top, jnp.concatenate([lower, t2], axis=-1)], axis=-2)
+        size *= 2
+    return t[..., 0, :, :]
+
+
 def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int):
     """Chunked (UT-transform) gated delta rule, same contract as `recurrent_delta_rule`.
 
@@ -95,14 +134,9 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int):
     lower = jnp.tril(jnp.ones((c, c), bool))
     strict = jnp.tril(jnp.ones((c, c), bool), -1)
     decay = jnp.where(lower, jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], 0.0)), 0.0)
-    # Solve (I + A) W = rhs with A = strictly-lower(k_beta k^T * decay), by forward substitution.
-    a = jnp.where(strict, -(k_beta @ jnp.swapaxes(k, -1, -2)) * decay, 0.0)
-
-    def substitute(i, m):
-        row = m[..., i, :]
-        return m.at[..., i, :].set(row + jnp.einsum("...j,...jk->...k", row, m))
-
-    t_inv = jax.lax.fori_loop(1, c, substitute, a) + jnp.eye(c, dtype=a.dtype)
+    # (I + K)^-1 with K = strictly-lower(k_beta k^T * decay).
+    t_inv = _inverse_unit_lower(jnp.where(strict, -(k_beta @ jnp.swapaxes(k, -1, -2)) * decay,
+                                          0.0))
     new_v = t_inv @ v_beta
     k_cumdecay = t_inv @ (k_beta * jnp.exp(cum)[..., None])
     intra = jnp.where(lower, (q @ jnp.swapaxes(k, -1, -2)) * decay, 0.0)
