@@ -51,11 +51,14 @@ def recurrent_delta_rule(q, k, v, g, beta, state, keep_states: bool = False):
 
     def step(s, inputs):
         q_t, k_t, v_t, g_t, b_t = inputs
-        s = s * jnp.exp(g_t)[..., None, None]
-        kv_mem = jnp.einsum("bhkv,bhk->bhv", s, k_t)
-        delta = (v_t - kv_mem) * b_t[..., None]
-        s = s + k_t[..., :, None] * delta[..., None, :]
-        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
+        decay = jnp.exp(g_t)[..., None, None]  # [B, H, 1, 1]
+        # S' = decay S, so S'^T k and S'^T q come from one contraction of the old state, and
+        # the output S''^T q = S'^T q + (k . q) delta: the state is read once for both and
+        # once more for its update, which writes it (decode is memory-bound on it).
+        kq = decay * jnp.einsum("bhkv,bhjk->bhjv", s, jnp.stack([k_t, q_t], axis=2))
+        delta = (v_t - kq[:, :, 0]) * b_t[..., None]
+        s = s * decay + k_t[..., :, None] * delta[..., None, :]
+        return s, kq[:, :, 1] + jnp.sum(k_t * q_t, -1, keepdims=True) * delta
 
     if q.shape[1] == 1:  # one token (decode): no loop, which also compiles faster
         state, out = step(state, tuple(a[:, 0] for a in (q, k, v, g, beta)))
