@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from ninfer_jax.models.qwen3_6.attention import CausalKV, KVAccess, attention_mixer
 from ninfer_jax.models.qwen3_6.config import FULL, LINEAR, ModelConfig
 from ninfer_jax.models.qwen3_6.gdn import GDNState, gdn_mixer
-from ninfer_jax.models.qwen3_6.layers import einsum32, mlp, rms_norm, rope_cos_sin
+from ninfer_jax.models.qwen3_6.layers import linear32, mlp, rms_norm, rope_cos_sin
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -143,7 +143,7 @@ def run_layers_unrolled(params: dict, cfg: ModelConfig, h: jax.Array, positions:
 def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Logits [..., vocab] in fp32 from final-normed hidden states."""
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]  # [V, H] both
-    return einsum32("...h,vh->...v", hidden, head)
+    return linear32(hidden, head)
 
 
 def step(params: dict, cfg: ModelConfig, token_ids: jax.Array, start_pos: jax.Array,
