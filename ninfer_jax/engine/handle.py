@@ -61,10 +61,13 @@ class EventSink:
         self._loop = loop
         self._sync: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._async: asyncio.Queue[Event] | None = asyncio.Queue() if loop else None
+        self._ended = threading.Event()  # set once the Finished event is in the sync queue
 
     def put(self, event: Event) -> None:
         if self._loop is None:
             self._sync.put(event)
+            if isinstance(event, Finished):
+                self._ended.set()
         else:
             try:
                 self._loop.call_soon_threadsafe(self._async.put_nowait, event)
@@ -73,6 +76,10 @@ class EventSink:
 
     def get(self, timeout: float | None) -> Event:
         return self._sync.get(timeout=timeout)
+
+    def wait_ended(self, timeout: float | None) -> bool:
+        """Waits until the Finished event is queued (every event before it is too)."""
+        return self._ended.wait(timeout)
 
     async def aget(self) -> Event:
         return await self._async.get()
@@ -154,9 +161,15 @@ class RequestHandle:
             yield self.next_event()
 
     def result(self, timeout: float | None = None) -> GenerationResult:
-        """Waits for the end and returns the committed output (any unread events are folded in)."""
+        """Waits for the end and returns the committed output (any unread events are folded in);
+        raises queue.Empty if it has not ended within `timeout` seconds. It sleeps until the
+        end instead of waking for every event: on a small machine a consumer thread that runs
+        once per token takes the cores the model runs on (8 streams of the demo model: 0.3 ms
+        of a 4 ms round)."""
+        if not self.done and not self._sink.wait_ended(timeout):
+            raise queue.Empty
         while not self.done:
-            self.next_event(timeout)
+            self._take(self._sink.get(0))
         return self._collector.result()
 
     def release(self) -> None:
