@@ -263,7 +263,9 @@ class EngineCore:
             progressed = True
         if not isinstance(unit, DecodeUnit):
             self._publish_committed()  # no round follows at once to overlap it with
-        self._publish_stats()
+            self._publish_stats()
+        # A decode iteration published the stats with the previous round's deltas; its own
+        # round is counted when its deltas go out, at the start of the next iteration's unit.
         return progressed
 
     def _run_commands(self) -> bool:

@@ -149,6 +149,7 @@ class HostProgram(abc.ABC):
         self.slots = SlotAllocator(limits.total_slots)
         self.ckpt_slots = SlotAllocator(max(limits.total_checkpoint_slots, 1))
         self._ckpts: dict[int, CheckpointRecord] = {}
+        self._footprint: tuple[int, int] | None = None  # checkpoint_footprint, until they change
         self.resource_revision = 0
         self._seqs: dict[int, SeqRecord] = {}
         self._ids = itertools.count()
@@ -304,6 +305,7 @@ class HostProgram(abc.ABC):
                                 self.ckpt_slots.allocate(), list(pages))
         self._run_capture(seq, ckpt.slot)
         self._ckpts[ckpt.ckpt.ckpt_id] = ckpt
+        self._footprint = None
         self.resource_revision += 1
         return ckpt.ckpt
 
@@ -358,6 +360,7 @@ class HostProgram(abc.ABC):
             self.ckpt_slots.release(ckpt.slot)
             raise
         self._ckpts[ckpt.ckpt.ckpt_id] = ckpt
+        self._footprint = None
         self.resource_revision += 1
         return ckpt.ckpt
 
@@ -372,6 +375,7 @@ class HostProgram(abc.ABC):
             self.pages.decref(page)
         self.ckpt_slots.release(ckpt.slot)
         del self._ckpts[ckpt_id.ckpt_id]
+        self._footprint = None
         self.resource_revision += 1
 
     def reclaimable_pages(self, ckpt_ids: Sequence[CheckpointId]) -> int:
@@ -383,10 +387,14 @@ class HostProgram(abc.ABC):
         return sum(self.pages.refcount(p) == n for p, n in refs.items())
 
     def checkpoint_footprint(self) -> tuple[int, int]:
-        """(distinct pages referenced by checkpoints, bytes they and their state images hold)."""
-        pages = {p for ckpt in self._ckpts.values() for p in ckpt.pages}
-        return len(pages), (len(pages) * self.limits.page_bytes
-                            + len(self._ckpts) * self.limits.checkpoint_state_bytes)
+        """(distinct pages referenced by checkpoints, bytes they and their state images hold).
+        Computed when the set of checkpoints changed, not on every call (stats read it every
+        worker iteration)."""
+        if self._footprint is None:
+            pages = {p for ckpt in self._ckpts.values() for p in ckpt.pages}
+            self._footprint = (len(pages), len(pages) * self.limits.page_bytes
+                               + len(self._ckpts) * self.limits.checkpoint_state_bytes)
+        return self._footprint
 
     def checkpoint_tokens(self, ckpt_id: CheckpointId) -> tuple[int, ...]:
         return self._ckpt(ckpt_id).tokens
