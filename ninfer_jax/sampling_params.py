@@ -38,6 +38,10 @@ class SamplingParams:
     seed: int | None = None  # None: the Engine draws one at submit (reported in the result)
     max_new_tokens: int = 256  # generation budget
     stop: tuple[str, ...] = ()  # stop strings: matched across tokens, never emitted
+    # Thinking budget: once the thinking channel holds this many tokens, the Frontend forces
+    # the end of the block and the answer goes on in the content channel (None: no budget;
+    # for no thinking at all, render the prompt with enable_thinking=False).
+    max_thinking_tokens: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -51,7 +55,7 @@ class SamplingParams:
                 raise SamplingParamsError(f"stop[{i}] must be a non-empty string, got {stop!r}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "stop" or (f.name == "seed" and value is None):
+            if f.name == "stop" or (f.name in ("seed", "max_thinking_tokens") and value is None):
                 continue
             is_int = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
             if f.name in _INT_RANGES:
@@ -84,6 +88,7 @@ _INT_RANGES = {
     "top_k": lambda v: 0 <= v <= MAX_TOP_K,
     "seed": lambda v: 0 <= v <= MAX_SEED,
     "max_new_tokens": lambda v: v >= 1,
+    "max_thinking_tokens": lambda v: v >= 1,
 }
 _ALLOWED = {
     "temperature": "a finite number >= 0 (0 = greedy)",
@@ -95,6 +100,7 @@ _ALLOWED = {
     "repetition_penalty": "a finite number > 0 (1 = off)",
     "seed": f"an integer in [0, {MAX_SEED}]",
     "max_new_tokens": "an integer >= 1",
+    "max_thinking_tokens": "None or an integer >= 1 (no thinking: enable_thinking=False)",
 }
 _FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 

@@ -32,7 +32,7 @@ from ninfer_jax.engine.events import (
 from ninfer_jax.engine.handle import AsyncRequestHandle, CapacityToken, EventSink, RequestHandle
 from ninfer_jax.engine.request import InvariantError, RequestRecord, RequestState
 from ninfer_jax.engine.resources import LaneState, ResourceManager
-from ninfer_jax.engine.scheduler import DecodeUnit, PrefillUnit, Scheduler
+from ninfer_jax.engine.scheduler import ControlUnit, DecodeUnit, PrefillUnit, Scheduler
 from ninfer_jax.engine.spec_stats import SpeculativeCounter, SpeculativeStats
 from ninfer_jax.engine.tiers import ContextTiers, TierStats
 from ninfer_jax.errors import ConfigError
@@ -150,7 +150,9 @@ class EngineCore:
         cache_scope = _optional_text("cache_scope", cache_scope)
         if sampling.temperature > 0 and sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=int.from_bytes(os.urandom(4), "little"))
-        session = self.frontend.open_session(prompt, stop=sampling.stop)
+        kwargs = {} if sampling.max_thinking_tokens is None else {
+            "max_thinking_tokens": sampling.max_thinking_tokens}
+        session = self.frontend.open_session(prompt, stop=sampling.stop, **kwargs)
         now = time.monotonic()
         qt = queue_timeout_s if queue_timeout_s is not None else self.config.queue_timeout_s
         sink = EventSink(loop)
@@ -334,7 +336,7 @@ class EngineCore:
     def _freeze_cancellations(self, now: float) -> bool:
         changed = False
         for r in self._active:
-            if r.state not in (S.PREFILL, S.DECODE_READY):
+            if r.state not in (S.PREFILL, S.DECODE_READY, S.CONTROL_READY):
                 continue
             if r.cancel_requested.is_set():
                 self._terminal(r, FinishReason.CANCELLED)
@@ -488,7 +490,7 @@ class EngineCore:
         self.program.release_checkpoint(entry.ckpt)
         self.catalog.remove(entry, evicted)
 
-    def _run_unit(self, unit: PrefillUnit | DecodeUnit) -> None:
+    def _run_unit(self, unit: ControlUnit | PrefillUnit | DecodeUnit) -> None:
         if isinstance(unit, PrefillUnit):
             self._publish_committed()
             r = unit.record
@@ -496,9 +498,19 @@ class EngineCore:
             if batch is None:
                 return  # a middle chunk: the Program adopted it; nothing to publish
             records = [r]
+        elif isinstance(unit, ControlUnit):
+            self._publish_committed()
+            records = [unit.record]
+            batch = self.program.control(unit.record.seq, unit.record.control)
         else:
             records = list(unit.records)
-            batch = self.program.decode([r.seq for r in records])
+            # A row may not run past the point where its Frontend will force control (counting
+            # the previous round, committed but not yet published to its session).
+            unpublished = {r.request_id: p for r, p in self._unpublished}
+            caps = [r.session.tokens_before_control(unpublished.get(r.request_id))
+                    for r in records]
+            batch = self.program.decode([r.seq for r in records],
+                                        None if all(c is None for c in caps) else caps)
             # The round runs on the device now: publish the previous round's committed output
             # meanwhile (its Program commit is done; reading batch.tokens waits for this one).
             self._publish_committed()
@@ -513,23 +525,27 @@ class EngineCore:
                 previews.append(None)
                 accepted.append(0)
                 continue
-            tokens = batch.row_tokens(row)  # the Program never proposes past the budget
+            forced = list(batch.forced)  # forced control's tokens come before the sampled one
+            tokens = forced + batch.row_tokens(row)  # never past the budget
             budget_ends = r.completion_tokens + len(tokens) >= r.sampling.max_new_tokens
-            preview = r.session.preview(tokens, budget_ends=budget_ends)
-            if preview.num_accepted < 1:
-                raise InvariantError(f"request {r.request_id}: a preview accepted no token")
+            preview = r.session.preview(tokens, budget_ends=budget_ends, forced=len(forced))
+            if preview.num_accepted <= len(forced):
+                raise InvariantError(f"request {r.request_id}: a preview accepted no sampled "
+                                     "token")
             previews.append(preview)
-            accepted.append(preview.num_accepted)
+            accepted.append(preview.num_accepted - len(forced))
         self.program.commit(batch, accepted)  # Program state first; a failure publishes nothing
         if batch.kind is BatchKind.PREFILL and accepted[0] > 0:
             self._retain(records[0])  # the prompt's frontier
         for row, (r, preview, n) in enumerate(zip(records, previews, accepted)):
+            r.control = ()
             if preview is None:
                 self._terminal(r, FinishReason.CANCELLED)
                 continue
             if batch.kind is BatchKind.DECODE and self._speculative.k:
                 self._speculative.add_row(int(batch.produced[row]), n,
                                           r.sampling.max_new_tokens - r.completion_tokens)
+            n = preview.num_accepted  # the forced tokens too: they are output
             r.completion_tokens += n
             self._generated += n
             self._unpublished.append((r, preview))  # after the next round is dispatched
@@ -538,8 +554,20 @@ class EngineCore:
                     else FinishReason.LENGTH
                 r.stop_string = preview.stop_string
                 self._terminal(r, reason)
+            elif preview.control:
+                self._ask_control(r, preview.control)
             else:
                 r.move(S.DECODE_READY)
+
+    def _ask_control(self, r: RequestRecord, tokens: tuple[int, ...]) -> None:
+        """ControlReady (DESIGN §3): the Frontend's forced tokens go next. A budget too small
+        for them and one token after them ends the output here (the Frontend's limit, e.g. a
+        thinking budget, must not be overrun)."""
+        if r.completion_tokens + len(tokens) + 1 > r.sampling.max_new_tokens:
+            self._terminal(r, FinishReason.LENGTH)
+            return
+        r.control = tokens
+        r.move(S.CONTROL_READY)
 
     def _publish_committed(self) -> None:
         """Commits the Frontend previews of committed rounds and publishes their deltas, in

@@ -100,6 +100,7 @@ class Frontend:
         *,
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
+        max_thinking_tokens: int | None = None,
     ) -> OutputSession:
         """A new OutputSession for output that continues `prompt`."""
         return OutputSession(
@@ -107,4 +108,5 @@ class Frontend:
             stop=stop,
             stop_token_ids=stop_token_ids,
             channel=initial_channel(prompt.token_ids, self.tokenizer),
+            max_thinking_tokens=max_thinking_tokens,
         )
