@@ -58,12 +58,17 @@ class CatalogStats:
 
 
 class CheckpointCatalog:
+    """`version` changes whenever a lookup's answer may change (an entry added or removed, a
+    session bound): the Engine rechecks a blocked admission only then (DESIGN §4)."""
+
     def __init__(self) -> None:
-        self._entries: dict[str, CatalogEntry] = {}  # digest -> entry (one per token prefix)
+        # digest -> entry (one per token prefix), least recently used first
+        self._entries: dict[str, CatalogEntry] = {}
         self._lengths: dict[int, int] = {}  # frontier length -> number of entries
         # (scope, session key) -> (digest, publication_order)
         self._sessions: dict[tuple[str | None, str], tuple[str, int]] = {}
         self._clock = itertools.count()
+        self.version = 0
         self.hits = self.misses = self.captured = self.evictions = self.cached_tokens = 0
 
     def __len__(self) -> int:
@@ -86,6 +91,7 @@ class CheckpointCatalog:
         self._entries[entry.digest] = entry
         self._lengths[entry.frontier] = self._lengths.get(entry.frontier, 0) + 1
         self.captured += 1
+        self.version += 1
         return entry
 
     def remove(self, entry: CatalogEntry, evicted: bool) -> None:
@@ -94,6 +100,7 @@ class CheckpointCatalog:
         if not self._lengths[entry.frontier]:
             del self._lengths[entry.frontier]
         self.evictions += evicted
+        self.version += 1
 
     def lookup(self, tokens, session_key: str | None = None,
                scope: str | None = None) -> CatalogEntry | None:
@@ -122,17 +129,22 @@ class CheckpointCatalog:
         self.hits += 1
         self.cached_tokens += entry.frontier
         entry.last_used = next(self._clock)
+        self._entries[entry.digest] = self._entries.pop(entry.digest)  # most recent last
 
     def bind_session(self, key: str, entry: CatalogEntry, publication_order: int) -> None:
         """Binds `key` in the entry's scope to it, unless a later-ordered result holds it."""
         current = self._sessions.get((entry.scope, key))
         if current is None or publication_order > current[1]:
             self._sessions[(entry.scope, key)] = (entry.digest, publication_order)
+            self.version += 1
 
     def eviction_order(self, keep: CatalogEntry | None = None) -> list[CatalogEntry]:
         """Inactive checkpoints, least recently used first (`keep` excluded)."""
-        return sorted((e for e in self._entries.values() if e is not keep),
-                      key=lambda e: e.last_used)
+        return [e for e in self._entries.values() if e is not keep]
+
+    def least_recent(self) -> CatalogEntry | None:
+        """The first checkpoint of eviction_order(), without building it."""
+        return next(iter(self._entries.values()), None)
 
     def entries(self) -> list[CatalogEntry]:
         return list(self._entries.values())

@@ -130,6 +130,7 @@ class EngineCore:
         # Committed round output (record, Frontend preview) not yet published: it goes out
         # while the next round computes, or before anything else is published.
         self._unpublished: list[tuple[RequestRecord, Any]] = []
+        self._blocked_on: tuple | None = None  # admission facts of the last failed attempt
         self._publish_stats()
         self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
         self._thread.start()
@@ -322,16 +323,24 @@ class EngineCore:
     def _settle_terminal(self) -> bool:
         settled = [r for r in self._active if r.state is S.TERMINAL_PENDING]
         for r in settled:
-            if r.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-                entry = self._retain(r)  # the turn's frontier; release when it cannot be kept
-                if entry is not None and r.session_key is not None:
-                    self.catalog.bind_session(r.session_key, entry, r.publication_order)
-            self.program.release(r.seq)
-            r.seq = None
-            self.resources.move(r.lane, LaneState.FREE, r.request_id)
+            self._adopt_terminal(r)
             self._active.remove(r)
             self._finish(r, r.finish_reason, r.error)
         return bool(settled)
+
+    def _adopt_terminal(self, r: RequestRecord) -> None:
+        """The terminal resource result (DESIGN §6), adopted before the client sees the end of
+        the output: the turn's checkpoint is retained (when it can be kept) and the sequence
+        released, so a follow-up sent on the last delta already finds the checkpoint."""
+        if r.seq is None:
+            return  # adopted already, before its last delta went out
+        if r.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            entry = self._retain(r)  # the turn's frontier
+            if entry is not None and r.session_key is not None:
+                self.catalog.bind_session(r.session_key, entry, r.publication_order)
+        self.program.release(r.seq)
+        r.seq = None
+        self.resources.move(r.lane, LaneState.FREE, r.request_id)
 
     def _freeze_cancellations(self, now: float) -> bool:
         changed = False
@@ -352,16 +361,30 @@ class EngineCore:
         head = self.scheduler.head()
         if head is None or not Scheduler.prefill_gate_open(self._active):
             return False
-        if self._admit(head, may_evict=True):
+        if self._admission_facts() == self._blocked_on:
+            return False  # nothing that decides the outcome changed since it last failed
+        admitted = self._admit(head, may_evict=True)
+        if admitted:
             self.scheduler.unprotect()
-            return True
-        self.scheduler.protect(head, {r.request_id for r in self._active})
-        for r in self.scheduler.backfill_candidates(self.config.backfill_window):
-            if self._backfill_proven(head, r) and self._admit(r, may_evict=False):
-                self.scheduler.borrowers.add(r.request_id)
-                self._backfilled += 1
-                return True
-        return False
+        else:
+            self.scheduler.protect(head, {r.request_id for r in self._active})
+            for r in self.scheduler.backfill_candidates(self.config.backfill_window):
+                if self._backfill_proven(head, r) and self._admit(r, may_evict=False):
+                    self.scheduler.borrowers.add(r.request_id)
+                    self._backfilled += 1
+                    admitted = True
+                    break
+        # The facts after the attempt (it may have evicted or reloaded and still failed).
+        self._blocked_on = None if admitted else self._admission_facts()
+        return admitted
+
+    def _admission_facts(self) -> tuple[int, int, int, int]:
+        """What an admission attempt's outcome depends on (DESIGN §4): the Program's resources
+        (its revision changes when capacity is claimed or released, a checkpoint captured,
+        imported or released), the catalog's entries and bindings, the waiting requests (the
+        head and the backfill candidates) and the free lanes."""
+        return (self.program.resource_revision, self.catalog.version, self.scheduler.version,
+                self.resources.num_free())
 
     def _backfill_proven(self, head: RequestRecord, r: RequestRecord) -> bool:
         """DESIGN §5: with `r` holding its full reservation, once the donors finish the head
@@ -471,10 +494,10 @@ class EngineCore:
         if existing is not None:
             return existing
         if not self.program.can_capture():
-            victims = self.catalog.eviction_order()
-            if not victims:
+            victim = self.catalog.least_recent()
+            if victim is None:
                 return None
-            self._drop_checkpoint(victims[0], evicted=True)
+            self._drop_checkpoint(victim, evicted=True)
         entry = self.catalog.add(self.program.capture(r.seq), tokens, r.cache_scope)
         if self.tiers is not None:  # written through once this iteration's output is out
             self._to_offload.append(entry)
@@ -576,6 +599,8 @@ class EngineCore:
             self._publish_stats()  # first: stats read after a delta count its tokens
         while self._unpublished:
             r, preview = self._unpublished.pop(0)
+            if r.state is S.TERMINAL_PENDING:
+                self._adopt_terminal(r)  # the terminal result first, then the last delta
             r.session.commit(preview)
             ids = tuple(preview.token_ids)
             if not preview.deltas:

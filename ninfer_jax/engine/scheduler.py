@@ -40,15 +40,18 @@ class Scheduler:
         self.protected: RequestRecord | None = None
         self.donors: set[int] = set()
         self.borrowers: set[int] = set()
+        self.version = 0  # changes whenever the waiting requests change
 
     def enqueue(self, record: RequestRecord) -> None:
         self.waiting.append(record)
+        self.version += 1
 
     def head(self) -> RequestRecord | None:
         return self.waiting[0] if self.waiting else None
 
     def remove(self, record: RequestRecord) -> None:
         self.waiting.remove(record)
+        self.version += 1
 
     def protect(self, head: RequestRecord, donors: set[int]) -> None:
         if self.protected is not head:

@@ -1,0 +1,113 @@
+"""Event-driven admission (DESIGN §4): a blocked FIFO head is rechecked only when a fact that
+decides its admission changes (capacity released, a checkpoint published or evicted, the waiting
+requests, a lane), never on every decode round; and it is admitted as soon as one does."""
+
+from __future__ import annotations
+
+import threading
+
+from ninfer_jax.sampling_params import SamplingParams
+from tests.engine.conftest import fake_engine, long_prompt, prompt, settle
+
+
+class _Counting:
+    """Counts the Program's admission plans (each admission attempt makes at least one)."""
+
+    def __init__(self, program):
+        self.calls = 0
+        real = program.plan_admission
+
+        def plan(*args, **kw):
+            self.calls += 1
+            return real(*args, **kw)
+
+        program.plan_admission = plan
+
+
+def test_a_blocked_head_is_not_replanned_every_round():
+    # 24 pages of 4 tokens: the incumbent reserves 20, the head needs 20 too.
+    with fake_engine(2, total_pages=24, max_seq_len=80) as (core, program):
+        rounds = threading.Event()
+        count = {"decodes": 0}
+
+        def on_decode(seqs):
+            count["decodes"] += 1
+            if count["decodes"] == 40:
+                rounds.set()
+
+        program.on("after_decode", on_decode)
+        incumbent = core.submit(prompt(long_prompt(70, "inc")),
+                                SamplingParams(max_new_tokens=70, temperature=0))
+        head = core.submit(prompt("head"), SamplingParams(max_new_tokens=70, temperature=0))
+        assert rounds.wait(30)
+        plans = _Counting(program)
+        before = count["decodes"]
+        # 20 more rounds while the head waits: no fact changed, so no new plan
+        while count["decodes"] < before + 20:
+            assert not incumbent.done
+            threading.Event().wait(0.001)
+        assert core.stats().waiting == 1 and plans.calls == 0
+        # the incumbent's end releases its capacity: the head is admitted then
+        assert incumbent.result(timeout=30).usage.completion_tokens == 70
+        assert head.result(timeout=30).usage.completion_tokens >= 1
+        assert plans.calls >= 1
+        assert settle(core).free_pages + core.stats().prefix.pages_held == 24
+
+
+def test_a_new_waiting_request_is_considered_for_backfill():
+    """A later request that fits beside the incumbents (and cannot delay the head) is a fact
+    that changes the outcome: it is admitted without waiting for any capacity release."""
+    with fake_engine(3, total_pages=36, max_seq_len=80) as (core, program):
+        started = threading.Event()
+        program.on("after_decode", lambda seqs: started.set())
+        incumbent = core.submit(prompt(long_prompt(60, "inc")),
+                                SamplingParams(max_new_tokens=60, temperature=0))
+        assert started.wait(30)
+        head = core.submit(prompt("head"), SamplingParams(max_new_tokens=75, temperature=0))
+        small = core.submit(prompt("s"), SamplingParams(max_new_tokens=2, temperature=0))
+        assert small.result(timeout=30).usage.completion_tokens >= 1
+        assert not incumbent.done  # admitted while the incumbent still ran
+        assert core.stats().backfilled == 1
+        incumbent.result(timeout=30)
+        head.result(timeout=30)
+        settle(core)
+
+
+def test_the_turn_checkpoint_exists_before_the_last_delta_goes_out():
+    """Terminal order (DESIGN §6): a finishing row's resource result (its turn checkpoint
+    retained, its sequence released) is adopted before its last delta is published."""
+    from ninfer_jax.engine import Delta, Finished
+
+    with fake_engine(2, total_checkpoint_slots=8) as (core, program):
+        log = []
+        capture, release, emit = program.capture, program.release, core._emit
+
+        def logged_capture(handle):
+            log.append(("capture", program.num_generated(handle)))
+            return capture(handle)
+
+        def logged_release(handle):
+            log.append(("release",))
+            release(handle)
+
+        def logged_emit(r, event):
+            if isinstance(event, (Delta, Finished)):
+                log.append((type(event).__name__,))
+            emit(r, event)
+
+        program.capture, program.release, core._emit = logged_capture, logged_release, \
+            logged_emit
+        for max_new in (1, 6):  # finishing in the prefill's unit and in a decode round
+            log.clear()
+            text = long_prompt(max_new, f"t{max_new}")
+            result = core.submit(prompt(text), SamplingParams(
+                max_new_tokens=max_new, temperature=0)).result(timeout=30)
+            assert result.usage.completion_tokens == max_new
+            kinds = [e[0] for e in log]
+            last_delta = len(kinds) - 1 - kinds[::-1].index("Delta")
+            assert kinds[-1] == "Finished"
+            assert "release" in kinds[:last_delta], log  # released before the last delta
+            if max_new > 1:  # the turn frontier (beyond the prompt's) was captured first
+                turn = [e for e in log if e[0] == "capture" and e[1] == max_new]
+                assert turn and log.index(turn[0]) < last_delta, log
+        settle(core)
