@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import pathlib
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,6 +19,7 @@ from ninfer_jax.engine import (
     EngineCore,
     EngineCoreConfig,
     EngineStats,
+    FinishReason,
     GenerationResult,
     RejectedError,
     RequestHandle,
@@ -32,18 +35,36 @@ _CORE_KEYS = ("max_queue", "queue_timeout_s", "prefix_reuse")
 _STORE_KEYS = ("context_store", "host_cache_gb", "disk_cache_dir", "redis_url")
 
 
-class Engine:
-    """A running generation Engine. Use as a context manager, or call `close()`."""
+PURPOSES = ("generation", "causal_scoring")
 
-    def __init__(self, core: EngineCore, frontend: Frontend, model_path: pathlib.Path | None):
+
+class Engine:
+    """A running Engine for one purpose, fixed at start (DESIGN §1): Generation (submit,
+    generate, stream) or CausalScoring (score, rolling, perplexity). Use as a context manager,
+    or call `close()`."""
+
+    def __init__(self, core: EngineCore | None, frontend: Frontend | None,
+                 model_path: pathlib.Path | None, *, scorer: Any = None):
         self.core, self.frontend, self.model_path = core, frontend, model_path
+        self.scorer = scorer  # the CausalScoring purpose's Scorer (None for Generation)
+        self.purpose = "generation" if scorer is None else "causal_scoring"
+        self._score_lock = threading.Lock()  # scoring calls run one at a time
+        self._closed = False
 
     @classmethod
-    def open(cls, model: str | pathlib.Path | None = None, *, max_concurrency: int = 4,
-             verify_weights: bool = True, **config: Any) -> "Engine":
-        """Loads `model` (artifact or HF checkpoint directory; None = the embedded default) and
-        compiles the prefill step before returning; the other steps compile on a background
-        thread in the order they are first needed (a request waits only for what it uses).
+    def open(cls, model: str | pathlib.Path | None = None, *, purpose: str = "generation",
+             max_concurrency: int | None = None, verify_weights: bool = True,
+             **config: Any) -> "Engine":
+        """Loads `model` (artifact or HF checkpoint directory; None = the embedded default).
+
+        purpose="causal_scoring": an Engine that scores texts (`score`, `rolling`,
+        `perplexity`, the same results as `Scorer`); its settings are ScoringConfig's
+        (window, stride, max_len, min_len, max_batch_tokens, dtype) and its scoring windows
+        compile before this returns.
+
+        purpose="generation" (default): compiles the prefill step before returning; the other
+        steps compile on a background thread in the order they are first needed (a request
+        waits only for what it uses). max_concurrency: requests decoding together (default 4).
         Settings: max_seq_len, page_size, num_pages, prefill_chunk, attention_impl, dtype,
         num_checkpoint_slots, speculative ("off" or "mtp": draft num_speculative_tokens tokens
         per round with the model's MTP head, default 1; a model without MTP weights refuses
@@ -58,6 +79,17 @@ class Engine:
 
         if not isinstance(verify_weights, bool):
             raise ConfigError(f"verify_weights must be a bool, got {verify_weights!r:.40}")
+        if purpose not in PURPOSES:
+            raise ConfigError(f"purpose must be one of {list(PURPOSES)}, got {purpose!r:.40}")
+        if purpose == "causal_scoring":
+            from ninfer_jax.scoring.scorer import Scorer
+
+            if max_concurrency is not None:
+                raise ConfigError("max_concurrency is a generation setting; an Engine with "
+                                  "purpose='causal_scoring' batches by max_batch_tokens")
+            scorer = Scorer.open(model, verify_weights=verify_weights, **config)
+            return cls(None, None, scorer.model_path, scorer=scorer)
+        max_concurrency = 4 if max_concurrency is None else max_concurrency
         from ninfer_jax import context_store
 
         known = _PROGRAM_KEYS + _CORE_KEYS + _STORE_KEYS
@@ -94,7 +126,44 @@ class Engine:
         self.close()
 
     def close(self) -> None:
-        self.core.close()
+        self._closed = True
+        if self.core is not None:
+            self.core.close()
+
+    # CausalScoring ------------------------------------------------------------------------
+    def score(self, texts: Sequence[str] | None = None,
+              token_ids: Sequence[Sequence[int]] | None = None,
+              contexts: Sequence[Any] | None = None) -> list:
+        """One ScoreResult per item, in order (see `Scorer.score`); purpose='causal_scoring'."""
+        scorer = self._scoring("score")
+        with self._score_lock:
+            return scorer.score(texts, token_ids, contexts)
+
+    def rolling(self, texts: Sequence[str]) -> list:
+        """Each text scored in rolling windows (see `Scorer.rolling`)."""
+        scorer = self._scoring("rolling")
+        with self._score_lock:
+            return scorer.rolling(texts)
+
+    def perplexity(self, text: str | Sequence[str]) -> float:
+        """exp(-mean log-prob) of a text or a corpus (see `Scorer.perplexity`)."""
+        scorer = self._scoring("perplexity")
+        with self._score_lock:
+            return scorer.perplexity(text)
+
+    def _scoring(self, call: str) -> Any:
+        if self.scorer is None:
+            raise ConfigError(f"{call}() needs an Engine opened with purpose='causal_scoring'; "
+                              "this one is for generation")
+        if self._closed:
+            raise ConfigError(f"{call}(): the Engine is closed")
+        return self.scorer
+
+    def _generation(self, call: str) -> EngineCore:
+        if self.core is None:
+            raise ConfigError(f"{call}() needs an Engine opened with purpose='generation'; this "
+                              "one is for causal scoring (score, rolling, perplexity)")
+        return self.core
 
     def _prepare(self, prompt, messages, prompt_token_ids, enable_thinking,
                  allow_control_tokens):
@@ -112,13 +181,16 @@ class Engine:
                sampling: SamplingParams | None = None, session: str | None = None,
                enable_thinking: bool | None = None, deadline_s: float | None = None,
                queue_timeout_s: float | None = None, cache_salt: str | None = None,
-               allow_control_tokens: bool | None = None, _loop=None) -> RequestHandle:
+               allow_control_tokens: bool | None = None, prefix_reuse: bool = True,
+               _loop=None) -> RequestHandle:
         """Queues one request; returns its handle. Bad input raises RejectedError at once, before
         the request takes any capacity.
 
         session: a prefix-reuse hint (the conversation's key). cache_salt: the request reuses
         and leaves prefix checkpoints only among requests with the same salt (a tenant).
-        allow_control_tokens: see `Frontend.prepare` (default: text in messages is text)."""
+        allow_control_tokens: see `Frontend.prepare` (default: text in messages is text).
+        prefix_reuse=False: this request neither reuses nor leaves a prefix checkpoint."""
+        self._generation("submit")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RejectedError("invalid", f"cache_salt must be a string or None, got "
                                 f"{type(cache_salt).__name__}", "cache_salt")
@@ -126,7 +198,8 @@ class Engine:
                                  allow_control_tokens)
         return self.core.submit(prepared, _sampling(sampling), session_key=session,
                                 deadline_s=deadline_s, queue_timeout_s=queue_timeout_s,
-                                cache_scope=cache_salt, loop=_loop)
+                                cache_scope=cache_salt, prefix_reuse=prefix_reuse,
+                                loop=_loop)
 
     async def asubmit(self, prompt: str | None = None, **kwargs: Any) -> AsyncRequestHandle:
         """`submit` for asyncio code: the handle supports `async for` and `await aresult()`."""
@@ -136,22 +209,34 @@ class Engine:
         """Blocking one-liner: submit and wait for the result."""
         return self.submit(prompt, **kwargs).result()
 
+    def warm_up(self) -> float:
+        """Serves one short request through the Engine (prefill, then decode rounds at B=1)
+        with prefix reuse off, so it leaves no checkpoint; a server calls it before it reports
+        ready, so the first client does not wait for first-use work (the decode step's
+        compile, the first dispatches). Returns its seconds."""
+        start = time.perf_counter()
+        result = self.submit(prompt_token_ids=[0], prefix_reuse=False, sampling=SamplingParams(
+            max_new_tokens=4, temperature=0.0)).result()
+        if result.finish_reason is FinishReason.ERROR:
+            raise RuntimeError(f"the warm-up request failed: {result.error}")
+        return time.perf_counter() - start
+
     def stats(self) -> EngineStats:
-        return self.core.stats()
+        return self._generation("stats").stats()
 
     @property
     def available(self) -> bool:
         """False once the Engine failed or was closed (it then rejects every submit)."""
-        return self.core.available
+        return not self._closed if self.core is None else self.core.available
 
     @property
     def max_seq_len(self) -> int:
         """The context limit: prompt + generated tokens of one request."""
-        return self.core.limits.max_seq_len
+        return self._generation("max_seq_len").limits.max_seq_len
 
     def clear_prefix_cache(self) -> None:
         """Releases every inactive prefix checkpoint."""
-        self.core.clear_prefix_cache()
+        self._generation("clear_prefix_cache").clear_prefix_cache()
 
 
 def _sampling(sampling: SamplingParams | None) -> SamplingParams:

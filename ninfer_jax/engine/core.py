@@ -138,17 +138,22 @@ class EngineCore:
     # Submission (any thread) -----------------------------------------------------------------
     def submit(self, prompt: Any, sampling: SamplingParams, *, session_key: str | None = None,
                deadline_s: float | None = None, queue_timeout_s: float | None = None,
-               cache_scope: str | None = None, loop=None) -> RequestHandle:
+               cache_scope: str | None = None, prefix_reuse: bool = True,
+               loop=None) -> RequestHandle:
         """Accepts a prepared prompt or raises RejectedError before anything is taken or mutated.
 
         Every argument is checked before the request takes outstanding capacity, so a refused
         call leaves the Engine exactly as it was. `cache_scope` isolates prefix reuse: a request
-        reuses and publishes checkpoints only within its scope (a tenant, DESIGN §7)."""
+        reuses and publishes checkpoints only within its scope (a tenant, DESIGN §7).
+        `prefix_reuse=False`: the request neither reads nor leaves a checkpoint."""
         self._check_submittable(prompt, sampling)
         deadline_s = _seconds("deadline_s", deadline_s)
         queue_timeout_s = _seconds("queue_timeout_s", queue_timeout_s)
         session_key = _optional_text("session", session_key)
         cache_scope = _optional_text("cache_scope", cache_scope)
+        if not isinstance(prefix_reuse, bool):
+            raise RejectedError("invalid", f"prefix_reuse must be a bool, got "
+                                f"{prefix_reuse!r:.40}", "prefix_reuse")
         if sampling.temperature > 0 and sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=int.from_bytes(os.urandom(4), "little"))
         kwargs = {} if sampling.max_thinking_tokens is None else {
@@ -170,7 +175,7 @@ class EngineCore:
                 submitted_at=now, queue_deadline=None if qt is None else now + qt,
                 deadline=None if deadline_s is None else now + deadline_s,
                 publication_order=next(self._order), session_key=session_key,
-                cache_scope=cache_scope)
+                cache_scope=cache_scope, reuse=prefix_reuse)
             self._outstanding += 1  # nothing below can fail: the capacity is never stranded
             self._sinks[record.request_id] = sink
             self._capacity[record.request_id] = capacity
@@ -404,9 +409,10 @@ class EngineCore:
         lane = self.resources.free_lane()
         if lane is None:
             return False
+        reuse = self.reuse and r.reuse
         source = self.catalog.lookup(r.prompt.token_ids, r.session_key, r.cache_scope) \
-            if self.reuse else None
-        if self.tiers is not None and not r.store_probed:
+            if reuse else None
+        if reuse and self.tiers is not None and not r.store_probed:
             source = self._reload(r, source, may_evict) or source
 
         def plan():
@@ -431,7 +437,7 @@ class EngineCore:
         r.lane = lane
         r.seq = self.program.materialize(sealed, r.prompt.token_ids, r.sampling)
         r.cached_tokens = sealed.cached_tokens
-        if self.reuse:
+        if reuse:
             self.catalog.record_use(source)
         r.move(S.MATERIALIZING)
         self._active.append(r)
@@ -487,7 +493,7 @@ class EngineCore:
     def _retain(self, r: RequestRecord) -> CatalogEntry | None:
         """Checkpoints a sequence at its committed frontier unless that prefix is cataloged;
         evicts the least recently used checkpoint for a slot. None when nothing is kept."""
-        if not self.reuse:
+        if not (self.reuse and r.reuse):
             return None
         tokens = tuple(self.program.tokens(r.seq)[:-1])  # the last token is not in the state
         existing = self.catalog.get(tokens, r.cache_scope)

@@ -54,6 +54,7 @@ class RequestRecord:
     publication_order: int
     session_key: str | None = None
     cache_scope: str | None = None  # prefix reuse stays within this scope (a tenant)
+    reuse: bool = True  # False: no checkpoint is read or left by this request
     state: RequestState = RequestState.WAITING
     seq: Any = None  # the Program's SequenceHandle while it holds one
     plan: Any = None  # the sealed ResourcePlan while Materializing
