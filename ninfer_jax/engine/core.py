@@ -194,6 +194,10 @@ class EngineCore:
             raise RejectedError("invalid", f"sampling must be a SamplingParams, got "
                                 f"{type(sampling).__name__}", "sampling")
         n, lim = len(prompt.token_ids), self.limits
+        b = prompt.reuse_boundary
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or not 0 < b < n):
+            raise RejectedError("invalid", f"prompt.reuse_boundary must be None or an int in "
+                                f"(0, {n}), got {b!r:.40}", "prompt")
         if n + 1 > lim.max_seq_len:
             raise RejectedError("too_long", f"prompt has {n} tokens; the context limit "
                                 f"max_seq_len is {lim.max_seq_len} (prompt + at least 1 new token)",
@@ -490,12 +494,19 @@ class EngineCore:
     def _offload(self, entry: CatalogEntry) -> None:
         self.tiers.offload(self.program, entry.ckpt, entry.tokens, entry.scope)
 
-    def _retain(self, r: RequestRecord) -> CatalogEntry | None:
+    def _retain(self, r: RequestRecord, tokens=None) -> CatalogEntry | None:
         """Checkpoints a sequence at its committed frontier unless that prefix is cataloged;
-        evicts the least recently used checkpoint for a slot. None when nothing is kept."""
+        evicts the least recently used checkpoint for a slot. None when nothing is kept.
+        `tokens`: the frontier's tokens (default: all but the last, whose effect is not in the
+        state yet)."""
         if not (self.reuse and r.reuse):
             return None
-        tokens = tuple(self.program.tokens(r.seq)[:-1])  # the last token is not in the state
+        if tokens is None:
+            tokens = self.program.tokens(r.seq)[:-1]
+        tokens = tuple(tokens)
+        if len(tokens) != self.program.frontier(r.seq):
+            raise InvariantError(f"request {r.request_id}: retain of {len(tokens)} tokens at "
+                                 f"frontier {self.program.frontier(r.seq)}")
         existing = self.catalog.get(tokens, r.cache_scope)
         if existing is not None:
             return existing
@@ -523,9 +534,14 @@ class EngineCore:
         if isinstance(unit, PrefillUnit):
             self._publish_committed()
             r = unit.record
-            batch = self.program.prefill(r.seq)
-            if batch is None:
-                return  # a middle chunk: the Program adopted it; nothing to publish
+            boundary = r.prompt.reuse_boundary if self.reuse and r.reuse else None
+            batch = self.program.prefill(r.seq, stop_at=boundary)
+            if batch is None:  # a middle chunk: the Program adopted it; nothing to publish
+                if boundary is not None and self.program.frontier(r.seq) == boundary:
+                    # where the conversation's next turn leaves this prompt (the Frontend's
+                    # boundary): that turn reuses everything before this answer from here
+                    self._retain(r, r.prompt.token_ids[:boundary])
+                return
             records = [r]
         elif isinstance(unit, ControlUnit):
             self._publish_committed()

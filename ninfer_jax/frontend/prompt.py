@@ -19,6 +19,7 @@ is the caller's own template-level text: its special-token texts are control tok
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -54,11 +55,17 @@ class PreparedPrompt:
     text: the text that was tokenized (rendered chat or raw prompt); None for given token ids.
     media: images/videos referenced by placeholder tokens; empty for text-only prompts.
     digest: hex sha256 over token_ids (see `token_digest`), computed here.
+    reuse_boundary: for a chat prompt, where the prompt of the conversation's next turn leaves
+      this one (a position inside it), when that is before its end: the chat template renders a
+      past answer differently from the tokens the model wrote (Qwen's drops the thinking block
+      and the `<think>` the generation prompt opens), so a follow-up shares only the tokens
+      before the answer. The Engine keeps a checkpoint there. None: at or after the end.
     """
 
     token_ids: tuple[int, ...]
     text: str | None = None
     media: tuple[Any, ...] = ()
+    reuse_boundary: int | None = None
     digest: str = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -209,6 +216,7 @@ def prepare(
     if prompt_token_ids is not None:
         return PreparedPrompt(_checked_ids(prompt_token_ids, tokenizer.vocab_size))
     pattern = tokenizer.special_pattern
+    follow_up = None
     if messages is not None:
         checked = _check_messages(messages)
         if chat_template is None:
@@ -217,12 +225,13 @@ def prepare(
         if escape:
             checked = _mark_messages(checked, pattern)
             tools = None if tools is None else _mark(list(tools), pattern)
-        text = chat_template.render(
-            checked,
-            add_generation_prompt=add_generation_prompt,
-            enable_thinking=enable_thinking,
-            tools=tools,
-        )
+        render = functools.partial(chat_template.render, enable_thinking=enable_thinking,
+                                   tools=tools)
+        text = render(checked, add_generation_prompt=add_generation_prompt)
+        if add_generation_prompt:
+            # The next turn: this answer in the history, then one more user message.
+            follow_up = checked + [{"role": "assistant", "content": _PLACEHOLDER},
+                                   {"role": "user", "content": _PLACEHOLDER}]
     else:
         if not isinstance(prompt, str):
             raise PromptError("prompt", f"expected a string, got {type(prompt).__name__}")
@@ -241,4 +250,29 @@ def prepare(
         raise PromptError(given[0], f"cannot be tokenized: {e}") from None
     if not token_ids:
         raise PromptError(given[0], "encodes to no tokens")
-    return PreparedPrompt(tuple(token_ids), text=text)
+    boundary = None
+    if follow_up is not None:
+        boundary = _reuse_boundary(tokenizer, token_ids, render, follow_up, escape)
+    return PreparedPrompt(tuple(token_ids), text=text, reuse_boundary=boundary)
+
+
+# A stand-in for the unknown answer and next message: a symbol no tokenizer merges with the
+# newline or the control token around it.
+_PLACEHOLDER = "\ufffd"
+
+
+def _reuse_boundary(tokenizer: Tokenizer, token_ids: list[int], render, follow_up,
+                    escape: bool) -> int | None:
+    """The number of leading tokens this prompt shares with the next turn's prompt (rendered
+    with placeholders), when that is fewer than all of them."""
+    try:
+        text = render(follow_up, add_generation_prompt=False)
+        ids = _encode_marked(tokenizer, text)[0] if escape else tokenizer.encode(text)
+    except Exception:  # a template that refuses the shape: no boundary, nothing else changes
+        return None
+    common = 0
+    for a, b in zip(token_ids, ids):
+        if a != b:
+            break
+        common += 1
+    return common if 0 < common < len(token_ids) else None

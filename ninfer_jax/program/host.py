@@ -293,7 +293,7 @@ class HostProgram(abc.ABC):
         seq = self._seq(handle)
         if self._pending is not None and handle in self._pending.handles:
             raise PendingBatchError(f"capture of {handle} while its PendingBatch is unconsumed")
-        if seq.state is not SeqState.ACTIVE or seq.frontier < 1:
+        if seq.state not in (SeqState.ACTIVE, SeqState.PREFILL) or seq.frontier < 1:
             raise ResourceError(f"{handle} has no committed frontier to capture")
         if not self.can_capture():
             raise ResourceError("no free checkpoint slot")
@@ -421,14 +421,19 @@ class HostProgram(abc.ABC):
         self.resource_revision += 1
 
     # Execution -----------------------------------------------------------------------------
-    def prefill(self, handle: SequenceHandle) -> PendingBatch | None:
-        """Runs the next prefill chunk; the last one returns the PendingBatch of the first token."""
+    def prefill(self, handle: SequenceHandle, stop_at: int | None = None) -> PendingBatch | None:
+        """Runs the next prefill chunk; the last one returns the PendingBatch of the first token.
+        `stop_at` (a position inside the prompt): a chunk that would pass it ends there, so the
+        sequence can be captured at that frontier."""
         self._check_idle()
         seq = self._seq(handle)
         if seq.state is not SeqState.PREFILL:
             raise ResourceError(f"{handle} is not prefilling")
         start = seq.frontier
-        chunk = seq.tokens[start : start + self.limits.prefill_chunk]
+        end = start + self.limits.prefill_chunk
+        if stop_at is not None and start < stop_at < min(end, seq.prompt_len):
+            end = stop_at
+        chunk = seq.tokens[start:end]
         self._grow(seq, start + len(chunk))
         token = self._run_prefill(seq, start, chunk)
         if start + len(chunk) < seq.prompt_len:  # not the last chunk: adopt its state now
@@ -540,6 +545,10 @@ class HostProgram(abc.ABC):
 
     def num_generated(self, handle: SequenceHandle) -> int:
         return self._seq(handle).generated
+
+    def frontier(self, handle: SequenceHandle) -> int:
+        """Positions whose effect the sequence's state holds (what `capture` would keep)."""
+        return self._seq(handle).frontier
 
     def is_prefilling(self, handle: SequenceHandle) -> bool:
         return self._seq(handle).state is SeqState.PREFILL

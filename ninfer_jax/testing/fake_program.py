@@ -181,8 +181,8 @@ class FakeProgram(HostProgram):
         self._at("after_materialize", [self._seq(handle)])
         return handle
 
-    def prefill(self, handle: SequenceHandle) -> PendingBatch | None:
-        batch = super().prefill(handle)
+    def prefill(self, handle: SequenceHandle, stop_at: int | None = None) -> PendingBatch | None:
+        batch = super().prefill(handle, stop_at)
         self._at("after_prefill", [self._seq(handle)])
         return batch
 
