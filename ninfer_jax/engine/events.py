@@ -33,6 +33,17 @@ class Usage:
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and its most likely alternatives, under the
+    distribution the token was drawn from (after penalties and temperature, before top-k/top-p;
+    with constrained decoding, after the grammar's mask)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@dataclasses.dataclass(frozen=True)
 class GenerationStart:
     """Published once after admission, before any delta."""
 
@@ -49,6 +60,7 @@ class Delta:
     text: str
     token_ids: tuple[int, ...]
     channel: Channel
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token_ids entry, when asked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +86,7 @@ class GenerationResult:
     seed: int | None  # the seed used for sampling (drawn by the Engine when none was given)
     error: str | None = None
     stop_string: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token_ids entry, when asked
 
 
 class EngineError(NinferError):
