@@ -19,6 +19,7 @@ from ninfer_jax.errors import NinferError
 MAX_SEED = 2**32 - 1
 MAX_TOP_K = 2**31 - 1
 MAX_LOGPROBS = 20  # most alternatives per token (`logprobs`), OpenAI's top_logprobs limit
+MAX_STOP_TOKEN_IDS = 16  # most `stop_token_ids` (the device holds them in a fixed-width row)
 STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 
 
@@ -79,7 +80,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # more ids that end the output like EOS
     min_tokens: int = 0  # EOS, stop_token_ids and stop strings cannot end it before this many
     ignore_eos: bool = False  # EOS ids do not end the output (stop_token_ids still do)
-    skip_special_tokens: bool = True  # special tokens are not rendered into the text
+    skip_special_tokens: bool = True  # control tokens (not channel markup) render no text
     logprobs: int | None = None  # None: off; N >= 0: the sampled token's and N alternatives'
     structured: StructuredOutput | None = None  # constrained decoding of the output
 
@@ -115,6 +116,9 @@ class SamplingParams:
             raise SamplingParamsError(f"stop_token_ids must be a list of token ids, got "
                                       f"{type(self.stop_token_ids).__name__}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingParamsError(f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids, "
+                                      f"got {len(self.stop_token_ids)}")
         for i, t in enumerate(self.stop_token_ids):
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0:
                 raise SamplingParamsError(f"stop_token_ids[{i}] must be a token id >= 0, "

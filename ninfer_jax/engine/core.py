@@ -37,6 +37,7 @@ from ninfer_jax.engine.spec_stats import SpeculativeCounter, SpeculativeStats
 from ninfer_jax.engine.tiers import ContextTiers, TierStats
 from ninfer_jax.errors import ConfigError
 from ninfer_jax.frontend.output_session import FinishReason as TextFinish
+from ninfer_jax.frontend.output_session import ending_ids
 from ninfer_jax.frontend.prompt import PreparedPrompt
 from ninfer_jax.program.pending import BatchKind
 from ninfer_jax.sampling_params import SamplingParams
@@ -150,7 +151,10 @@ class EngineCore:
         cache_scope = _optional_text("cache_scope", cache_scope)
         if sampling.temperature > 0 and sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=int.from_bytes(os.urandom(4), "little"))
-        session = self.frontend.open_session(prompt, stop=sampling.stop)
+        session = self.frontend.open_session(
+            prompt, stop=sampling.stop, stop_token_ids=sampling.stop_token_ids,
+            ignore_eos=sampling.ignore_eos, min_tokens=sampling.min_tokens,
+            skip_special_tokens=sampling.skip_special_tokens)
         now = time.monotonic()
         qt = queue_timeout_s if queue_timeout_s is not None else self.config.queue_timeout_s
         sink = EventSink(loop)
@@ -186,6 +190,10 @@ class EngineCore:
             raise RejectedError("invalid", f"sampling must be a SamplingParams, got "
                                 f"{type(sampling).__name__}", "sampling")
         n, lim = len(prompt.token_ids), self.limits
+        for i, t in enumerate(sampling.stop_token_ids):
+            if t >= lim.vocab_size:
+                raise RejectedError("invalid", f"stop_token_ids[{i}]: {t} is outside the "
+                                    f"vocabulary [0, {lim.vocab_size})", "stop_token_ids")
         if n + 1 > lim.max_seq_len:
             raise RejectedError("too_long", f"prompt has {n} tokens; the context limit "
                                 f"max_seq_len is {lim.max_seq_len} (prompt + at least 1 new token)",
@@ -404,13 +412,22 @@ class EngineCore:
         self.scheduler.remove(r)
         self.resources.move(lane, LaneState.MATERIALIZING, r.request_id)
         r.lane = lane
-        r.seq = self.program.materialize(sealed, r.prompt.token_ids, r.sampling)
+        r.seq = self.program.materialize(sealed, r.prompt.token_ids, r.sampling,
+                                         self._stop_ids(r.sampling))
         r.cached_tokens = sealed.cached_tokens
         if self.reuse:
             self.catalog.record_use(source)
         r.move(S.MATERIALIZING)
         self._active.append(r)
         return True
+
+    def _stop_ids(self, sampling: SamplingParams) -> tuple[int, ...]:
+        """The ids the Program keeps from being sampled before `min_tokens`: every id that
+        would end the output (none when min_tokens is 0)."""
+        if not sampling.min_tokens:
+            return ()
+        return tuple(sorted(ending_ids(self.frontend.tokenizer, sampling.stop_token_ids,
+                                       sampling.ignore_eos)))
 
     def _reload(self, r: RequestRecord, source: CatalogEntry | None,
                 may_evict: bool) -> CatalogEntry | None:

@@ -5,7 +5,12 @@ complete, so no delta ever carries half a character), the thinking/content chann
 `<think>` / `</think>` (the markers themselves are never emitted), EOS ids, and stop strings
 matched across token boundaries (text that could still begin a stop string is held back until
 resolved; a stop string is never emitted and ends the output). Stop strings apply to both
-channels but never span a channel switch.
+channels but never span a channel switch. Per request: `stop_token_ids` end the output like EOS,
+`ignore_eos` drops the tokenizer's EOS ids from that set, `min_tokens` keeps every ending (EOS,
+stop ids, stop strings) from taking effect before that many tokens (the Program also keeps the
+ids from being sampled that early), and `skip_special_tokens` renders control tokens as no text
+(channel markup, `<think>` and `<tool_call>` with their closing tags, is never skipped: the
+channel split and the tool-call parser read it).
 
 `preview(token_ids)` is a pure function of the committed state: it reports what the batch would
 publish and how many of its tokens the Engine should accept; `commit(preview)` makes it so (DESIGN
@@ -119,6 +124,17 @@ def initial_channel(prompt_token_ids: Sequence[int], tokenizer: Tokenizer) -> Ch
     return Channel.CONTENT
 
 
+# Special tokens that are channel or tool-call markup: rendered (or read) even when skipping.
+MARKUP_TOKENS = frozenset({"<think>", "</think>", "<tool_call>", "</tool_call>"})
+
+
+def ending_ids(tokenizer: Tokenizer, stop_token_ids: Sequence[int] = (),
+               ignore_eos: bool = False) -> frozenset[int]:
+    """The ids that end a request's output: EOS (unless `ignore_eos`) and its stop ids."""
+    eos = frozenset() if ignore_eos else tokenizer.eos_ids
+    return eos | frozenset(int(t) for t in stop_token_ids)
+
+
 class OutputSession:
     """Per-request output state; not thread-safe (the Engine worker alone drives it)."""
 
@@ -129,6 +145,9 @@ class OutputSession:
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
         channel: Channel = Channel.CONTENT,
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+        skip_special_tokens: bool = False,
     ) -> None:
         for i, stop_string in enumerate(stop):
             if not isinstance(stop_string, str) or not stop_string:
@@ -137,7 +156,11 @@ class OutputSession:
             tokenizer.check_id(token_id)
         self._tokenizer = tokenizer
         self._stops = tuple(stop)
-        self._eos_ids = tokenizer.eos_ids | frozenset(stop_token_ids)
+        self._eos_ids = ending_ids(tokenizer, stop_token_ids, ignore_eos)
+        self._min_tokens = int(min_tokens)
+        markup = {tokenizer.special_id(t) for t in MARKUP_TOKENS} - {None}
+        self._skipped = frozenset(tokenizer.special_tokens.values()) - markup \
+            if skip_special_tokens else frozenset()
         self._think_ids = tokenizer.think_ids
         self._state = _TextState(channel=channel, pending_bytes=b"", held_text="")
         self._chunks: dict[Channel, list[str]] = {Channel.CONTENT: [], Channel.THINKING: []}
@@ -199,7 +222,8 @@ class OutputSession:
         for token_id in token_ids:
             self._tokenizer.check_id(token_id)
             accepted += 1
-            if token_id in self._eos_ids:
+            may_end = len(self._token_ids) + accepted >= self._min_tokens
+            if token_id in self._eos_ids and may_end:
                 flush()
                 finish, eos_id = FinishReason.STOP, int(token_id)
                 break
@@ -208,10 +232,13 @@ class OutputSession:
                 is_start = token_id == self._think_ids[0]
                 channel = Channel.THINKING if is_start else Channel.CONTENT
                 continue
+            if token_id in self._skipped:
+                continue
             text, pending = _decode_step(pending, self._tokenizer.token_bytes(token_id), False)
             if not text:
                 continue
-            emitted, held, stop_string = _split_at_stop(held + text, self._stops)
+            emitted, held, stop_string = _split_at_stop(held + text,
+                                                        self._stops if may_end else ())
             emit(emitted)
             if stop_string is not None:
                 finish, pending = FinishReason.STOP, b""

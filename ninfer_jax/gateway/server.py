@@ -28,6 +28,8 @@ from typing import Any, Self
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -45,6 +47,7 @@ from ninfer_jax.gateway.http.connections import (
 from ninfer_jax.gateway.http.errors import Api, ApiError
 from ninfer_jax.gateway.http.fields import decode_json
 from ninfer_jax.gateway.http.metrics import Metrics
+from ninfer_jax.gateway.http.request_id import RequestIdMiddleware
 from ninfer_jax.gateway.http.requests import (
     GenerationRequest,
     parse_chat,
@@ -142,12 +145,27 @@ def _generation_endpoint(state: ServerState, api: Api,
     return endpoint
 
 
+def check_origins(origins: str | Sequence[str] | None) -> tuple[str, ...]:
+    """CORS origins: none (CORS off), "*" or full origins such as `https://app.example`."""
+    found = () if origins is None else (origins,) if isinstance(origins, str) else tuple(origins)
+    for origin in found:
+        if not isinstance(origin, str) or not (origin == "*" or "://" in origin) \
+                or origin != origin.strip() or origin.endswith("/"):
+            raise ConfigError(f"allowed_origins: {origin!r:.80} is not '*' or an origin like "
+                              "https://host[:port] (no path, no trailing slash)")
+    return found
+
+
 def create_app(engine: Any, *, model_name: str | None = None, api_key: str | Sequence[str] | None = None,
                max_body_bytes: int = MAX_BODY_BYTES,
-               body_timeout_s: float = BODY_TIMEOUT_S) -> Starlette:
+               body_timeout_s: float = BODY_TIMEOUT_S,
+               allowed_origins: str | Sequence[str] | None = None) -> Starlette:
     """The ASGI app over a running `Engine`. `model_name` is the id clients send as `model`
-    (default: the model directory's name, or "ninfer")."""
+    (default: the model directory's name, or "ninfer"). `allowed_origins`: browser origins
+    allowed by CORS (off when None). Every response carries `x-request-id` (the client's own,
+    when it sent a usable one)."""
     body_timeout_s = positive_seconds("body_timeout_s", body_timeout_s)
+    origins = check_origins(allowed_origins)
     if model_name is None:
         path = getattr(engine, "model_path", None)
         model_name = path.name if path is not None else "ninfer"
@@ -210,7 +228,13 @@ def create_app(engine: Any, *, model_name: str | None = None, api_key: str | Seq
                                                    anthropic_api.create_message),
               methods=["POST"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    middleware = [Middleware(RequestIdMiddleware)]
+    if origins:
+        middleware.append(Middleware(
+            CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST"],
+            allow_headers=["*"], expose_headers=["x-request-id"]))
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error},
+                    middleware=middleware)
     app.state.server = state
     return app
 
@@ -259,7 +283,8 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | Sequence[str] | None = None, model_name: str | None = None,
           header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
           keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
-          max_connections: int = MAX_CONNECTIONS) -> None:
+          max_connections: int = MAX_CONNECTIONS,
+          allowed_origins: str | Sequence[str] | None = None) -> None:
     """Serves `engine` until interrupted (SIGINT/SIGTERM). A request head must be complete
     within `header_timeout_s` and its body within `body_timeout_s` (else 408); an idle
     keep-alive connection closes after `keepalive_timeout_s`; beyond `max_connections` open
@@ -267,7 +292,7 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000,
     once when every connection is serving a request."""
     limits = ConnectionLimits(header_timeout_s, keepalive_timeout_s, max_connections)
     app = create_app(engine, model_name=model_name, api_key=api_key,
-                     body_timeout_s=body_timeout_s)
+                     body_timeout_s=body_timeout_s, allowed_origins=allowed_origins)
     name = app.state.server.model_name
     print(f"[ninfer] serving {name!r} on http://{host}:{port} "
           f"(auth {'on' if app.state.server.api_keys else 'off'})", file=sys.stderr)
@@ -278,13 +303,15 @@ def run_serve(*, model: str | None, host: str, port: int, api_key: str | Sequenc
               max_concurrency: int, max_seq_len: int, dtype: str, verify_weights: bool = True,
               header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
               keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
-              max_connections: int = MAX_CONNECTIONS, **engine_settings: Any) -> int:
+              max_connections: int = MAX_CONNECTIONS,
+              allowed_origins: str | Sequence[str] | None = None, **engine_settings: Any) -> int:
     """`ninfer serve`: opens the Engine, serves until interrupted, closes the Engine. The
     server's limits are checked before the model loads. `engine_settings` go to `Engine.open`
     (e.g. speculative, num_speculative_tokens)."""
     ConnectionLimits(header_timeout_s, keepalive_timeout_s, max_connections)
     positive_seconds("body_timeout_s", body_timeout_s)
     api_keys(api_key)
+    check_origins(allowed_origins)
     from ninfer_jax.api import Engine
 
     start = time.perf_counter()
@@ -295,7 +322,7 @@ def run_serve(*, model: str | None, host: str, port: int, api_key: str | Sequenc
     try:
         serve(engine, host=host, port=port, api_key=api_key, header_timeout_s=header_timeout_s,
               body_timeout_s=body_timeout_s, keepalive_timeout_s=keepalive_timeout_s,
-              max_connections=max_connections)
+              max_connections=max_connections, allowed_origins=allowed_origins)
     finally:
         engine.close()
     return 0

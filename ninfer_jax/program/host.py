@@ -117,6 +117,7 @@ class SeqRecord:
     max_new_tokens: int
     sampling: SamplingParams
     reserved: int  # pages still reserved (not yet allocated) for this sequence
+    stop_ids: tuple[int, ...] = ()  # not sampled before sampling.min_tokens generated tokens
     pages: list[int] = dataclasses.field(default_factory=list)
     frontier: int = 0  # positions whose K/V and GDN effect are committed
     state: SeqState = SeqState.PREFILL
@@ -241,8 +242,11 @@ class HostProgram(abc.ABC):
                 and self.pages.num_available >= plan.num_pages)
 
     def materialize(self, plan: ResourcePlan, prompt_ids: Sequence[int],
-                    sampling: SamplingParams = GREEDY) -> SequenceHandle:
-        """Creates a sequence from root holding its complete growth reservation."""
+                    sampling: SamplingParams = GREEDY,
+                    stop_ids: Sequence[int] = ()) -> SequenceHandle:
+        """Creates a sequence from root holding its complete growth reservation. `stop_ids`:
+        the ids that end its output (the Engine's), never sampled before `sampling.min_tokens`
+        generated tokens."""
         if plan.revision != self.resource_revision:
             raise StalePlanError(
                 f"plan sealed at revision {plan.revision}, Program is at {self.resource_revision}")
@@ -255,6 +259,9 @@ class HostProgram(abc.ABC):
             raise InfeasibleError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         if sampling.temperature > 0 and sampling.seed is None:
             raise InfeasibleError("sampling.seed is required when temperature > 0")
+        stop_ids = tuple(int(t) for t in stop_ids)
+        if any(not 0 <= t < self.limits.vocab_size for t in stop_ids):
+            raise InfeasibleError(f"stop ids must be in [0, {self.limits.vocab_size})")
         if not self.can_start(plan):
             raise ResourceError(
                 f"plan cannot start now: {self.slots.num_free} free slots, "
@@ -267,7 +274,7 @@ class HostProgram(abc.ABC):
         handle = SequenceHandle(next(self._ids), self.resource_revision)
         seq = SeqRecord(handle=handle, slot=slot, tokens=ids, prompt_len=len(ids),
                         max_new_tokens=plan.max_new_tokens, sampling=sampling,
-                        reserved=plan.num_pages)
+                        reserved=plan.num_pages, stop_ids=stop_ids)
         self._seqs[handle.seq_id] = seq
         if ckpt is not None:
             shared = self._shared_pages(ckpt.frontier)

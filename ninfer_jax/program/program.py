@@ -218,7 +218,7 @@ class Program(HostProgram):
             commit=self._take_commit(1), token_ids=np.array([chunk + [0] * (c - n)], np.int32),
             start_pos=np.array([start], np.int32), num_valid=np.array([n], np.int32),
             page_table=self._page_table([seq]), slot=np.array([seq.slot], np.int32),
-            reset=np.array([start == 0]), sampling=sampling_arrays([seq.sampling]),
+            reset=np.array([start == 0]), sampling=self._sampling([seq]),
             step_index=np.array([seq.generated], np.int32))
         self._pools, out = self.executables(StepKey(StepKind.PREFILL, 1), self.params,
                                             self._pools, inputs)
@@ -231,7 +231,7 @@ class Program(HostProgram):
             positions=np.array([s.frontier for s in seqs], np.int32),
             slots=np.array([s.slot for s in seqs], np.int32),
             page_tables=self._page_table(seqs),
-            sampling=sampling_arrays([s.sampling for s in seqs]),
+            sampling=self._sampling(seqs),
             step_index=np.array([s.generated for s in seqs], np.int32), limit=limits)
         self._pools, out = self.executables(StepKey(StepKind.DECODE, len(seqs)), self.params,
                                             self._pools, inputs)
@@ -311,6 +311,10 @@ class Program(HostProgram):
             raw = raw[n:]
         self._pools = self.executables(StepKey(StepKind.IMPORT_STATE, 1), self._pools,
                                        StateImport(np.array([ckpt.slot], np.int32), *parts))
+
+    def _sampling(self, seqs: list[SeqRecord]):
+        return sampling_arrays([s.sampling for s in seqs], [s.stop_ids for s in seqs],
+                               self.cfg.vocab_size)
 
     def _page_table(self, seqs: list[SeqRecord]) -> np.ndarray:
         table = np.zeros((len(seqs), self.pcfg.max_pages_per_seq), np.int32)

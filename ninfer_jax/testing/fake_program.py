@@ -175,8 +175,9 @@ class FakeProgram(HostProgram):
             fn(seqs)
 
     def materialize(self, plan: ResourcePlan, prompt_ids: Sequence[int],
-                    sampling: SamplingParams = GREEDY) -> SequenceHandle:
-        handle = super().materialize(plan, prompt_ids, sampling)
+                    sampling: SamplingParams = GREEDY,
+                    stop_ids: Sequence[int] = ()) -> SequenceHandle:
+        handle = super().materialize(plan, prompt_ids, sampling, stop_ids)
         self._at("after_materialize", [self._seq(handle)])
         return handle
 
@@ -214,8 +215,13 @@ class FakeProgram(HostProgram):
         time.sleep(self.step_seconds)
 
     def _token(self, seq: SeqRecord, state: int, position: int) -> int:
-        return next_token(state, position, seq.sampling.seed or 0, self.limits.vocab_size,
-                          self.eos_id)
+        """The fake model's token; one of the sequence's stop ids drawn before its min_tokens
+        becomes a space instead (the real sampler never draws them then)."""
+        token = next_token(state, position, seq.sampling.seed or 0, self.limits.vocab_size,
+                           self.eos_id)
+        if token in seq.stop_ids and position - seq.prompt_len < seq.sampling.min_tokens:
+            return min(32, self.limits.vocab_size - 1)
+        return token
 
     def _run_prefill(self, seq: SeqRecord, start: int, chunk: list[int]) -> int:
         self._step()

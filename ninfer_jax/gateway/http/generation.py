@@ -22,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 from ninfer_jax.engine import Delta, Finished, GenerationStart, RejectedError
 from ninfer_jax.engine.events import Event, GenerationResult
 from ninfer_jax.frontend import ChatTemplateError, PromptError
-from ninfer_jax.gateway.http.errors import ApiError, from_rejected
+from ninfer_jax.gateway.http.errors import Api, ApiError, from_rejected
 from ninfer_jax.gateway.http.metrics import Metrics
 from ninfer_jax.gateway.http.requests import GenerationRequest
 from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError
@@ -110,6 +110,7 @@ async def start(engine: Any, req: GenerationRequest, metrics: Metrics,
     budget = req.max_tokens
     if budget is None:  # OpenAI's default: whatever the context has left
         budget = max(1, engine.max_seq_len - n)
+    _check_context(req, n, budget, engine.max_seq_len)
     try:
         sampling = SamplingParams(max_new_tokens=budget, **req.sampling)
     except SamplingParamsError as e:
@@ -121,6 +122,33 @@ async def start(engine: Any, req: GenerationRequest, metrics: Metrics,
         raise from_rejected(e, prompt_field=req.prompt_field,
                             budget_field=names.get("max_new_tokens", "max_tokens")) from None
     return Generation(handle, n, metrics, received_at, req.api.value)
+
+
+def _check_context(req: GenerationRequest, prompt_tokens: int, budget: int,
+                   limit: int) -> None:
+    """The context-overflow error in each API's own words, which client libraries match on
+    (litellm's context-window handling reads OpenAI's "maximum context length")."""
+    if budget < 1 or prompt_tokens + budget <= limit:
+        return  # a bad budget is SamplingParams' error, named as its field
+    field = req.prompt_field
+    if req.api is Api.ANTHROPIC:
+        if prompt_tokens >= limit:
+            message = f"prompt is too long: {prompt_tokens} tokens > {limit - 1} maximum"
+        else:
+            field = "max_tokens"
+            message = (f"input length and `max_tokens` exceed context limit: {prompt_tokens} + "
+                       f"{budget} > {limit}, decrease input length or `max_tokens` and try again")
+    elif req.max_tokens is None or prompt_tokens >= limit:
+        message = (f"This model's maximum context length is {limit} tokens. However, your "
+                   f"{field} resulted in {prompt_tokens} tokens. Please reduce the length of the "
+                   f"{field}.")
+    else:
+        budget_field = field = req.field_names.get("max_new_tokens", "max_tokens")
+        message = (f"This model's maximum context length is {limit} tokens. However, you "
+                   f"requested {prompt_tokens + budget} tokens ({prompt_tokens} in the "
+                   f"{req.prompt_field}, {budget} in the completion). Please reduce the length "
+                   f"of the {req.prompt_field} or {budget_field}.")
+    raise ApiError(400, message, param=field, code="context_length_exceeded")
 
 
 async def whole_result(request: Request, gen: Generation) -> Any | None:

@@ -17,7 +17,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ninfer_jax.engine import Delta, Finished, FinishReason
+from ninfer_jax.engine import Delta, Finished, FinishReason, GenerationStart
 from ninfer_jax.engine.events import Channel, GenerationResult, Usage
 from ninfer_jax.gateway.http.errors import Api, from_failure
 from ninfer_jax.gateway.http.generation import EventStream, Generation, start, whole_result
@@ -63,7 +63,7 @@ class _Answer:
         return {**self.head(False), "choices": [choice], "usage": usage_body(result.usage)}
 
     def chunk(self, text: str, channel: Channel | None, finish: str | None,
-              include_usage: bool) -> str:
+              include_usage: bool, usage: dict[str, Any] | None = None) -> str:
         if self.chat:
             if channel is None:
                 delta = {"role": "assistant", "content": ""} if finish is None else {}
@@ -74,25 +74,36 @@ class _Answer:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         body = {**self.head(True), "choices": [choice]}
-        if include_usage:
-            body["usage"] = None
+        if include_usage or usage is not None:
+            body["usage"] = usage
         return _sse(body)
 
 
 async def _stream(state: ServerState, gen: Generation, req: GenerationRequest,
                   answer: _Answer) -> AsyncGenerator[str, None]:
     usage = req.include_usage
+    generated, cached = 0, 0
+
+    def so_far() -> dict[str, Any] | None:  # vLLM's continuous_usage_stats
+        if not req.continuous_usage:
+            return None
+        return usage_body(Usage(gen.prompt_tokens, generated, cached))
+
     if answer.chat:
-        yield answer.chunk("", None, None, usage)
+        yield answer.chunk("", None, None, usage, so_far())
     async for event in gen.events():
-        if isinstance(event, Delta) and event.text:
-            yield answer.chunk(event.text, event.channel, None, usage)
+        if isinstance(event, GenerationStart):
+            cached = event.cached_tokens
+        elif isinstance(event, Delta):
+            generated += len(event.token_ids)
+            if event.text:
+                yield answer.chunk(event.text, event.channel, None, usage, so_far())
         elif isinstance(event, Finished):
             if event.finish_reason not in _FINISH:
                 error = from_failure(event.error, state.engine_available)
                 yield _sse(error.body(Api.OPENAI))
                 break
-            yield answer.chunk("", None, _FINISH[event.finish_reason], usage)
+            yield answer.chunk("", None, _FINISH[event.finish_reason], usage, so_far())
             if usage:
                 yield _sse({**answer.head(True), "choices": [],
                             "usage": usage_body(event.usage)})

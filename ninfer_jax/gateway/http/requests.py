@@ -20,6 +20,25 @@ _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
 # common extensions of OpenAI-compatible servers).
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
+# Fields every request may carry that change nothing here (so they are accepted, not refused):
+# `user`/`metadata` (a session key and bookkeeping), `store` false, `service_tier`.
+_SHARED = ("model", "stream", "cache_salt", "allow_control_tokens")
+_OPENAI_SAMPLING = (*_FLOAT_FIELDS, "top_k", "seed", "stop", "min_tokens", "ignore_eos",
+                    "stop_token_ids", "skip_special_tokens")
+CHAT_FIELDS = frozenset({
+    *_SHARED, *_OPENAI_SAMPLING, "messages", "max_tokens", "max_completion_tokens", "n",
+    "stream_options", "user", "metadata", "store", "service_tier", "logprobs", "top_logprobs",
+    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "logit_bias",
+    "response_format", "enable_thinking", "chat_template_kwargs", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"})
+COMPLETION_FIELDS = frozenset({
+    *_SHARED, *_OPENAI_SAMPLING, "prompt", "max_tokens", "n", "best_of", "stream_options",
+    "user", "metadata", "store", "service_tier", "logprobs", "echo", "suffix", "logit_bias",
+    "enable_thinking", "response_format", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "structured_outputs"})
+MESSAGES_FIELDS = frozenset({
+    *_SHARED, "messages", "system", "max_tokens", "temperature", "top_p", "top_k",
+    "stop_sequences", "thinking", "metadata", "tools", "tool_choice", "service_tier"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +59,7 @@ class GenerationRequest:
     max_tokens: int | None = None
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # every streamed chunk carries the usage so far
     enable_thinking: bool | None = None
     session: str | None = None
     cache_salt: str | None = None  # prefix reuse only among requests with the same salt
@@ -68,6 +88,17 @@ def _isolation(body: Fields) -> dict[str, Any]:
     return {"cache_salt": salt, "allow_control_tokens": body.boolean("allow_control_tokens")}
 
 
+def _known(body: Fields, known: frozenset[str]) -> None:
+    """An unknown field is refused (a client would otherwise believe it took effect)."""
+    unknown = sorted(k for k in body.data if k not in known)
+    if unknown:
+        raise ApiError.invalid(unknown[0], "unknown field (not part of this API, or not "
+                               "supported by this server)", code="unsupported_parameter")
+    if body.data.get("store") not in (None, False):
+        raise ApiError.invalid("store", "stored completions are not supported",
+                               code="unsupported_parameter")
+
+
 def _refuse_unsupported(body: Fields, *, flags: tuple[str, ...] = (),
                         lists: tuple[str, ...] = ()) -> None:
     """Fields that would change the answer in ways not served yet: refused, never ignored."""
@@ -77,6 +108,10 @@ def _refuse_unsupported(body: Fields, *, flags: tuple[str, ...] = (),
     for key in lists:
         if body.data.get(key) not in (None, [], {}):
             raise ApiError.invalid(key, "not supported yet", code="unsupported_parameter")
+
+
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+           "structured_outputs")
 
 
 def _n(body: Fields) -> None:
@@ -97,17 +132,39 @@ def _openai_sampling(body: Fields) -> dict[str, Any]:
         if value is not None:
             sampling[key] = 0 if key == "top_k" and value == -1 else value  # -1 = off, as vLLM
     sampling["stop"] = body.stop("stop")
+    for key in ("min_tokens",):
+        value = body.integer(key)
+        if value is not None:
+            sampling[key] = value
+    for key in ("ignore_eos", "skip_special_tokens"):
+        value = body.boolean(key)
+        if value is not None:
+            sampling[key] = value
+    ids = body.array("stop_token_ids")
+    if ids is not None:
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ApiError.invalid(f"stop_token_ids[{i}]", "expected a token id (integer)",
+                                       code="invalid_type")
+        sampling["stop_token_ids"] = tuple(ids)
     return sampling
 
 
-def _stream_options(body: Fields, stream: bool) -> bool:
+def _stream_options(body: Fields, stream: bool) -> dict[str, bool]:
+    """`stream_options`: include_usage (a last chunk with the usage) and vLLM's
+    continuous_usage_stats (the usage so far on every chunk)."""
     options = body.obj("stream_options")
     if options is None:
-        return False
+        return {"include_usage": False, "continuous_usage": False}
+    unknown = sorted(set(options.data) - {"include_usage", "continuous_usage_stats"})
+    if unknown:
+        raise ApiError.invalid(options.name(unknown[0]), "unknown field",
+                               code="unsupported_parameter")
     include = options.boolean("include_usage")
-    if include and not stream:
+    continuous = options.boolean("continuous_usage_stats")
+    if (include or continuous) and not stream:
         raise ApiError.invalid("stream_options", "only allowed when stream is true")
-    return bool(include)
+    return {"include_usage": bool(include), "continuous_usage": bool(continuous)}
 
 
 def _session(body: Fields, header: str | None, key: str = "user") -> str | None:
@@ -117,9 +174,10 @@ def _session(body: Fields, header: str | None, key: str = "user") -> str | None:
 def parse_chat(obj: Any, session_header: str | None) -> GenerationRequest:
     """`POST /v1/chat/completions`."""
     body = Fields(obj)
+    _known(body, CHAT_FIELDS)
     _n(body)
     _refuse_unsupported(body, flags=("logprobs", "top_logprobs"),
-                        lists=("tools", "functions", "logit_bias"))
+                        lists=("tools", "functions", "logit_bias", *_GUIDED))
     fmt = body.obj("response_format")
     if fmt is not None and fmt.string("type") not in (None, "text"):
         raise ApiError.invalid("response_format", "only type 'text' is supported yet",
@@ -150,7 +208,7 @@ def parse_chat(obj: Any, session_header: str | None) -> GenerationRequest:
     return GenerationRequest(
         api=Api.OPENAI, model=body.string("model"), messages=messages,
         sampling=_openai_sampling(body), max_tokens=body.integer(budget_key), stream=stream,
-        include_usage=_stream_options(body, stream), enable_thinking=thinking,
+        **_stream_options(body, stream), enable_thinking=thinking,
         session=_session(body, session_header), field_names={"max_new_tokens": budget_key},
         **_isolation(body))
 
@@ -159,12 +217,14 @@ def parse_completion(obj: Any, session_header: str | None) -> GenerationRequest:
     """`POST /v1/completions`: one prompt (a string or token ids); `echo` and `logprobs` wait
     for the scoring path."""
     body = Fields(obj)
+    _known(body, COMPLETION_FIELDS)
     _n(body)
     best_of = body.integer("best_of")
     if best_of is not None and best_of != 1:
         raise ApiError.invalid("best_of", f"only best_of = 1 is supported, got {best_of}",
                                code="unsupported_parameter")
-    _refuse_unsupported(body, flags=("echo", "logprobs"), lists=("logit_bias",))
+    _refuse_unsupported(body, flags=("echo", "logprobs"),
+                        lists=("logit_bias", "response_format", *_GUIDED))
     if body.string("suffix"):
         raise ApiError.invalid("suffix", "not supported yet", code="unsupported_parameter")
     prompt = body.required("prompt")
@@ -183,7 +243,7 @@ def parse_completion(obj: Any, session_header: str | None) -> GenerationRequest:
     return GenerationRequest(
         api=Api.OPENAI, model=body.string("model"), prompt=text, prompt_token_ids=ids,
         sampling=_openai_sampling(body), max_tokens=body.integer("max_tokens"), stream=stream,
-        include_usage=_stream_options(body, stream),
+        **_stream_options(body, stream),
         enable_thinking=body.boolean("enable_thinking"), session=_session(body, session_header),
         field_names={"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"},
         **_isolation(body))
@@ -192,6 +252,7 @@ def parse_completion(obj: Any, session_header: str | None) -> GenerationRequest:
 def parse_messages(obj: Any, session_header: str | None) -> GenerationRequest:
     """`POST /v1/messages` (Anthropic Messages)."""
     body = Fields(obj)
+    _known(body, MESSAGES_FIELDS)
     messages: list[dict[str, Any]] = []
     system = body.get("system")
     if isinstance(system, (str, list)):
