@@ -27,6 +27,7 @@ from ninfer_jax.engine.events import (
     FinishReason,
     GenerationStart,
     RejectedError,
+    TokenLogprob,
     Usage,
 )
 from ninfer_jax.engine.handle import AsyncRequestHandle, CapacityToken, EventSink, RequestHandle
@@ -130,7 +131,7 @@ class EngineCore:
         self._backfilled = 0
         # Committed round output (record, Frontend preview) not yet published: it goes out
         # while the next round computes, or before anything else is published.
-        self._unpublished: list[tuple[RequestRecord, Any]] = []
+        self._unpublished: list[tuple[RequestRecord, Any, Any]] = []
         self._publish_stats()
         self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
         self._thread.start()
@@ -549,7 +550,12 @@ class EngineCore:
                                           r.sampling.max_new_tokens - r.completion_tokens)
             r.completion_tokens += n
             self._generated += n
-            self._unpublished.append((r, preview))  # after the next round is dispatched
+            logprobs = None
+            if r.sampling.logprobs is not None:
+                logprobs = tuple(
+                    TokenLogprob(t, lp, top[: r.sampling.logprobs])
+                    for t, (lp, top) in zip(preview.token_ids, batch.row_logprobs(row)))
+            self._unpublished.append((r, preview, logprobs))  # after the next round starts
             if preview.finish_reason is not None:
                 reason = FinishReason.STOP if preview.finish_reason is TextFinish.STOP \
                     else FinishReason.LENGTH
@@ -564,14 +570,15 @@ class EngineCore:
         if self._unpublished:
             self._publish_stats()  # first: stats read after a delta count its tokens
         while self._unpublished:
-            r, preview = self._unpublished.pop(0)
+            r, preview, logprobs = self._unpublished.pop(0)
             r.session.commit(preview)
             ids = tuple(preview.token_ids)
             if not preview.deltas:
-                self._emit(r, Delta(r.request_id, "", ids, Channel(r.session.channel.value)))
+                self._emit(r, Delta(r.request_id, "", ids, Channel(r.session.channel.value),
+                                    logprobs))
             for i, d in enumerate(preview.deltas):
                 self._emit(r, Delta(r.request_id, d.text, ids if i == 0 else (),
-                                    Channel(d.channel.value)))
+                                    Channel(d.channel.value), logprobs if i == 0 else None))
 
     # Endings ---------------------------------------------------------------------------------
     def _terminal(self, r: RequestRecord, reason: FinishReason, error: str | None = None) -> None:

@@ -8,7 +8,8 @@ tests, benchmarks and notebooks) with the connection limits of `gateway/http/con
 `gateway/http/`; order, cache and physical state stay with the Engine (DESIGN §2).
 
 Endpoints: `GET /health`, `GET /ready`, `GET /metrics`, `GET /v1/models[/{id}]`,
-`POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/messages`.
+`POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses`, `POST /v1/messages`,
+`POST /v1/messages/count_tokens`, `POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ninfer_jax.errors import ConfigError
-from ninfer_jax.gateway.http import anthropic_api, openai_api
+from ninfer_jax.gateway.http import anthropic_api, openai_api, responses_api, tokens_api
 from ninfer_jax.gateway.http.connections import (
     HEADER_TIMEOUT_S,
     KEEPALIVE_TIMEOUT_S,
@@ -46,6 +47,7 @@ from ninfer_jax.gateway.http.connections import (
 )
 from ninfer_jax.gateway.http.errors import Api, ApiError
 from ninfer_jax.gateway.http.fields import decode_json
+from ninfer_jax.gateway.http.logprobs import PromptScorer
 from ninfer_jax.gateway.http.metrics import Metrics
 from ninfer_jax.gateway.http.request_id import RequestIdMiddleware
 from ninfer_jax.gateway.http.requests import (
@@ -156,21 +158,51 @@ def check_origins(origins: str | Sequence[str] | None) -> tuple[str, ...]:
     return found
 
 
+def _json_endpoint(state: ServerState, api: Api,
+                   handler: Callable[..., Response]) -> Callable[[Request], Awaitable[Response]]:
+    """A POST endpoint with a JSON body that generates nothing: auth, body limits, model id."""
+    async def endpoint(request: Request) -> Response:
+        try:
+            _authorize(request, state.api_keys)
+            obj = decode_json(await _read_body(request, state.max_body_bytes,
+                                               state.body_timeout_s))
+            model = obj.get("model") if isinstance(obj, dict) else None
+            if model is not None and model != state.model_name:
+                raise ApiError(404, f"model {model!r:.80} not found; this server serves "
+                               f"{state.model_name!r}", param="model", code="model_not_found")
+            return handler(state, obj, request.headers.get("x-session-id"))
+        except ApiError as e:
+            state.metrics.rejections.labels(_REJECTION.get(e.status, "error")).inc()
+            return e.response(api)
+        except ClientDisconnect:
+            return Response(status_code=400)
+        except Exception:  # a bug, never bad input
+            log.exception("internal error serving %s", request.url.path)
+            return ApiError(500, "internal server error", code="internal_error").response(api)
+
+    return endpoint
+
+
 def create_app(engine: Any, *, model_name: str | None = None, api_key: str | Sequence[str] | None = None,
                max_body_bytes: int = MAX_BODY_BYTES,
                body_timeout_s: float = BODY_TIMEOUT_S,
-               allowed_origins: str | Sequence[str] | None = None) -> Starlette:
+               allowed_origins: str | Sequence[str] | None = None,
+               prompt_scorer: Any = True) -> Starlette:
     """The ASGI app over a running `Engine`. `model_name` is the id clients send as `model`
     (default: the model directory's name, or "ninfer"). `allowed_origins`: browser origins
     allowed by CORS (off when None). Every response carries `x-request-id` (the client's own,
-    when it sent a usable one)."""
+    when it sent a usable one). `prompt_scorer`: what scores prompts for `echo` with logprobs
+    (True: the served model's CausalScoring purpose, opened on first use; None: refused)."""
     body_timeout_s = positive_seconds("body_timeout_s", body_timeout_s)
     origins = check_origins(allowed_origins)
     if model_name is None:
         path = getattr(engine, "model_path", None)
         model_name = path.name if path is not None else "ninfer"
+    if prompt_scorer is True:
+        path = getattr(engine, "model_path", None)
+        prompt_scorer = None if path is None else PromptScorer(path, max_len=engine.max_seq_len)
     state = ServerState(engine, model_name, Metrics(engine), api_keys(api_key), max_body_bytes,
-                        body_timeout_s)
+                        body_timeout_s, prompt_scorer)
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -187,7 +219,14 @@ def create_app(engine: Any, *, model_name: str | None = None, api_key: str | Seq
 
     def model_card() -> dict[str, Any]:
         return {"id": state.model_name, "object": "model", "created": state.created,
-                "owned_by": "ninfer"}
+                "owned_by": "ninfer", "max_model_len": engine.max_seq_len}
+
+    async def tokenizer_info(request: Request) -> Response:
+        try:
+            _authorize(request, state.api_keys)
+        except ApiError as e:
+            return e.response(Api.OPENAI)
+        return tokens_api.tokenizer_info(state)
 
     async def list_models(request: Request) -> Response:
         try:
@@ -224,9 +263,22 @@ def create_app(engine: Any, *, model_name: str | None = None, api_key: str | Seq
               _generation_endpoint(state, Api.OPENAI, parse_completion,
                                    functools.partial(openai_api.complete, chat=False)),
               methods=["POST"]),
+        Route("/v1/responses", _generation_endpoint(state, Api.OPENAI,
+                                                    responses_api.parse_responses,
+                                                    responses_api.create_response),
+              methods=["POST"]),
         Route("/v1/messages", _generation_endpoint(state, Api.ANTHROPIC, parse_messages,
                                                    anthropic_api.create_message),
               methods=["POST"]),
+        Route("/v1/messages/count_tokens",
+              _json_endpoint(state, Api.ANTHROPIC, tokens_api.count_tokens), methods=["POST"]),
+        Route("/tokenize", _json_endpoint(
+            state, Api.OPENAI, lambda st, obj, _: tokens_api.tokenize(st, obj)),
+              methods=["POST"]),
+        Route("/detokenize", _json_endpoint(
+            state, Api.OPENAI, lambda st, obj, _: tokens_api.detokenize(st, obj)),
+              methods=["POST"]),
+        Route("/tokenizer_info", tokenizer_info),
     ]
     middleware = [Middleware(RequestIdMiddleware)]
     if origins:

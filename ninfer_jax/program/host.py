@@ -159,14 +159,15 @@ class HostProgram(abc.ABC):
 
     # Execution supplied by subclasses --------------------------------------------------------
     @abc.abstractmethod
-    def _run_prefill(self, seq: SeqRecord, start: int, chunk: list[int]) -> int:
-        """Runs one chunk at positions start.. of seq; returns the token sampled after it."""
+    def _run_prefill(self, seq: SeqRecord, start: int, chunk: list[int]) -> tuple[int, Any]:
+        """Runs one chunk at positions start.. of seq; returns (the token sampled after it, its
+        log-probs as PendingBatch takes them, or None when the sequence asked for none)."""
 
     @abc.abstractmethod
-    def _run_decode(self, seqs: list[SeqRecord], limits: np.ndarray) -> tuple[Any, Any]:
+    def _run_decode(self, seqs: list[SeqRecord], limits: np.ndarray) -> tuple[Any, Any, Any]:
         """Starts a round: row b proposes 1..limits[b] tokens (limits <= verify_width). Returns
-        (tokens [B, verify_width], produced [B]); either may be an array still being computed
-        that np.asarray waits for."""
+        (tokens [B, verify_width], produced [B], log-probs or None: see PendingBatch); any may
+        be an array still being computed that np.asarray waits for."""
 
     @abc.abstractmethod
     def _run_commit(self, seqs: list[SeqRecord], accepted: np.ndarray, tokens: np.ndarray,
@@ -437,14 +438,15 @@ class HostProgram(abc.ABC):
         start = seq.frontier
         chunk = seq.tokens[start : start + self.limits.prefill_chunk]
         self._grow(seq, start + len(chunk))
-        token = self._run_prefill(seq, start, chunk)
+        token, logprobs = self._run_prefill(seq, start, chunk)
         if start + len(chunk) < seq.prompt_len:  # not the last chunk: adopt its state now
             self._run_commit([seq], np.ones(1, np.int32),
                              np.zeros((1, self.limits.verify_width), np.int32), count=False)
             seq.frontier = start + len(chunk)
             return None
         tokens = np.array([[token]], np.int32)
-        self._pending = PendingBatch(BatchKind.PREFILL, (handle,), tokens, next(self._batch_ids))
+        self._pending = PendingBatch(BatchKind.PREFILL, (handle,), tokens, next(self._batch_ids),
+                                     logprobs=logprobs)
         return self._pending
 
     def decode(self, handles: Sequence[SequenceHandle]) -> PendingBatch:
@@ -466,9 +468,9 @@ class HostProgram(abc.ABC):
             limits[i] = min(self.limits.verify_width, s.max_new_tokens - s.generated)
             self._grow(s, s.frontier + int(limits[i]))
         # The step runs on the device after this returns; reading batch.tokens waits for it.
-        tokens, produced = self._run_decode(seqs, limits)
+        tokens, produced, logprobs = self._run_decode(seqs, limits)
         self._pending = PendingBatch(BatchKind.DECODE, tuple(handles), tokens,
-                                     next(self._batch_ids), produced)
+                                     next(self._batch_ids), produced, logprobs)
         return self._pending
 
     def commit(self, batch: PendingBatch, accepted: Sequence[int]) -> None:

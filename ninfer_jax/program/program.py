@@ -222,7 +222,7 @@ class Program(HostProgram):
             step_index=np.array([seq.generated], np.int32))
         self._pools, out = self.executables(StepKey(StepKind.PREFILL, 1), self.params,
                                             self._pools, inputs)
-        return int(np.asarray(out.tokens)[0, 0])
+        return int(np.asarray(out.tokens)[0, 0]), _logprobs([seq], out)
 
     def _run_decode(self, seqs: list[SeqRecord], limits: np.ndarray) -> tuple:
         inputs = DecodeInputs(
@@ -235,7 +235,8 @@ class Program(HostProgram):
             step_index=np.array([s.generated for s in seqs], np.int32), limit=limits)
         self._pools, out = self.executables(StepKey(StepKind.DECODE, len(seqs)), self.params,
                                             self._pools, inputs)
-        return out.tokens, out.num  # on the device; the PendingBatch reads them when asked
+        # On the device; the PendingBatch reads them when asked.
+        return out.tokens, out.num, _logprobs(seqs, out)
 
     def _run_commit(self, seqs: list[SeqRecord], accepted: np.ndarray, tokens: np.ndarray,
                     count: bool) -> None:
@@ -321,6 +322,13 @@ class Program(HostProgram):
         for row, seq in enumerate(seqs):
             table[row, : len(seq.pages)] = seq.pages
         return table
+
+
+def _logprobs(seqs: list[SeqRecord], out) -> tuple | None:
+    """The step's log-prob outputs when a row asked for them (else nothing is read back)."""
+    if all(s.sampling.logprobs is None for s in seqs):
+        return None
+    return out.logprobs, out.top_ids, out.top_logprobs
 
 
 def _bytes(buffers) -> np.ndarray:

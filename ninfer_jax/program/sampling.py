@@ -40,7 +40,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ninfer_jax.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParamsError, as_sampling_params
+from ninfer_jax.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParamsError,
+    as_sampling_params,
+)
 
 RNG_IMPL = "threefry2x32"  # fixed, so streams do not depend on jax's default PRNG setting
 MAX_STOP_IDS = MAX_STOP_TOKEN_IDS + 8  # a row's ending ids: its stop_token_ids and EOS ids
@@ -59,6 +64,7 @@ MAX_STOP_IDS = MAX_STOP_TOKEN_IDS + 8  # a row's ending ids: its stop_token_ids 
         "seed",
         "min_tokens",
         "stop_ids",
+        "logprobs",
     ],
     meta_fields=[],
 )
@@ -74,6 +80,7 @@ class SamplingArrays:
     seed: jax.Array  # [B] uint32, the request's RNG seed
     min_tokens: jax.Array  # [B] int32, stop_ids are not sampled before this many tokens
     stop_ids: jax.Array  # [B, MAX_STOP_IDS] int32, the row's ending ids (vocab size: unused)
+    logprobs: jax.Array  # [B] bool, the row wants its tokens' top-N log-probs
 
 
 @functools.partial(
@@ -128,6 +135,7 @@ def sampling_arrays(rows: Sequence[Mapping[str, Any] | Any],
         seed=np.asarray([0 if p.seed is None else p.seed for p in params], dtype=np.uint32),
         min_tokens=column("min_tokens", np.int32),
         stop_ids=stops,
+        logprobs=np.asarray([p.logprobs is not None for p in params], dtype=bool),
     )
 
 
@@ -269,6 +277,24 @@ def token_logprobs(logits: jax.Array, arrays: SamplingArrays, tokens: jax.Array)
     scaled = _tempered(logits, arrays.temperature)
     picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
     return picked - jax.nn.logsumexp(scaled, axis=-1)
+
+
+def top_logprobs(logits: jax.Array, arrays: SamplingArrays) -> tuple[jax.Array, jax.Array]:
+    """The MAX_LOGPROBS most likely tokens of each row and their log-probabilities under the
+    distribution `token_logprobs` uses (penalised, tempered, before the filters): logits [B, V]
+    float32 (already penalised) -> (ids [B, N] int32, logprobs [B, N] float32), most likely
+    first (ties: lowest id first). Computed only when some row asks (`arrays.logprobs`); else
+    zeros, so a batch without log-prob rows pays one predicate."""
+    num_rows, n = logits.shape[0], min(MAX_LOGPROBS, logits.shape[-1])
+
+    def compute() -> tuple[jax.Array, jax.Array]:
+        scaled = _tempered(logits, arrays.temperature)
+        values, ids = jax.lax.top_k(scaled, n)
+        return ids.astype(jnp.int32), values - jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
+
+    return jax.lax.cond(jnp.any(arrays.logprobs), compute,
+                        lambda: (jnp.zeros((num_rows, n), jnp.int32),
+                                 jnp.zeros((num_rows, n), jnp.float32)))
 
 
 def sample(logits: jax.Array, arrays: SamplingArrays, step_index: jax.Array) -> SampleOutput:
