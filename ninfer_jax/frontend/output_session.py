@@ -2,7 +2,8 @@
 
 Owns incremental detokenization (incomplete UTF-8 bytes are held until their character is
 complete, so no delta ever carries half a character), the thinking/content channel split on
-`<think>` / `</think>` (the markers themselves are never emitted), EOS ids, and stop strings
+`<think>` / `</think>` (the markers themselves are never emitted, nor the newlines right after
+`</think>`, which the template writes as a separator), EOS ids, and stop strings
 matched across token boundaries (text that could still begin a stop string is held back until
 resolved; a stop string is never emitted and ends the output). Stop strings apply to both
 channels but never span a channel switch. Per request: `stop_token_ids` end the output like EOS,
@@ -52,6 +53,7 @@ class _TextState:
     pending_bytes: bytes  # the start of a UTF-8 character whose remaining bytes are not yet seen
     held_text: str  # decoded text withheld because it could begin a stop string
     finish_reason: FinishReason | None = None
+    after_think: bool = False  # `</think>` was the last thing: its newlines are dropped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +203,7 @@ class OutputSession:
             raise ValueError(f"the output already finished ({base.finish_reason.value})")
         deltas: list[TextDelta] = []
         channel, pending, held = base.channel, base.pending_bytes, base.held_text
+        after_think = base.after_think
 
         def emit(text: str) -> None:
             if not text:
@@ -231,10 +234,14 @@ class OutputSession:
                 flush()
                 is_start = token_id == self._think_ids[0]
                 channel = Channel.THINKING if is_start else Channel.CONTENT
+                after_think = not is_start
                 continue
             if token_id in self._skipped:
                 continue
             text, pending = _decode_step(pending, self._tokenizer.token_bytes(token_id), False)
+            if after_think:  # the template's "</think>\n\n" separator is not content
+                text = text.lstrip("\n")
+                after_think = not text
             if not text:
                 continue
             emitted, held, stop_string = _split_at_stop(held + text,
@@ -253,7 +260,7 @@ class OutputSession:
             stop_string=stop_string,
             eos_id=eos_id,
             _base=base,
-            _after=_TextState(channel, pending, held, finish),
+            _after=_TextState(channel, pending, held, finish, after_think),
         )
 
     def commit(self, preview: Preview) -> None:
