@@ -83,6 +83,10 @@ class SamplingParams:
     skip_special_tokens: bool = True  # control tokens (not channel markup) render no text
     logprobs: int | None = None  # None: off; N >= 0: the sampled token's and N alternatives'
     structured: StructuredOutput | None = None  # constrained decoding of the output
+    # Thinking budget: once the thinking channel holds this many tokens, the Frontend forces
+    # the end of the block and the answer goes on in the content channel (None: no budget;
+    # for no thinking at all, render the prompt with enable_thinking=False).
+    max_thinking_tokens: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -97,7 +101,7 @@ class SamplingParams:
         self._check_extensions()
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in _CHECKED_APART or (f.name == "seed" and value is None):
+            if f.name in _CHECKED_APART or (f.name in _NONE_ALLOWED and value is None):
                 continue
             is_int = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
             if f.name in _INT_RANGES:
@@ -163,6 +167,7 @@ _INT_RANGES = {
     "top_k": lambda v: 0 <= v <= MAX_TOP_K,
     "seed": lambda v: 0 <= v <= MAX_SEED,
     "max_new_tokens": lambda v: v >= 1,
+    "max_thinking_tokens": lambda v: v >= 1,
 }
 _ALLOWED = {
     "temperature": "a finite number >= 0 (0 = greedy)",
@@ -174,9 +179,11 @@ _ALLOWED = {
     "repetition_penalty": "a finite number > 0 (1 = off)",
     "seed": f"an integer in [0, {MAX_SEED}]",
     "max_new_tokens": "an integer >= 1",
+    "max_thinking_tokens": "None or an integer >= 1 (no thinking: enable_thinking=False)",
 }
 _CHECKED_APART = frozenset({"stop", "stop_token_ids", "min_tokens", "ignore_eos",
                             "skip_special_tokens", "logprobs", "structured"})
+_NONE_ALLOWED = frozenset({"seed", "max_thinking_tokens"})
 _FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 

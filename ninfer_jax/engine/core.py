@@ -33,7 +33,7 @@ from ninfer_jax.engine.events import (
 from ninfer_jax.engine.handle import AsyncRequestHandle, CapacityToken, EventSink, RequestHandle
 from ninfer_jax.engine.request import InvariantError, RequestRecord, RequestState
 from ninfer_jax.engine.resources import LaneState, ResourceManager
-from ninfer_jax.engine.scheduler import DecodeUnit, PrefillUnit, Scheduler
+from ninfer_jax.engine.scheduler import ControlUnit, DecodeUnit, PrefillUnit, Scheduler
 from ninfer_jax.engine.spec_stats import SpeculativeCounter, SpeculativeStats
 from ninfer_jax.engine.tiers import ContextTiers, TierStats
 from ninfer_jax.errors import ConfigError
@@ -155,7 +155,8 @@ class EngineCore:
         session = self.frontend.open_session(
             prompt, stop=sampling.stop, stop_token_ids=sampling.stop_token_ids,
             ignore_eos=sampling.ignore_eos, min_tokens=sampling.min_tokens,
-            skip_special_tokens=sampling.skip_special_tokens)
+            skip_special_tokens=sampling.skip_special_tokens,
+            max_thinking_tokens=sampling.max_thinking_tokens)
         now = time.monotonic()
         qt = queue_timeout_s if queue_timeout_s is not None else self.config.queue_timeout_s
         sink = EventSink(loop)
@@ -343,7 +344,7 @@ class EngineCore:
     def _freeze_cancellations(self, now: float) -> bool:
         changed = False
         for r in self._active:
-            if r.state not in (S.PREFILL, S.DECODE_READY):
+            if r.state not in (S.PREFILL, S.DECODE_READY, S.CONTROL_READY):
                 continue
             if r.cancel_requested.is_set():
                 self._terminal(r, FinishReason.CANCELLED)
@@ -506,7 +507,7 @@ class EngineCore:
         self.program.release_checkpoint(entry.ckpt)
         self.catalog.remove(entry, evicted)
 
-    def _run_unit(self, unit: PrefillUnit | DecodeUnit) -> None:
+    def _run_unit(self, unit: ControlUnit | PrefillUnit | DecodeUnit) -> None:
         if isinstance(unit, PrefillUnit):
             self._publish_committed()
             r = unit.record
@@ -514,9 +515,19 @@ class EngineCore:
             if batch is None:
                 return  # a middle chunk: the Program adopted it; nothing to publish
             records = [r]
+        elif isinstance(unit, ControlUnit):
+            self._publish_committed()
+            records = [unit.record]
+            batch = self.program.control(unit.record.seq, unit.record.control)
         else:
             records = list(unit.records)
-            batch = self.program.decode([r.seq for r in records])
+            # A row may not run past the point where its Frontend will force control (counting
+            # the previous round, committed but not yet published to its session).
+            unpublished = {r.request_id: p for r, p, _ in self._unpublished}
+            caps = [r.session.tokens_before_control(unpublished.get(r.request_id))
+                    for r in records]
+            batch = self.program.decode([r.seq for r in records],
+                                        None if all(c is None for c in caps) else caps)
             # The round runs on the device now: publish the previous round's committed output
             # meanwhile (its Program commit is done; reading batch.tokens waits for this one).
             self._publish_committed()
@@ -531,38 +542,56 @@ class EngineCore:
                 previews.append(None)
                 accepted.append(0)
                 continue
-            tokens = batch.row_tokens(row)  # the Program never proposes past the budget
+            forced = list(batch.forced)  # forced control's tokens come before the sampled one
+            tokens = forced + batch.row_tokens(row)  # never past the budget
             budget_ends = r.completion_tokens + len(tokens) >= r.sampling.max_new_tokens
-            preview = r.session.preview(tokens, budget_ends=budget_ends)
-            if preview.num_accepted < 1:
-                raise InvariantError(f"request {r.request_id}: a preview accepted no token")
+            preview = r.session.preview(tokens, budget_ends=budget_ends, forced=len(forced))
+            if preview.num_accepted <= len(forced):
+                raise InvariantError(f"request {r.request_id}: a preview accepted no sampled "
+                                     "token")
             previews.append(preview)
-            accepted.append(preview.num_accepted)
+            accepted.append(preview.num_accepted - len(forced))
         self.program.commit(batch, accepted)  # Program state first; a failure publishes nothing
         if batch.kind is BatchKind.PREFILL and accepted[0] > 0:
             self._retain(records[0])  # the prompt's frontier
         for row, (r, preview, n) in enumerate(zip(records, previews, accepted)):
+            r.control = ()
             if preview is None:
                 self._terminal(r, FinishReason.CANCELLED)
                 continue
             if batch.kind is BatchKind.DECODE and self._speculative.k:
                 self._speculative.add_row(int(batch.produced[row]), n,
                                           r.sampling.max_new_tokens - r.completion_tokens)
+            n = preview.num_accepted  # the forced tokens too: they are output
             r.completion_tokens += n
             self._generated += n
             logprobs = None
             if r.sampling.logprobs is not None:
-                logprobs = tuple(
-                    TokenLogprob(t, lp, top[: r.sampling.logprobs])
-                    for t, (lp, top) in zip(preview.token_ids, batch.row_logprobs(row)))
+                forced = batch.forced  # forced control: no draw, reported as certain
+                logprobs = tuple(TokenLogprob(t, 0.0) for t in preview.token_ids[:len(forced)])
+                logprobs += tuple(
+                    TokenLogprob(t, lp, top[: r.sampling.logprobs]) for t, (lp, top) in
+                    zip(preview.token_ids[len(forced):], batch.row_logprobs(row)))
             self._unpublished.append((r, preview, logprobs))  # after the next round starts
             if preview.finish_reason is not None:
                 reason = FinishReason.STOP if preview.finish_reason is TextFinish.STOP \
                     else FinishReason.LENGTH
                 r.stop_string = preview.stop_string
                 self._terminal(r, reason)
+            elif preview.control:
+                self._ask_control(r, preview.control)
             else:
                 r.move(S.DECODE_READY)
+
+    def _ask_control(self, r: RequestRecord, tokens: tuple[int, ...]) -> None:
+        """ControlReady (DESIGN §3): the Frontend's forced tokens go next. A budget too small
+        for them and one token after them ends the output here (the Frontend's limit, e.g. a
+        thinking budget, must not be overrun)."""
+        if r.completion_tokens + len(tokens) + 1 > r.sampling.max_new_tokens:
+            self._terminal(r, FinishReason.LENGTH)
+            return
+        r.control = tokens
+        r.move(S.CONTROL_READY)
 
     def _publish_committed(self) -> None:
         """Commits the Frontend previews of committed rounds and publishes their deltas, in

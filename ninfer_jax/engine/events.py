@@ -36,7 +36,8 @@ class Usage:
 class TokenLogprob:
     """One generated token's log-probability and its most likely alternatives, under the
     distribution the token was drawn from (after penalties and temperature, before top-k/top-p;
-    with constrained decoding, after the grammar's mask)."""
+    with constrained decoding, after the grammar's mask). A token of forced control (e.g. the
+    end of a thinking block at its budget) was not drawn: log-prob 0.0, no alternatives."""
 
     token_id: int
     logprob: float

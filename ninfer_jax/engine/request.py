@@ -21,6 +21,7 @@ class RequestState(enum.Enum):
     MATERIALIZING = "materializing"
     PREFILL = "prefill"
     DECODE_READY = "decode_ready"
+    CONTROL_READY = "control_ready"  # the Frontend asked for forced control before more decode
     TERMINAL_PENDING = "terminal_pending"
     FINISHED = "finished"
 
@@ -29,8 +30,9 @@ S = RequestState
 TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
     S.WAITING: frozenset({S.MATERIALIZING, S.FINISHED}),
     S.MATERIALIZING: frozenset({S.PREFILL, S.FINISHED}),
-    S.PREFILL: frozenset({S.PREFILL, S.DECODE_READY, S.TERMINAL_PENDING}),
-    S.DECODE_READY: frozenset({S.DECODE_READY, S.TERMINAL_PENDING}),
+    S.PREFILL: frozenset({S.PREFILL, S.DECODE_READY, S.CONTROL_READY, S.TERMINAL_PENDING}),
+    S.DECODE_READY: frozenset({S.DECODE_READY, S.CONTROL_READY, S.TERMINAL_PENDING}),
+    S.CONTROL_READY: frozenset({S.DECODE_READY, S.CONTROL_READY, S.TERMINAL_PENDING}),
     S.TERMINAL_PENDING: frozenset({S.FINISHED}),
     S.FINISHED: frozenset(),
 }
@@ -62,6 +64,7 @@ class RequestRecord:
     finish_reason: FinishReason | None = None
     error: str | None = None
     stop_string: str | None = None
+    control: tuple[int, ...] = ()  # the forced tokens asked for, while ControlReady
     cancel_requested: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def move(self, new: RequestState) -> None:

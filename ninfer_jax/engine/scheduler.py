@@ -1,9 +1,11 @@
 """Scheduler (DESIGN §5): the FIFO of waiting requests and the choice of the next model unit.
 
 Owns order: which single waiting request may try admission (the FIFO head), the staged-prefill
-gate (at most one request materializing or prefilling), and whether the next unit is a prefill
-chunk or a compact decode round of exactly the decode-ready rows. Decode is never starved: a
-prefill chunk and a decode round alternate while both have work. It never picks pages or lanes.
+gate (at most one request materializing or prefilling), and whether the next unit is a forced
+control step, a prefill chunk or a compact decode round of exactly the decode-ready rows. Forced
+control goes first (a request waits for it to rejoin decode; each is one short step). Decode is
+never starved: a prefill chunk and a decode round alternate while both have work. It never picks
+pages or lanes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ class PrefillUnit:
 @dataclasses.dataclass(frozen=True)
 class DecodeUnit:
     records: tuple[RequestRecord, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlUnit:
+    record: RequestRecord  # ControlReady: commit its forced tokens (record.control)
 
 
 class Scheduler:
@@ -60,7 +67,11 @@ class Scheduler:
         return not any(r.state in (RequestState.MATERIALIZING, RequestState.PREFILL)
                        for r in active)
 
-    def next_unit(self, active: list[RequestRecord]) -> PrefillUnit | DecodeUnit | None:
+    def next_unit(self, active: list[RequestRecord]
+                  ) -> ControlUnit | PrefillUnit | DecodeUnit | None:
+        control = next((r for r in active if r.state is RequestState.CONTROL_READY), None)
+        if control is not None:
+            return ControlUnit(control)
         prefilling = [r for r in active if r.state is RequestState.PREFILL]
         ready = tuple(r for r in active if r.state is RequestState.DECODE_READY)
         if prefilling and (not ready or not self._last_was_prefill):

@@ -103,6 +103,7 @@ class Frontend:
         ignore_eos: bool = False,
         min_tokens: int = 0,
         skip_special_tokens: bool = False,
+        max_thinking_tokens: int | None = None,
     ) -> OutputSession:
         """A new OutputSession for output that continues `prompt` (see OutputSession)."""
         return OutputSession(
@@ -113,4 +114,5 @@ class Frontend:
             ignore_eos=ignore_eos,
             min_tokens=min_tokens,
             skip_special_tokens=skip_special_tokens,
+            max_thinking_tokens=max_thinking_tokens,
         )

@@ -17,6 +17,13 @@ channel split and the tool-call parser read it).
 publish and how many of its tokens the Engine should accept; `commit(preview)` makes it so (DESIGN
 §6: the Engine commits Program state first, then the preview). An uncommitted preview changes
 nothing. The session does not own the generation budget: the Engine says when it ends.
+
+Thinking budget (`max_thinking_tokens`): the session counts the tokens of the thinking channel.
+When a batch leaves it open with the budget spent, the preview asks for forced control
+(`Preview.control`: the canonical end of the block, `\n</think>\n\n`), which the Engine
+commits without sampling (DESIGN §3 ControlReady) and previews with `forced=`; forced tokens
+are canonical text, never matched against EOS ids or stop strings. `tokens_before_control()`
+says how many tokens a round may propose before that point, so no round overshoots it.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ class _TextState:
     held_text: str  # decoded text withheld because it could begin a stop string
     finish_reason: FinishReason | None = None
     after_think: bool = False  # `</think>` was the last thing: its newlines are dropped
+    thinking_tokens: int = 0  # tokens committed to the thinking channel (markers excluded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +72,7 @@ class Preview:
     deltas: text to publish, in order, consecutive same-channel text merged, never empty text.
     finish_reason: set when this batch ends the output.
     stop_string / eos_id: what ended it, when a stop string or an EOS id did.
+    control: tokens the Frontend asks the Engine to force next (empty: none).
     """
 
     token_ids: tuple[int, ...]
@@ -71,6 +80,7 @@ class Preview:
     finish_reason: FinishReason | None
     stop_string: str | None
     eos_id: int | None
+    control: tuple[int, ...]
     _base: _TextState
     _after: _TextState
 
@@ -150,6 +160,7 @@ class OutputSession:
         ignore_eos: bool = False,
         min_tokens: int = 0,
         skip_special_tokens: bool = False,
+        max_thinking_tokens: int | None = None,
     ) -> None:
         for i, stop_string in enumerate(stop):
             if not isinstance(stop_string, str) or not stop_string:
@@ -164,6 +175,10 @@ class OutputSession:
         self._skipped = frozenset(tokenizer.special_tokens.values()) - markup \
             if skip_special_tokens else frozenset()
         self._think_ids = tokenizer.think_ids
+        # The budget applies only where there is a thinking channel to close.
+        self._thinking_budget = max_thinking_tokens if self._think_ids is not None else None
+        self._thinking_end = (tuple(tokenizer.encode("\n")) + (self._think_ids[1],)
+                              + tuple(tokenizer.encode("\n\n"))) if self._think_ids else ()
         self._state = _TextState(channel=channel, pending_bytes=b"", held_text="")
         self._chunks: dict[Channel, list[str]] = {Channel.CONTENT: [], Channel.THINKING: []}
         self._token_ids: list[int] = []
@@ -192,11 +207,29 @@ class OutputSession:
         """Every committed output token id, EOS included."""
         return tuple(self._token_ids)
 
-    def preview(self, token_ids: Sequence[int], *, budget_ends: bool = False) -> Preview:
+    @property
+    def thinking_tokens(self) -> int:
+        """Committed tokens of the thinking channel (the `<think>` markers not counted)."""
+        return self._state.thinking_tokens
+
+    def tokens_before_control(self, after: Preview | None = None) -> int | None:
+        """How many tokens the next batch may hold before the session asks for forced control
+        (the thinking budget's remainder while the thinking channel is open), or None. `after`:
+        a preview of this session not committed yet (the Engine publishes a round while the
+        next one runs), counted as if it were."""
+        s = self._state if after is None else after._after
+        if self._thinking_budget is None or s.channel is not Channel.THINKING:
+            return None
+        return max(self._thinking_budget - s.thinking_tokens, 0)
+
+    def preview(self, token_ids: Sequence[int], *, budget_ends: bool = False,
+                forced: int = 0) -> Preview:
         """What `token_ids` (the next produced tokens) would publish; changes nothing.
 
         `budget_ends` says the generation budget ends with this batch: unless an EOS id or stop
         string ends it first, the output finishes with LENGTH and all held text is released.
+        `forced`: the first `forced` tokens were forced control (canonical: they switch
+        channels and add text, but are not matched against EOS ids or stop strings).
         """
         base = self._state
         if base.finish_reason is not None:
@@ -222,10 +255,15 @@ class OutputSession:
         stop_string: str | None = None
         eos_id: int | None = None
         accepted = 0
-        for token_id in token_ids:
+        thinking = base.thinking_tokens
+        for i, token_id in enumerate(token_ids):
             self._tokenizer.check_id(token_id)
             accepted += 1
-            may_end = len(self._token_ids) + accepted >= self._min_tokens
+            is_forced = i < forced  # canonical control text: no EOS or stop-string matching
+            is_marker = self._think_ids is not None and token_id in self._think_ids
+            if channel is Channel.THINKING and not is_marker and not is_forced:
+                thinking += 1
+            may_end = not is_forced and len(self._token_ids) + accepted >= self._min_tokens
             if token_id in self._eos_ids and may_end:
                 flush()
                 finish, eos_id = FinishReason.STOP, int(token_id)
@@ -244,6 +282,10 @@ class OutputSession:
                 after_think = not text
             if not text:
                 continue
+            if is_forced:  # no stop string completes across forced text
+                emit(held + text)
+                held = ""
+                continue
             emitted, held, stop_string = _split_at_stop(held + text,
                                                         self._stops if may_end else ())
             emit(emitted)
@@ -253,14 +295,19 @@ class OutputSession:
         if finish is None and budget_ends:
             flush()
             finish = FinishReason.LENGTH
+        control: tuple[int, ...] = ()
+        if (finish is None and self._thinking_budget is not None
+                and channel is Channel.THINKING and thinking >= self._thinking_budget):
+            control = self._thinking_end
         return Preview(
             token_ids=tuple(int(t) for t in token_ids[:accepted]),
             deltas=tuple(deltas),
             finish_reason=finish,
             stop_string=stop_string,
             eos_id=eos_id,
+            control=control,
             _base=base,
-            _after=_TextState(channel, pending, held, finish, after_think),
+            _after=_TextState(channel, pending, held, finish, after_think, thinking),
         )
 
     def commit(self, preview: Preview) -> None:

@@ -54,6 +54,8 @@ flags.DEFINE_integer("max_concurrency", 4, "requests decoding together", lower_b
                      upper_bound=64)
 flags.DEFINE_integer("max_seq_len", 2048, "prompt + generated tokens per request", lower_bound=2)
 flags.DEFINE_enum("enable_thinking", None, ["true", "false"], "chat template thinking switch")
+flags.DEFINE_integer("max_thinking_tokens", None, "thinking budget: after this many thinking "
+                     "tokens the block is closed and the answer follows", lower_bound=1)
 flags.DEFINE_bool("prefix_reuse", True, "reuse prefix checkpoints (--noprefix_reuse: recompute)")
 flags.DEFINE_enum("speculative", "off", ["off", "mtp"],
                   "generate, chat, serve: speculative decoding with the model's MTP head")
@@ -81,7 +83,8 @@ def _sampling() -> SamplingParams:
             max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
             top_p=FLAGS.top_p, top_k=FLAGS.top_k, min_p=FLAGS.min_p,
             presence_penalty=FLAGS.presence_penalty, frequency_penalty=FLAGS.frequency_penalty,
-            repetition_penalty=FLAGS.repetition_penalty, seed=FLAGS.seed, stop=tuple(FLAGS.stop))
+            repetition_penalty=FLAGS.repetition_penalty, seed=FLAGS.seed, stop=tuple(FLAGS.stop),
+            max_thinking_tokens=FLAGS.max_thinking_tokens)
     except (SamplingParamsError, RecordError) as e:
         raise app.UsageError(str(e)) from None  # the message names the field, as the flag
 

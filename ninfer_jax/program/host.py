@@ -449,11 +449,15 @@ class HostProgram(abc.ABC):
                                      logprobs=logprobs)
         return self._pending
 
-    def decode(self, handles: Sequence[SequenceHandle]) -> PendingBatch:
+    def decode(self, handles: Sequence[SequenceHandle],
+               caps: Sequence[int | None] | None = None) -> PendingBatch:
         """A round for each of the B decode-ready sequences (exact B, no padding): one token
-        per row, or with speculation up to verify_width (never past a row's max_new_tokens)."""
+        per row, or with speculation up to verify_width (never past a row's max_new_tokens, nor
+        past caps[b] when given: the Engine's limit before the row's next forced control)."""
         self._check_idle()
         seqs = [self._seq(h) for h in handles]
+        if caps is not None and len(caps) != len(seqs):
+            raise PendingBatchError(f"decode of {len(seqs)} rows got {len(caps)} caps")
         if not seqs or len({s.handle.seq_id for s in seqs}) != len(seqs):
             raise PendingBatchError(f"decode needs distinct sequences, got {list(handles)}")
         if len(seqs) > self.limits.max_concurrency:
@@ -466,11 +470,44 @@ class HostProgram(abc.ABC):
             if s.generated >= s.max_new_tokens:
                 raise ResourceError(f"{s.handle} already generated its {s.max_new_tokens} tokens")
             limits[i] = min(self.limits.verify_width, s.max_new_tokens - s.generated)
+            cap = None if caps is None else caps[i]
+            if cap is not None:
+                if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 1:
+                    raise ResourceError(f"decode cap of row {i} must be an int >= 1, got {cap!r}")
+                limits[i] = min(int(limits[i]), int(cap))
             self._grow(s, s.frontier + int(limits[i]))
         # The step runs on the device after this returns; reading batch.tokens waits for it.
         tokens, produced, logprobs = self._run_decode(seqs, limits)
         self._pending = PendingBatch(BatchKind.DECODE, tuple(handles), tokens,
                                      next(self._batch_ids), produced, logprobs)
+        return self._pending
+
+    def control(self, handle: SequenceHandle, forced: Sequence[int]) -> PendingBatch:
+        """Forced control (DESIGN §3 ControlReady): runs `forced` (the Frontend's tokens, never
+        sampled) after the sequence's last token and samples the token after them. Returns a
+        CONTROL PendingBatch with that one candidate; committing it adopts the forced tokens
+        and the candidate together. The draw is keyed by its position, so it is the token a
+        sequence whose prompt already held the forced tokens would draw there."""
+        self._check_idle()
+        seq = self._seq(handle)
+        if seq.state is not SeqState.ACTIVE:
+            raise ResourceError(f"{handle} is not decode-ready")
+        ids = [int(t) for t in forced]
+        if not ids or min(ids) < 0 or max(ids) >= self.limits.vocab_size:
+            raise ResourceError(f"forced tokens must be 1 or more ids in [0, "
+                                f"{self.limits.vocab_size}), got {ids[:8]}")
+        if seq.generated + len(ids) + 1 > seq.max_new_tokens:
+            raise ResourceError(
+                f"{handle}: {len(ids)} forced tokens and the one after them exceed max_new_tokens "
+                f"{seq.max_new_tokens} ({seq.generated} generated)")
+        chunk = [seq.tokens[-1], *ids]  # the last token is not in the state yet
+        if len(chunk) > self.limits.prefill_chunk:
+            raise ResourceError(f"{len(ids)} forced tokens exceed the prefill chunk "
+                                f"{self.limits.prefill_chunk} (minus the last token)")
+        self._grow(seq, seq.frontier + len(chunk))
+        token, logprobs = self._run_prefill(seq, seq.frontier, chunk)
+        self._pending = PendingBatch(BatchKind.CONTROL, (handle,), np.array([[token]], np.int32),
+                                     next(self._batch_ids), logprobs=logprobs, forced=tuple(ids))
         return self._pending
 
     def commit(self, batch: PendingBatch, accepted: Sequence[int]) -> None:
@@ -489,7 +526,13 @@ class HostProgram(abc.ABC):
         for seq, a, toks in zip(seqs, acc, batch.tokens):
             if a == 0:
                 continue
-            seq.frontier = seq.prompt_len if batch.kind is BatchKind.PREFILL else seq.frontier + a
+            if batch.kind is BatchKind.PREFILL:
+                seq.frontier = seq.prompt_len
+            elif batch.kind is BatchKind.CONTROL:  # the last token and the forced ones
+                seq.frontier += 1 + len(batch.forced)
+                seq.tokens.extend(batch.forced)
+            else:
+                seq.frontier += a
             seq.tokens.extend(int(t) for t in toks[:a])
             seq.state = SeqState.ACTIVE
 

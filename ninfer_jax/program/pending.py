@@ -21,6 +21,7 @@ from ninfer_jax.program.errors import PendingBatchError
 class BatchKind(enum.Enum):
     PREFILL = "prefill"  # finalisation of a staged prefill: one row, its first token
     DECODE = "decode"  # a decode round: one token per row, or a speculative verify
+    CONTROL = "control"  # forced control: one row, its forced tokens and the token after them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,15 +36,19 @@ class PendingBatch:
     """Provisional output of one step. Consume with Program.commit or Program.abort_pending."""
 
     def __init__(self, kind: BatchKind, handles: tuple[SequenceHandle, ...], tokens: Any,
-                 batch_id: int, produced: Any = 1, logprobs: tuple[Any, Any, Any] | None = None):
+                 batch_id: int, produced: Any = 1, logprobs: tuple[Any, Any, Any] | None = None,
+                 forced: tuple[int, ...] = ()):
         """tokens: [B, W] int32 (W >= max produced), or anything `np.asarray` turns into it (a
         device array still being computed: the step was dispatched, and reading `tokens` waits
         for it); produced: an int for every row, or [B] (possibly on the device too);
         logprobs: when some row asked for them, (sampled [B, W] float32, top ids [B, W, N]
-        int32, top log-probs [B, W, N] float32), read (and copied to the host) only on demand."""
+        int32, top log-probs [B, W, N] float32), read (and copied to the host) only on demand.
+        forced (CONTROL only): the Frontend's tokens before the row's sampled one; a commit
+        that accepts the row adopts them with it, none of them alone."""
         self._logprobs = logprobs
         self._logprobs_ready: tuple[np.ndarray, ...] | None = None
         self.kind = kind
+        self.forced = forced
         self.handles = handles
         self._tokens = tokens
         self._tokens_ready: np.ndarray | None = None

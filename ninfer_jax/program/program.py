@@ -219,7 +219,7 @@ class Program(HostProgram):
             start_pos=np.array([start], np.int32), num_valid=np.array([n], np.int32),
             page_table=self._page_table([seq]), slot=np.array([seq.slot], np.int32),
             reset=np.array([start == 0]), sampling=self._sampling([seq]),
-            step_index=np.array([seq.generated], np.int32))
+            step_index=np.array([start + n], np.int32))
         self._pools, out = self.executables(StepKey(StepKind.PREFILL, 1), self.params,
                                             self._pools, inputs)
         return int(np.asarray(out.tokens)[0, 0]), _logprobs([seq], out)
@@ -232,7 +232,7 @@ class Program(HostProgram):
             slots=np.array([s.slot for s in seqs], np.int32),
             page_tables=self._page_table(seqs),
             sampling=self._sampling(seqs),
-            step_index=np.array([s.generated for s in seqs], np.int32), limit=limits)
+            step_index=np.array([s.frontier + 1 for s in seqs], np.int32), limit=limits)
         self._pools, out = self.executables(StepKey(StepKind.DECODE, len(seqs)), self.params,
                                             self._pools, inputs)
         # On the device; the PendingBatch reads them when asked.

@@ -19,9 +19,11 @@ renormalised top-k distribution, then min-p, and draw from what is left. Every f
 threshold, so tokens tied with the last kept value are all kept and the kept set does not depend on
 sort order.
 
-Determinism: a row's key is `fold_in(key(seed), step_index)` where `step_index` is the number of
-tokens the request has committed. The same (seed, step, logits row) gives the same token whatever
-rows share the batch, and the stream advances only when the Program commits.
+Determinism: a row's key is `fold_in(key(seed), step_index)` where `step_index` is the absolute
+position of the token being drawn. The same (seed, position, logits row) gives the same token
+whatever rows share the batch, whatever was reused from a checkpoint, and whether the tokens
+before it were sampled or forced (DESIGN §3 ControlReady): a request whose output was forced to
+start with some tokens samples what a request whose prompt already held them samples.
 
 Speculative verify builds on these functions in `speculative.py` (the acceptance rule): position
 i of a row sees the counts after the draft's first i tokens, `draw_logits` gives the distribution

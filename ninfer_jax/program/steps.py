@@ -73,7 +73,7 @@ class PrefillInputs:
     slot: jax.Array  # [1] int32, the sequence's committed state slot
     reset: jax.Array  # [1] bool, first chunk from root: start from zero state
     sampling: SamplingArrays  # [1] per-row sampling settings
-    step_index: jax.Array  # [1] int32, generated tokens committed so far (the RNG stream index)
+    step_index: jax.Array  # [1] int32, the sampled token's position (the RNG stream index)
 
 
 @_register(["commit", "token_ids", "positions", "slots", "page_tables", "sampling",
@@ -86,7 +86,7 @@ class DecodeInputs:
     slots: jax.Array  # [B] int32, distinct state slots
     page_tables: jax.Array  # [B, max_pages_per_seq] int32
     sampling: SamplingArrays  # [B]
-    step_index: jax.Array  # [B] int32
+    step_index: jax.Array  # [B] int32, the first proposed token's position (the RNG index)
     limit: jax.Array  # [B] int32 in 1..T, most tokens row b may propose (its budget)
 
 

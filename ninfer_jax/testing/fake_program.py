@@ -13,6 +13,7 @@ on the worker thread, in the middle of the Engine's iteration, with the sequence
     after_materialize  a sequence was created: its request is Materializing in the Engine
     after_prefill      a prefill chunk ran (after the last chunk, its PendingBatch is pending)
     after_decode       a decode round ran: its PendingBatch is pending
+    after_control      a forced-control step ran: its PendingBatch is pending
     before_commit      the Engine decided the pending batch's rows and is committing them
     after_commit       Program state is committed; the Engine has not published it yet
 
@@ -41,8 +42,8 @@ from ninfer_jax.program.host import (
 from ninfer_jax.program.pending import PendingBatch, SequenceHandle
 from ninfer_jax.sampling_params import MAX_LOGPROBS, SamplingParams
 
-HOOK_POINTS = ("after_materialize", "after_prefill", "after_decode", "before_commit",
-               "after_commit")
+HOOK_POINTS = ("after_materialize", "after_prefill", "after_decode", "after_control",
+               "before_commit", "after_commit")
 Hook = Callable[[list[SeqRecord]], None]
 
 
@@ -203,9 +204,15 @@ class FakeProgram(HostProgram):
         self._at("after_prefill", [self._seq(handle)])
         return batch
 
-    def decode(self, handles: Sequence[SequenceHandle]) -> PendingBatch:
-        batch = super().decode(handles)
+    def decode(self, handles: Sequence[SequenceHandle],
+               caps: Sequence[int | None] | None = None) -> PendingBatch:
+        batch = super().decode(handles, caps)
         self._at("after_decode", [self._seq(h) for h in handles])
+        return batch
+
+    def control(self, handle: SequenceHandle, forced: Sequence[int]) -> PendingBatch:
+        batch = super().control(handle, forced)
+        self._at("after_control", [self._seq(handle)])
         return batch
 
     def commit(self, batch: PendingBatch, accepted: Sequence[int]) -> None:

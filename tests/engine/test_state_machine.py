@@ -69,6 +69,21 @@ class EngineMachine(RuleBasedStateMachine):
         self.accepted += 1
         self.live.append(Live(h, list(p.token_ids), sp, deadline))
 
+    @rule(text=WORDS, budget=st.integers(1, 24), thinking=st.integers(1, 8),
+          seeded=st.booleans(), seed=st.integers(0, 99))
+    def submit_thinking(self, text, budget, thinking, seeded, seed):
+        """A prompt that opens a thinking block and a thinking budget: forced control."""
+        sp = SamplingParams(temperature=0.7 if seeded else 0.0, seed=seed, max_new_tokens=budget,
+                            max_thinking_tokens=thinking)
+        p = FRONTEND.prepare(prompt=f"{text}<think>")
+        try:
+            h = self.core.submit(p, sp)
+        except RejectedError as e:
+            assert e.reason == "overload" and "max_queue is 12" in str(e)
+            return
+        self.accepted += 1
+        self.live.append(Live(h, list(p.token_ids), sp, None))
+
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 10**6), pause=st.sampled_from([0, 0, 0.001, 0.003]))
     def cancel(self, i, pause):
@@ -124,13 +139,12 @@ class EngineMachine(RuleBasedStateMachine):
         assert len(finished) == 1 and events[-1] is finished[0]
         with_text = "".join(getattr(e, "text", "") for e in events)
         got = [t for e in events for t in getattr(e, "token_ids", ())]
-        want = expected_tokens(entry.ids, sp.max_new_tokens, seed=sp.seed or 0,
-                               vocab_size=TOKENIZER.vocab_size, eos_id=EOS)
+        want = _expected(entry.ids, sp)
         reason = finished[0].finish_reason
         assert got == want[: len(got)]  # a prefix of the single-request output, always
         # With a stop string: the output ends at the token completing its first occurrence
         # (one byte a token here), and the text stops before it.
-        text = bytes(t for t in want if t != EOS).decode()
+        text = bytes(t for t in want if t < 256).decode()  # EOS and markers are ids >= 256
         hits = [(text.index(s), s) for s in sp.stop if s in text]
         if hits:
             at, stop = min(hits)
@@ -166,6 +180,28 @@ class EngineMachine(RuleBasedStateMachine):
             assert p.free_slots == p.total_slots and p.num_sequences == 0
         finally:
             self.core.close()
+
+
+THINK_END = (*TOKENIZER.encode("\n"), TOKENIZER.think_ids[1], *TOKENIZER.encode("\n\n"))
+
+
+def _expected(ids: list[int], sp: SamplingParams) -> list[int]:
+    """What a request generates alone. With a thinking budget (its prompt opens the block and
+    the fake model never closes it): the first max_thinking_tokens tokens, the forced end of
+    the block, then the continuation of all that; a budget too small for the forced end stops
+    at the thinking budget."""
+    def fake(prompt: list[int], n: int) -> list[int]:
+        return expected_tokens(prompt, n, seed=sp.seed or 0, vocab_size=TOKENIZER.vocab_size,
+                               eos_id=EOS)
+
+    budget = sp.max_thinking_tokens
+    out = fake(ids, sp.max_new_tokens if budget is None else min(budget, sp.max_new_tokens))
+    if budget is None or EOS in out or len(out) < budget:
+        return out
+    if len(out) + len(THINK_END) + 1 > sp.max_new_tokens:
+        return out
+    out += THINK_END
+    return out + fake(ids + out, sp.max_new_tokens - len(out))
 
 
 SETTINGS = settings(max_examples=70, stateful_step_count=20, deadline=None,

@@ -61,7 +61,7 @@ def test_message_is_deterministic_with_the_engine(server, engine_of):
         want.finish_reason.value]
 
 
-@pytest.mark.parametrize("thinking", [None, {"type": "enabled", "budget_tokens": 64}])
+@pytest.mark.parametrize("thinking", [None, {"type": "enabled", "budget_tokens": 16}])
 def test_stream_event_order(server, thinking):
     body = {"model": MODEL, "max_tokens": 24, "messages": MESSAGES, "stream": True,
             "temperature": 0}
@@ -96,6 +96,24 @@ def test_stream_event_order(server, thinking):
     assert delta["usage"]["output_tokens"] >= 1
 
 
+def test_thinking_budget_ends_the_block(server, engine_of):
+    """budget_tokens: the thinking block holds at most that many sampled tokens, then the
+    Frontend closes it and the answer goes on as text (the model alone closes it later)."""
+    body = {"model": MODEL, "max_tokens": 12, "messages": MESSAGES, "temperature": 0,
+            "thinking": {"type": "enabled", "budget_tokens": 2}}
+    msg = Message.model_validate(httpx.post(f"{server.url}/v1/messages", json=body,
+                                            timeout=30).json())
+    assert [b.type for b in msg.content] == ["thinking", "text"]
+    want = engine_of(server).generate(messages=flat(), enable_thinking=True, sampling=
+                                      SamplingParams(max_new_tokens=12, temperature=0,
+                                                     max_thinking_tokens=2))
+    assert msg.content[0].thinking == want.reasoning_text and msg.content[1].text == want.text
+    assert len(want.reasoning_text.strip()) <= 2 and want.text
+    free = engine_of(server).generate(messages=flat(), enable_thinking=True, sampling=
+                                      SamplingParams(max_new_tokens=12, temperature=0))
+    assert len(free.reasoning_text.strip()) > 2  # without a budget the model thinks longer
+
+
 def test_official_client_parses_the_stream(server):
     import anthropic
 
@@ -118,6 +136,14 @@ def test_official_client_parses_the_stream(server):
     ({"max_tokens": 5, "messages": MESSAGES, "stop_sequences": [""]}, "stop_sequences[0]"),
     ({"max_tokens": 0, "messages": MESSAGES}, "max_tokens"),
     ({"max_tokens": 5, "messages": MESSAGES, "thinking": {"type": "maybe"}}, "thinking.type"),
+    ({"max_tokens": 5, "messages": MESSAGES, "thinking": {"type": "enabled"}},
+     "thinking.budget_tokens"),
+    ({"max_tokens": 5, "messages": MESSAGES, "thinking": {"type": "enabled",
+                                                          "budget_tokens": 5}},
+     "thinking.budget_tokens"),
+    ({"max_tokens": 5, "messages": MESSAGES, "thinking": {"type": "disabled",
+                                                          "budget_tokens": 2}},
+     "thinking.budget_tokens"),
 ])
 def test_errors_use_the_anthropic_schema(server, body, field):
     r = httpx.post(f"{server.url}/v1/messages", json=body, timeout=30)

@@ -26,7 +26,8 @@ KEYS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "t
         "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
         "repetition_penalty", "seed", "stop", "stop_sequences", "n", "stream", "stream_options",
         "user", "enable_thinking", "chat_template_kwargs", "system", "thinking", "metadata",
-        "echo", "logprobs", "best_of", "response_format", "tools", "logit_bias"]
+        "echo", "logprobs", "best_of", "response_format", "tools", "logit_bias",
+        "max_thinking_tokens"]
 
 scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
            | st.sampled_from([0, 1, -1, 2**31, 2**63, 10**30, 7, 512, 10_000])
@@ -35,7 +36,7 @@ scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
 values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
                       | st.dictionaries(st.sampled_from(["role", "content", "type", "text",
                                                          "include_usage", "enable_thinking",
-                                                         "user_id", "x"]), inner, max_size=3),
+                                                         "user_id", "budget_tokens", "x"]), inner, max_size=3),
                       max_leaves=10)
 
 

@@ -121,6 +121,19 @@ def test_chat_thinking_split(client, how):
     assert getattr(plain.choices[0].message, "reasoning_content", None) is None
 
 
+def test_chat_thinking_budget(client):
+    """max_thinking_tokens (an extension field): the reasoning stops after that many sampled
+    tokens and the answer goes on as content; bad values are refused naming the field."""
+    extra = {"enable_thinking": True, "max_thinking_tokens": 1}
+    resp = client.chat.completions.create(model=MODEL, messages=FLAT, max_tokens=12, seed=3,
+                                          extra_body=extra)
+    message = resp.choices[0].message
+    assert len(message.reasoning_content.strip()) == 1 and message.content
+    with pytest.raises(openai.BadRequestError, match="max_thinking_tokens"):
+        client.chat.completions.create(model=MODEL, messages=FLAT, max_tokens=4, extra_body={
+            "max_thinking_tokens": 0})
+
+
 def test_completions(client, server, engine_of):
     resp = strict(Completion, client.completions.create(
         model=MODEL, prompt="once upon a time", max_tokens=10, seed=5, stop=["zz"]))

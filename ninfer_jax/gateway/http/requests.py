@@ -32,7 +32,7 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency
 # `user`/`metadata` (a session key and bookkeeping), `store` false, `service_tier`.
 _SHARED = ("model", "stream", "cache_salt", "allow_control_tokens")
 _OPENAI_SAMPLING = (*_FLOAT_FIELDS, "top_k", "seed", "stop", "min_tokens", "ignore_eos",
-                    "stop_token_ids", "skip_special_tokens")
+                    "stop_token_ids", "skip_special_tokens", "max_thinking_tokens")
 CHAT_FIELDS = frozenset({
     *_SHARED, *_OPENAI_SAMPLING, "messages", "max_tokens", "max_completion_tokens", "n",
     "stream_options", "user", "metadata", "store", "service_tier", "logprobs", "top_logprobs",
@@ -157,7 +157,7 @@ def _openai_sampling(body: Fields) -> dict[str, Any]:
         value = body.number(key)
         if value is not None:
             sampling[key] = value
-    for key in ("top_k", "seed"):
+    for key in ("top_k", "seed", "max_thinking_tokens"):
         value = body.integer(key)
         if value is not None:
             sampling[key] = 0 if key == "top_k" and value == -1 else value  # -1 = off, as vLLM
@@ -350,6 +350,7 @@ def parse_messages(obj: Any, session_header: str | None, *,
     if top_k is not None:
         sampling["top_k"] = top_k
     sampling["stop"] = body.stop("stop_sequences")
+    max_tokens = body.integer("max_tokens", required=True)
     thinking = False  # Anthropic's default: no thinking unless the request enables it
     config = body.obj("thinking")
     if config is not None:
@@ -358,17 +359,22 @@ def parse_messages(obj: Any, session_header: str | None, *,
             raise ApiError.invalid("thinking.type", f"must be 'enabled', 'adaptive' or "
                                    f"'disabled', got {kind!r:.40}")
         thinking = kind != "disabled"
-        budget = config.integer("budget_tokens")
-        if budget is not None and budget < 1:
-            raise ApiError.invalid("thinking.budget_tokens", "must be >= 1")
+        budget = config.integer("budget_tokens", required=kind == "enabled")
+        if budget is not None:
+            if kind != "enabled":
+                raise ApiError.invalid("thinking.budget_tokens", "only with type 'enabled'")
+            if budget < 1 or budget >= max_tokens:
+                raise ApiError.invalid("thinking.budget_tokens", f"must be >= 1 and less than "
+                                       f"max_tokens ({max_tokens}), got {budget}")
+            sampling["max_thinking_tokens"] = budget  # the thinking block ends there
     metadata = body.obj("metadata")
     session = session_of(metadata, session_header, "user_id") if metadata is not None \
         else (check_text(session_header, "x-session-id") if session_header else None)
-    max_tokens = body.integer("max_tokens", required=True)
     return GenerationRequest(
         api=Api.ANTHROPIC, model=body.string("model"), messages=messages, sampling=sampling,
         tools=tools if choice.mode != "none" else None,
         parse_tools=bool(tools) and choice.mode != "none",
         max_tokens=max_tokens, stream=bool(body.boolean("stream")), enable_thinking=thinking,
-        session=session, field_names={"max_new_tokens": "max_tokens", "stop": "stop_sequences"},
+        session=session, field_names={"max_new_tokens": "max_tokens", "stop": "stop_sequences",
+                                      "max_thinking_tokens": "thinking.budget_tokens"},
         **isolation(body))
