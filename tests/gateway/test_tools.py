@@ -186,7 +186,7 @@ def test_anthropic_five_turns_sending_every_reply_back(live, an, thinking):
     history: list[dict] = []
     for turn in range(5):
         history.append({"role": "user", "content": f"turn {turn}: hi"})
-        msg = an.messages.create(model=MODEL, max_tokens=200, messages=history, **extra)
+        msg = an.messages.create(model=MODEL, max_tokens=1200, messages=history, **extra)
         kinds = [b.type for b in msg.content]
         assert kinds == (["text"] if thinking is None else ["thinking", "text"]), kinds
         assert msg.content[-1].text == "Hello there."

@@ -350,7 +350,7 @@ def parse_messages(obj: Any, session_header: str | None, *,
     if top_k is not None:
         sampling["top_k"] = top_k
     sampling["stop"] = body.stop("stop_sequences")
-    max_tokens = body.integer("max_tokens", required=True)
+    max_tokens = body.integer("max_tokens", required=not count_only)
     thinking = False  # Anthropic's default: no thinking unless the request enables it
     config = body.obj("thinking")
     if config is not None:
@@ -363,8 +363,10 @@ def parse_messages(obj: Any, session_header: str | None, *,
         if budget is not None:
             if kind != "enabled":
                 raise ApiError.invalid("thinking.budget_tokens", "only with type 'enabled'")
-            if budget < 1 or budget >= max_tokens:
-                raise ApiError.invalid("thinking.budget_tokens", f"must be >= 1 and less than "
+            if budget < 1:
+                raise ApiError.invalid("thinking.budget_tokens", f"must be >= 1, got {budget}")
+            if max_tokens is not None and budget >= max_tokens:
+                raise ApiError.invalid("thinking.budget_tokens", f"must be less than "
                                        f"max_tokens ({max_tokens}), got {budget}")
             sampling["max_thinking_tokens"] = budget  # the thinking block ends there
     metadata = body.obj("metadata")

@@ -96,8 +96,7 @@ def tokenizer_info(state: ServerState) -> Response:
 
 def count_tokens(state: ServerState, obj: Any, session: str | None) -> Response:
     """`POST /v1/messages/count_tokens` (Anthropic): the prompt a Messages request would be."""
-    body = obj if not isinstance(obj, dict) else {"max_tokens": 1, **obj}
-    req = parse_messages(body, session, count_only=True)
+    req = parse_messages(obj, session, count_only=True)
     prepared = _prepare(state, messages=req.messages, enable_thinking=req.enable_thinking,
                         tools=req.tools, allow_control_tokens=req.allow_control_tokens)
     return JSONResponse({"input_tokens": prepared.num_tokens})
