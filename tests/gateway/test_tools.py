@@ -42,7 +42,7 @@ def reply(prompt: str) -> str:
 
 @pytest.fixture(scope="module")
 def live():
-    engine = scripted_engine(reply)
+    engine = scripted_engine(reply, max_seq_len=4096)  # room for tools and a thinking budget
     with served(engine) as s:
         yield s, engine
 
@@ -178,7 +178,62 @@ def test_anthropic_tool_round_trip(live, an):
     assert final.stop_reason == "tool_use" and final.content[-1].input == ARGS
 
 
-@pytest.mark.parametrize("thinking", [None, {"type": "enabled", "budget_tokens": 1024}])
+THINKING = {"type": "enabled", "budget_tokens": 1024}
+
+
+def test_anthropic_thinking_sent_back_re_enters_the_template(live, an):
+    """A tool loop with thinking on: the reply's thinking block goes back verbatim and its text
+    is that turn's reasoning in the template (the Qwen template shows the reasoning of the turns
+    after the last user query); a redacted_thinking block is accepted and dropped."""
+    first = an.messages.create(model=MODEL, max_tokens=1200, tools=ANTHROPIC_TOOLS,
+                               thinking=THINKING,
+                               messages=[{"role": "user", "content": "weather in Paris?"}])
+    assert [b.type for b in first.content] == ["thinking", "text", "tool_use"]
+    assert first.content[0].thinking == "I should think."
+    use = first.content[2]
+    sent = [b.model_dump(exclude_none=True) for b in first.content]
+    for blocks in (sent, [{"type": "redacted_thinking", "data": "opaque"}, *sent]):
+        history = [{"role": "user", "content": "weather in Paris?"},
+                   {"role": "assistant", "content": blocks},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                 "content": "sunny, 21C"}]}]
+        second = an.messages.create(model=MODEL, max_tokens=1200, tools=ANTHROPIC_TOOLS,
+                                    thinking=THINKING, messages=history)
+        assert [b.type for b in second.content] == ["thinking", "text"]
+        assert second.content[1].text == "It is sunny in Paris."
+        want = QWEN_FRONTEND.prepare(messages=[
+            {"role": "user", "content": "weather in Paris?"},
+            {"role": "assistant", "content": first.content[1].text,
+             "reasoning_content": "I should think.", "tool_calls": [
+                 {"id": use.id, "type": "function",
+                  "function": {"name": "get_weather", "arguments": ARGS}}]},
+            {"role": "tool", "tool_call_id": use.id, "content": "sunny, 21C"}],
+            tools=TOOLS, enable_thinking=True).text
+        assert _prompts(live)[-1] == want
+        assert "<|im_start|>assistant\n<think>\nI should think.\n</think>\n\n" in want
+    with pytest.raises(anthropic.BadRequestError) as e:  # a user has no thinking blocks
+        an.messages.create(model=MODEL, max_tokens=100, messages=[
+            {"role": "user", "content": [{"type": "thinking", "thinking": "x",
+                                          "signature": ""}]}])
+    assert "messages[0].content[0].type" in str(e.value)
+
+
+def test_anthropic_without_thinking_field_streams_no_thinking_block(live, an):
+    with an.messages.stream(model=MODEL, max_tokens=300,
+                            messages=[{"role": "user", "content": "hi"}]) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    starts = [e.content_block.type for e in events if e.type == "content_block_start"]
+    assert starts == ["text"] and [b.type for b in final.content] == ["text"]
+    assert final.content[0].text == "Hello there." and final.stop_reason == "end_turn"
+    assert _prompts(live)[-1].endswith("<think>\n\n</think>\n\n")  # thinking off
+    off = an.messages.create(model=MODEL, max_tokens=300, thinking={"type": "disabled"},
+                             messages=[{"role": "user", "content": "hi"}])
+    assert [b.type for b in off.content] == ["text"]
+    assert _prompts(live)[-1].endswith("<think>\n\n</think>\n\n")
+
+
+@pytest.mark.parametrize("thinking", [None, THINKING])
 def test_anthropic_five_turns_sending_every_reply_back(live, an, thinking):
     """Each reply goes back verbatim (thinking blocks included); without `thinking` no turn
     thinks and no reply has a thinking block."""
