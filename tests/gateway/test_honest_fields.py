@@ -71,7 +71,7 @@ def test_stop_token_ids(live):
 
 
 @pytest.mark.parametrize("path, body, field", [
-    ("/v1/chat/completions", CHAT, "reasoning_effort"),
+    ("/v1/chat/completions", CHAT, "prediction"),
     ("/v1/chat/completions", CHAT, "not_a_field"),
     ("/v1/completions", {"model": MODEL, "prompt": "x"}, "messages"),
     ("/v1/messages", {**CHAT, "max_tokens": 3}, "top_logprobs"),

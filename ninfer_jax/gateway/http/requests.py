@@ -37,7 +37,8 @@ CHAT_FIELDS = frozenset({
     *_SHARED, *_OPENAI_SAMPLING, "messages", "max_tokens", "max_completion_tokens", "n",
     "stream_options", "user", "metadata", "store", "service_tier", "logprobs", "top_logprobs",
     "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "logit_bias",
-    "response_format", "enable_thinking", "chat_template_kwargs", "guided_json",
+    "response_format", "enable_thinking", "chat_template_kwargs", "reasoning_effort",
+    "guided_json",
     "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"})
 COMPLETION_FIELDS = frozenset({
     *_SHARED, *_OPENAI_SAMPLING, "prompt", "max_tokens", "n", "best_of", "stream_options",
@@ -129,6 +130,36 @@ def _refuse_unsupported(body: Fields, *, flags: tuple[str, ...] = (),
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
            "structured_outputs")
+
+
+# OpenAI `reasoning_effort` (chat) / `reasoning.effort` (Responses) -> (thinking on, budget):
+# "none" renders the prompt with thinking off; "low" and "medium" cap the thinking block at a
+# budget of max_thinking_tokens (then the answer follows); "high" thinks without a budget.
+REASONING_EFFORT: dict[str, tuple[bool, int | None]] = {
+    "none": (False, None), "low": (True, 1024), "medium": (True, 4096), "high": (True, None)}
+
+
+def reasoning_effort(body: Fields, key: str, sampling: dict[str, Any],
+                     thinking: bool | None) -> bool | None:
+    """Applies an effort field `key` of `body` (absent: `thinking` unchanged): returns whether
+    to think and sets `sampling["max_thinking_tokens"]` for a budgeted effort. An unknown
+    effort, or one contradicting an explicit enable_thinking / max_thinking_tokens, is a 400."""
+    effort = body.string(key)
+    if effort is None:
+        return thinking
+    if effort not in REASONING_EFFORT:
+        raise ApiError.invalid(body.name(key), f"must be one of {list(REASONING_EFFORT)}, "
+                               f"got {effort!r:.40}")
+    on, budget = REASONING_EFFORT[effort]
+    if thinking is not None and thinking != on:
+        raise ApiError.invalid(body.name(key), f"{effort!r} contradicts enable_thinking="
+                               f"{str(thinking).lower()}")
+    if "max_thinking_tokens" in sampling:
+        raise ApiError.invalid(body.name(key), "give either reasoning_effort or "
+                               "max_thinking_tokens, not both")
+    if budget is not None:
+        sampling["max_thinking_tokens"] = budget
+    return on
 
 
 MAX_CHOICES = 16  # choices of one answer: n per prompt times the prompts of a batch
@@ -249,6 +280,7 @@ def parse_chat(obj: Any, session_header: str | None) -> GenerationRequest:
     if thinking is None and kwargs is not None:
         thinking = kwargs.boolean("enable_thinking")
     sampling = _openai_sampling(body)
+    thinking = reasoning_effort(body, "reasoning_effort", sampling, thinking)
     top = body.integer("top_logprobs")
     if body.boolean("logprobs"):
         sampling["logprobs"] = 0 if top is None else top

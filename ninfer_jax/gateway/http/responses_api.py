@@ -2,9 +2,10 @@
 
 Owns the request shape (`input` as a string or a list of message / `function_call` /
 `function_call_output` items, `instructions`, `max_output_tokens`, function `tools`,
-`reasoning` turning thinking on) and the response object: `output` items `reasoning` (when the
-model thought), `message` (one `output_text` part) and `function_call`s, `status` completed or
-incomplete (`max_output_tokens`), usage with cached and reasoning tokens. Streaming follows the
+`reasoning.effort` mapped as chat's `reasoning_effort`, requests.REASONING_EFFORT) and the
+response object: `output` items `reasoning` (when the model thought), `message` (one
+`output_text` part) and `function_call`s, `status` completed or incomplete
+(`max_output_tokens`), usage with cached and reasoning tokens. Streaming follows the
 API's event order: `response.created`, `response.in_progress`, then per item
 `response.output_item.added`, its content events (`response.content_part.added`,
 `response.output_text.delta`..., `response.output_text.done`, `response.content_part.done`; or
@@ -29,11 +30,12 @@ from ninfer_jax.engine.events import Channel
 from ninfer_jax.frontend import tool_calls
 from ninfer_jax.frontend.tool_calls import history_arguments
 from ninfer_jax.gateway.http.errors import Api, ApiError, from_failure
-from ninfer_jax.gateway.http.fields import Fields
+from ninfer_jax.gateway.http.fields import MISSING, Fields
 from ninfer_jax.gateway.http.generation import EventStream, start, until_disconnect
 from ninfer_jax.gateway.http.requests import (
     GenerationRequest,
     isolation,
+    reasoning_effort,
     reject_unknown,
     session_of,
 )
@@ -136,12 +138,20 @@ def parse_responses(obj: Any, session_header: str | None) -> GenerationRequest:
     body.boolean("parallel_tool_calls")
     tools = openai_tools(body, flat=True)
     choice = openai_tool_choice(body, tools)
-    reasoning = body.obj("reasoning")
-    thinking = False
-    if reasoning is not None:
-        effort = reasoning.string("effort")
-        thinking = effort not in ("none", "minimal")
     sampling: dict[str, Any] = {}
+    reasoning = body.obj("reasoning")
+    thinking = False  # no `reasoning`: no thinking; `reasoning` without an effort: no budget
+    if reasoning is not None:
+        unknown = sorted(set(reasoning.data) - {"effort", "summary", "generate_summary"})
+        if unknown:
+            raise ApiError.invalid(reasoning.name(unknown[0]), "unknown field",
+                                   code="unsupported_parameter")
+        for key in ("summary", "generate_summary"):
+            if reasoning.get(key) is not MISSING:
+                raise ApiError.invalid(reasoning.name(key), "reasoning summaries are not "
+                                       "generated (the reasoning item carries the whole "
+                                       "reasoning text)", code="unsupported_parameter")
+        thinking = reasoning_effort(reasoning, "effort", sampling, None) is not False
     for key in ("temperature", "top_p"):
         value = body.number(key)
         if value is not None:
