@@ -20,8 +20,8 @@ import openai
 import pytest
 from openai.types import Completion
 
-from ninfer_jax.engine import EngineCore, EngineCoreConfig
 from ninfer_jax.api import Engine
+from ninfer_jax.engine import EngineCore, EngineCoreConfig
 from ninfer_jax.frontend import Frontend
 from ninfer_jax.gateway.http.logprobs import MAX_LOGPROBS, PromptScorer
 from ninfer_jax.program.host import ProgramLimits
@@ -38,7 +38,7 @@ FRONTEND = Frontend(TOKENIZER, CHATML)
 EOS = TOKENIZER.special_id("<|im_end|>")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _scorer() -> Scorer:
     m = loaded("dense")
     core = CausalScoreCore(m.config, m.params, ScoringConfig(
