@@ -15,6 +15,8 @@ _EXPORTS = {
     "LoadedModel": "ninfer_jax.loader",
     "RejectedError": "ninfer_jax.engine",
     "SamplingParams": "ninfer_jax.sampling_params",
+    "StructuredOutput": "ninfer_jax.sampling_params",
+    "TokenLogprob": "ninfer_jax.engine",
     "Scorer": "ninfer_jax.scoring",
     "load_model": "ninfer_jax.loader",
 }

@@ -205,6 +205,27 @@ class Engine:
         """`submit` for asyncio code: the handle supports `async for` and `await aresult()`."""
         return self.submit(prompt, _loop=asyncio.get_running_loop(), **kwargs)
 
+    async def aprime_prefix(self, prompt_token_ids: Sequence[int], *,
+                            cache_salt: str | None = None) -> bool:
+        """Leaves a prefix checkpoint at `prompt_token_ids` minus its last token (by running that
+        prefix for one greedy token), so several requests with this prompt each prefill only
+        its last token (a checkpoint at the whole prompt cannot serve it: the last prompt token
+        is always run to sample the first). A hint: False when prefix reuse is off, the prompt
+        is one token, or the Engine refused it (then the requests simply prefill in full)."""
+        ids = list(prompt_token_ids)
+        if not self._generation("aprime_prefix").reuse or len(ids) < 2:
+            return False
+        try:
+            handle = await self.asubmit(prompt_token_ids=ids[:-1], cache_salt=cache_salt,
+                                        sampling=SamplingParams(temperature=0.0,
+                                                                max_new_tokens=1))
+        except RejectedError:
+            return False
+        try:
+            return (await handle.aresult()).error is None
+        finally:
+            handle.release()
+
     def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerationResult:
         """Blocking one-liner: submit and wait for the result."""
         return self.submit(prompt, **kwargs).result()

@@ -15,6 +15,7 @@ from ninfer_jax.engine.events import (
     GenerationResult,
     GenerationStart,
     RejectedError,
+    TokenLogprob,
     Usage,
 )
 from ninfer_jax.engine.handle import AsyncRequestHandle, RequestHandle
@@ -22,5 +23,5 @@ from ninfer_jax.engine.handle import AsyncRequestHandle, RequestHandle
 __all__ = [
     "AsyncRequestHandle", "Channel", "Delta", "EngineCore", "EngineCoreConfig", "EngineError",
     "EngineFailedError", "EngineStats", "Finished", "FinishReason", "GenerationResult",
-    "GenerationStart", "RejectedError", "RequestHandle", "Usage",
+    "GenerationStart", "RejectedError", "RequestHandle", "TokenLogprob", "Usage",
 ]

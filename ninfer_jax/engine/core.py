@@ -27,6 +27,7 @@ from ninfer_jax.engine.events import (
     FinishReason,
     GenerationStart,
     RejectedError,
+    TokenLogprob,
     Usage,
 )
 from ninfer_jax.engine.handle import AsyncRequestHandle, CapacityToken, EventSink, RequestHandle
@@ -37,6 +38,7 @@ from ninfer_jax.engine.spec_stats import SpeculativeCounter, SpeculativeStats
 from ninfer_jax.engine.tiers import ContextTiers, TierStats
 from ninfer_jax.errors import ConfigError
 from ninfer_jax.frontend.output_session import FinishReason as TextFinish
+from ninfer_jax.frontend.output_session import ending_ids
 from ninfer_jax.frontend.prompt import PreparedPrompt
 from ninfer_jax.program.pending import BatchKind
 from ninfer_jax.sampling_params import SamplingParams
@@ -129,7 +131,7 @@ class EngineCore:
         self._backfilled = 0
         # Committed round output (record, Frontend preview) not yet published: it goes out
         # while the next round computes, or before anything else is published.
-        self._unpublished: list[tuple[RequestRecord, Any]] = []
+        self._unpublished: list[tuple[RequestRecord, Any, Any]] = []
         self._blocked_on: tuple | None = None  # admission facts of the last failed attempt
         self._publish_stats()
         self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
@@ -156,9 +158,11 @@ class EngineCore:
                                 f"{prefix_reuse!r:.40}", "prefix_reuse")
         if sampling.temperature > 0 and sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=int.from_bytes(os.urandom(4), "little"))
-        kwargs = {} if sampling.max_thinking_tokens is None else {
-            "max_thinking_tokens": sampling.max_thinking_tokens}
-        session = self.frontend.open_session(prompt, stop=sampling.stop, **kwargs)
+        session = self.frontend.open_session(
+            prompt, stop=sampling.stop, stop_token_ids=sampling.stop_token_ids,
+            ignore_eos=sampling.ignore_eos, min_tokens=sampling.min_tokens,
+            skip_special_tokens=sampling.skip_special_tokens,
+            max_thinking_tokens=sampling.max_thinking_tokens)
         now = time.monotonic()
         qt = queue_timeout_s if queue_timeout_s is not None else self.config.queue_timeout_s
         sink = EventSink(loop)
@@ -198,6 +202,10 @@ class EngineCore:
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or not 0 < b < n):
             raise RejectedError("invalid", f"prompt.reuse_boundary must be None or an int in "
                                 f"(0, {n}), got {b!r:.40}", "prompt")
+        for i, t in enumerate(sampling.stop_token_ids):
+            if t >= lim.vocab_size:
+                raise RejectedError("invalid", f"stop_token_ids[{i}]: {t} is outside the "
+                                    f"vocabulary [0, {lim.vocab_size})", "stop_token_ids")
         if n + 1 > lim.max_seq_len:
             raise RejectedError("too_long", f"prompt has {n} tokens; the context limit "
                                 f"max_seq_len is {lim.max_seq_len} (prompt + at least 1 new token)",
@@ -439,13 +447,22 @@ class EngineCore:
         self.scheduler.remove(r)
         self.resources.move(lane, LaneState.MATERIALIZING, r.request_id)
         r.lane = lane
-        r.seq = self.program.materialize(sealed, r.prompt.token_ids, r.sampling)
+        r.seq = self.program.materialize(sealed, r.prompt.token_ids, r.sampling,
+                                         self._stop_ids(r.sampling))
         r.cached_tokens = sealed.cached_tokens
         if reuse:
             self.catalog.record_use(source)
         r.move(S.MATERIALIZING)
         self._active.append(r)
         return True
+
+    def _stop_ids(self, sampling: SamplingParams) -> tuple[int, ...]:
+        """The ids the Program keeps from being sampled before `min_tokens`: every id that
+        would end the output (none when min_tokens is 0)."""
+        if not sampling.min_tokens:
+            return ()
+        return tuple(sorted(ending_ids(self.frontend.tokenizer, sampling.stop_token_ids,
+                                       sampling.ignore_eos)))
 
     def _reload(self, r: RequestRecord, source: CatalogEntry | None,
                 may_evict: bool) -> CatalogEntry | None:
@@ -551,7 +568,7 @@ class EngineCore:
             records = list(unit.records)
             # A row may not run past the point where its Frontend will force control (counting
             # the previous round, committed but not yet published to its session).
-            unpublished = {r.request_id: p for r, p in self._unpublished}
+            unpublished = {r.request_id: p for r, p, _ in self._unpublished}
             caps = [r.session.tokens_before_control(unpublished.get(r.request_id))
                     for r in records]
             batch = self.program.decode([r.seq for r in records],
@@ -593,7 +610,14 @@ class EngineCore:
             n = preview.num_accepted  # the forced tokens too: they are output
             r.completion_tokens += n
             self._generated += n
-            self._unpublished.append((r, preview))  # after the next round is dispatched
+            logprobs = None
+            if r.sampling.logprobs is not None:
+                forced = batch.forced  # forced control: no draw, reported as certain
+                logprobs = tuple(TokenLogprob(t, 0.0) for t in preview.token_ids[:len(forced)])
+                logprobs += tuple(
+                    TokenLogprob(t, lp, top[: r.sampling.logprobs]) for t, (lp, top) in
+                    zip(preview.token_ids[len(forced):], batch.row_logprobs(row)))
+            self._unpublished.append((r, preview, logprobs))  # after the next round starts
             if preview.finish_reason is not None:
                 reason = FinishReason.STOP if preview.finish_reason is TextFinish.STOP \
                     else FinishReason.LENGTH
@@ -620,16 +644,17 @@ class EngineCore:
         if self._unpublished:
             self._publish_stats()  # first: stats read after a delta count its tokens
         while self._unpublished:
-            r, preview = self._unpublished.pop(0)
+            r, preview, logprobs = self._unpublished.pop(0)
             if r.state is S.TERMINAL_PENDING:
                 self._adopt_terminal(r)  # the terminal result first, then the last delta
             r.session.commit(preview)
             ids = tuple(preview.token_ids)
             if not preview.deltas:
-                self._emit(r, Delta(r.request_id, "", ids, Channel(r.session.channel.value)))
+                self._emit(r, Delta(r.request_id, "", ids, Channel(r.session.channel.value),
+                                    logprobs))
             for i, d in enumerate(preview.deltas):
                 self._emit(r, Delta(r.request_id, d.text, ids if i == 0 else (),
-                                    Channel(d.channel.value)))
+                                    Channel(d.channel.value), logprobs if i == 0 else None))
 
     # Endings ---------------------------------------------------------------------------------
     def _terminal(self, r: RequestRecord, reason: FinishReason, error: str | None = None) -> None:

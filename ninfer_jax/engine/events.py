@@ -33,6 +33,18 @@ class Usage:
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and its most likely alternatives, under the
+    distribution the token was drawn from (after penalties and temperature, before top-k/top-p;
+    with constrained decoding, after the grammar's mask). A token of forced control (e.g. the
+    end of a thinking block at its budget) was not drawn: log-prob 0.0, no alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@dataclasses.dataclass(frozen=True)
 class GenerationStart:
     """Published once after admission, before any delta."""
 
@@ -49,6 +61,7 @@ class Delta:
     text: str
     token_ids: tuple[int, ...]
     channel: Channel
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token_ids entry, when asked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +87,7 @@ class GenerationResult:
     seed: int | None  # the seed used for sampling (drawn by the Engine when none was given)
     error: str | None = None
     stop_string: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token_ids entry, when asked
 
 
 class EngineError(NinferError):

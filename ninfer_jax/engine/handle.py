@@ -99,6 +99,7 @@ class _Collector:
         self.text: list[str] = []
         self.reasoning: list[str] = []
         self.token_ids: list[int] = []
+        self.logprobs: list | None = None
         self.start: GenerationStart | None = None
         self.finished: Finished | None = None
 
@@ -108,6 +109,8 @@ class _Collector:
         elif isinstance(event, Delta):
             (self.reasoning if event.channel is Channel.THINKING else self.text).append(event.text)
             self.token_ids.extend(event.token_ids)
+            if event.logprobs is not None:
+                self.logprobs = (self.logprobs or []) + list(event.logprobs)
         else:
             self.finished = event
 
@@ -117,7 +120,8 @@ class _Collector:
             request_id=self.request_id, text="".join(self.text),
             reasoning_text="".join(self.reasoning), token_ids=tuple(self.token_ids),
             finish_reason=f.finish_reason, usage=f.usage, seed=self.seed, error=f.error,
-            stop_string=f.stop_string)
+            stop_string=f.stop_string,
+            logprobs=None if self.logprobs is None else tuple(self.logprobs))
 
 
 class RequestHandle:

@@ -100,13 +100,19 @@ class Frontend:
         *,
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+        skip_special_tokens: bool = False,
         max_thinking_tokens: int | None = None,
     ) -> OutputSession:
-        """A new OutputSession for output that continues `prompt`."""
+        """A new OutputSession for output that continues `prompt` (see OutputSession)."""
         return OutputSession(
             self.tokenizer,
             stop=stop,
             stop_token_ids=stop_token_ids,
             channel=initial_channel(prompt.token_ids, self.tokenizer),
+            ignore_eos=ignore_eos,
+            min_tokens=min_tokens,
+            skip_special_tokens=skip_special_tokens,
             max_thinking_tokens=max_thinking_tokens,
         )

@@ -2,10 +2,16 @@
 
 Owns incremental detokenization (incomplete UTF-8 bytes are held until their character is
 complete, so no delta ever carries half a character), the thinking/content channel split on
-`<think>` / `</think>` (the markers themselves are never emitted), EOS ids, and stop strings
+`<think>` / `</think>` (the markers themselves are never emitted, nor the newlines right after
+`</think>`, which the template writes as a separator), EOS ids, and stop strings
 matched across token boundaries (text that could still begin a stop string is held back until
 resolved; a stop string is never emitted and ends the output). Stop strings apply to both
-channels but never span a channel switch.
+channels but never span a channel switch. Per request: `stop_token_ids` end the output like EOS,
+`ignore_eos` drops the tokenizer's EOS ids from that set, `min_tokens` keeps every ending (EOS,
+stop ids, stop strings) from taking effect before that many tokens (the Program also keeps the
+ids from being sampled that early), and `skip_special_tokens` renders control tokens as no text
+(channel markup, `<think>` and `<tool_call>` with their closing tags, is never skipped: the
+channel split and the tool-call parser read it).
 
 `preview(token_ids)` is a pure function of the committed state: it reports what the batch would
 publish and how many of its tokens the Engine should accept; `commit(preview)` makes it so (DESIGN
@@ -54,6 +60,7 @@ class _TextState:
     pending_bytes: bytes  # the start of a UTF-8 character whose remaining bytes are not yet seen
     held_text: str  # decoded text withheld because it could begin a stop string
     finish_reason: FinishReason | None = None
+    after_think: bool = False  # `</think>` was the last thing: its newlines are dropped
     thinking_tokens: int = 0  # tokens committed to the thinking channel (markers excluded)
 
 
@@ -129,6 +136,17 @@ def initial_channel(prompt_token_ids: Sequence[int], tokenizer: Tokenizer) -> Ch
     return Channel.CONTENT
 
 
+# Special tokens that are channel or tool-call markup: rendered (or read) even when skipping.
+MARKUP_TOKENS = frozenset({"<think>", "</think>", "<tool_call>", "</tool_call>"})
+
+
+def ending_ids(tokenizer: Tokenizer, stop_token_ids: Sequence[int] = (),
+               ignore_eos: bool = False) -> frozenset[int]:
+    """The ids that end a request's output: EOS (unless `ignore_eos`) and its stop ids."""
+    eos = frozenset() if ignore_eos else tokenizer.eos_ids
+    return eos | frozenset(int(t) for t in stop_token_ids)
+
+
 class OutputSession:
     """Per-request output state; not thread-safe (the Engine worker alone drives it)."""
 
@@ -139,6 +157,9 @@ class OutputSession:
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
         channel: Channel = Channel.CONTENT,
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+        skip_special_tokens: bool = False,
         max_thinking_tokens: int | None = None,
     ) -> None:
         for i, stop_string in enumerate(stop):
@@ -148,7 +169,11 @@ class OutputSession:
             tokenizer.check_id(token_id)
         self._tokenizer = tokenizer
         self._stops = tuple(stop)
-        self._eos_ids = tokenizer.eos_ids | frozenset(stop_token_ids)
+        self._eos_ids = ending_ids(tokenizer, stop_token_ids, ignore_eos)
+        self._min_tokens = int(min_tokens)
+        markup = {tokenizer.special_id(t) for t in MARKUP_TOKENS} - {None}
+        self._skipped = frozenset(tokenizer.special_tokens.values()) - markup \
+            if skip_special_tokens else frozenset()
         self._think_ids = tokenizer.think_ids
         # The budget applies only where there is a thinking channel to close.
         self._thinking_budget = max_thinking_tokens if self._think_ids is not None else None
@@ -211,6 +236,7 @@ class OutputSession:
             raise ValueError(f"the output already finished ({base.finish_reason.value})")
         deltas: list[TextDelta] = []
         channel, pending, held = base.channel, base.pending_bytes, base.held_text
+        after_think = base.after_think
 
         def emit(text: str) -> None:
             if not text:
@@ -233,22 +259,12 @@ class OutputSession:
         for i, token_id in enumerate(token_ids):
             self._tokenizer.check_id(token_id)
             accepted += 1
+            is_forced = i < forced  # canonical control text: no EOS or stop-string matching
             is_marker = self._think_ids is not None and token_id in self._think_ids
-            if channel is Channel.THINKING and not is_marker and i >= forced:
+            if channel is Channel.THINKING and not is_marker and not is_forced:
                 thinking += 1
-            if i < forced:  # canonical control text: no EOS or stop-string matching
-                if is_marker:
-                    flush()
-                    channel = Channel.THINKING if token_id == self._think_ids[0] \
-                        else Channel.CONTENT
-                    continue
-                emit(held)  # no stop string can complete across forced text
-                held = ""
-                text, pending = _decode_step(pending, self._tokenizer.token_bytes(token_id),
-                                             False)
-                emit(text)
-                continue
-            if token_id in self._eos_ids:
+            may_end = not is_forced and len(self._token_ids) + accepted >= self._min_tokens
+            if token_id in self._eos_ids and may_end:
                 flush()
                 finish, eos_id = FinishReason.STOP, int(token_id)
                 break
@@ -256,11 +272,22 @@ class OutputSession:
                 flush()
                 is_start = token_id == self._think_ids[0]
                 channel = Channel.THINKING if is_start else Channel.CONTENT
+                after_think = not is_start
+                continue
+            if token_id in self._skipped:
                 continue
             text, pending = _decode_step(pending, self._tokenizer.token_bytes(token_id), False)
+            if after_think:  # the template's "</think>\n\n" separator is not content
+                text = text.lstrip("\n")
+                after_think = not text
             if not text:
                 continue
-            emitted, held, stop_string = _split_at_stop(held + text, self._stops)
+            if is_forced:  # no stop string completes across forced text
+                emit(held + text)
+                held = ""
+                continue
+            emitted, held, stop_string = _split_at_stop(held + text,
+                                                        self._stops if may_end else ())
             emit(emitted)
             if stop_string is not None:
                 finish, pending = FinishReason.STOP, b""
@@ -280,7 +307,7 @@ class OutputSession:
             eos_id=eos_id,
             control=control,
             _base=base,
-            _after=_TextState(channel, pending, held, finish, thinking),
+            _after=_TextState(channel, pending, held, finish, after_think, thinking),
         )
 
     def commit(self, preview: Preview) -> None:

@@ -65,6 +65,8 @@ flags.DEFINE_float("keepalive_timeout_s", 5.0,
 flags.DEFINE_integer("max_connections", 512, "serve: open connections at most; a new one "
                      "beyond it evicts the one waiting longest for a request head, or is "
                      "closed at once")
+flags.DEFINE_list("allowed_origins", [], "serve: browser origins allowed by CORS, comma-separated "
+                  "(`*` or https://host[:port]); CORS is off when empty")
 flags.DEFINE_bool("traceback", False, "print the traceback of an internal error")
 app.define_help_flags()
 
@@ -144,6 +146,9 @@ def _serve() -> int:
     ConnectionLimits(FLAGS.header_timeout_s, FLAGS.keepalive_timeout_s, FLAGS.max_connections)
     positive_seconds("body_timeout_s", FLAGS.body_timeout_s)
     keys = _api_keys()
+    from ninfer_jax.gateway.server import check_origins
+
+    origins = check_origins(FLAGS.allowed_origins) or None
     _check_listen(FLAGS.host, FLAGS.port)
     return run_serve(model=FLAGS.model, host=FLAGS.host, port=FLAGS.port,
                      api_key=keys or None, max_concurrency=FLAGS.max_concurrency,
@@ -152,7 +157,7 @@ def _serve() -> int:
                      **generate.store_settings(),
                      header_timeout_s=FLAGS.header_timeout_s, body_timeout_s=FLAGS.body_timeout_s,
                      keepalive_timeout_s=FLAGS.keepalive_timeout_s,
-                     max_connections=FLAGS.max_connections)
+                     max_connections=FLAGS.max_connections, allowed_origins=origins)
 
 
 def _export_hf() -> int:

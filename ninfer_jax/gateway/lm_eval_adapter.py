@@ -108,7 +108,7 @@ class NinferLM(TemplateLM):
             sampling = SamplingParams(
                 max_new_tokens=int(kw.get("max_gen_toks", self.max_gen_toks)),
                 temperature=float(kw.get("temperature", 0.0)) if kw.get("do_sample") else 0.0,
-                stop=tuple(s for s in until if s))
+                stop=tuple(s for s in until if s), skip_special_tokens=False)
             handles.append(self._engine.submit(context, sampling=sampling))
         answers = []
         for req, handle in zip(requests, handles):

@@ -8,7 +8,8 @@ tests, benchmarks and notebooks) with the connection limits of `gateway/http/con
 `gateway/http/`; order, cache and physical state stay with the Engine (DESIGN §2).
 
 Endpoints: `GET /health`, `GET /ready`, `GET /metrics`, `GET /v1/models[/{id}]`,
-`POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/messages`.
+`POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses`, `POST /v1/messages`,
+`POST /v1/messages/count_tokens`, `POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`.
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ from typing import Any, Self
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ninfer_jax.errors import ConfigError
-from ninfer_jax.gateway.http import anthropic_api, openai_api
+from ninfer_jax.gateway.http import anthropic_api, openai_api, responses_api, tokens_api
 from ninfer_jax.gateway.http.connections import (
     HEADER_TIMEOUT_S,
     KEEPALIVE_TIMEOUT_S,
@@ -44,7 +47,9 @@ from ninfer_jax.gateway.http.connections import (
 )
 from ninfer_jax.gateway.http.errors import Api, ApiError
 from ninfer_jax.gateway.http.fields import decode_json
+from ninfer_jax.gateway.http.logprobs import PromptScorer
 from ninfer_jax.gateway.http.metrics import Metrics
+from ninfer_jax.gateway.http.request_id import RequestIdMiddleware
 from ninfer_jax.gateway.http.requests import (
     GenerationRequest,
     parse_chat,
@@ -142,17 +147,62 @@ def _generation_endpoint(state: ServerState, api: Api,
     return endpoint
 
 
+def check_origins(origins: str | Sequence[str] | None) -> tuple[str, ...]:
+    """CORS origins: none (CORS off), "*" or full origins such as `https://app.example`."""
+    found = () if origins is None else (origins,) if isinstance(origins, str) else tuple(origins)
+    for origin in found:
+        if not isinstance(origin, str) or not (origin == "*" or "://" in origin) \
+                or origin != origin.strip() or origin.endswith("/"):
+            raise ConfigError(f"allowed_origins: {origin!r:.80} is not '*' or an origin like "
+                              "https://host[:port] (no path, no trailing slash)")
+    return found
+
+
+def _json_endpoint(state: ServerState, api: Api,
+                   handler: Callable[..., Response]) -> Callable[[Request], Awaitable[Response]]:
+    """A POST endpoint with a JSON body that generates nothing: auth, body limits, model id."""
+    async def endpoint(request: Request) -> Response:
+        try:
+            _authorize(request, state.api_keys)
+            obj = decode_json(await _read_body(request, state.max_body_bytes,
+                                               state.body_timeout_s))
+            model = obj.get("model") if isinstance(obj, dict) else None
+            if model is not None and model != state.model_name:
+                raise ApiError(404, f"model {model!r:.80} not found; this server serves "
+                               f"{state.model_name!r}", param="model", code="model_not_found")
+            return handler(state, obj, request.headers.get("x-session-id"))
+        except ApiError as e:
+            state.metrics.rejections.labels(_REJECTION.get(e.status, "error")).inc()
+            return e.response(api)
+        except ClientDisconnect:
+            return Response(status_code=400)
+        except Exception:  # a bug, never bad input
+            log.exception("internal error serving %s", request.url.path)
+            return ApiError(500, "internal server error", code="internal_error").response(api)
+
+    return endpoint
+
+
 def create_app(engine: Any, *, model_name: str | None = None, api_key: str | Sequence[str] | None = None,
                max_body_bytes: int = MAX_BODY_BYTES,
-               body_timeout_s: float = BODY_TIMEOUT_S) -> Starlette:
+               body_timeout_s: float = BODY_TIMEOUT_S,
+               allowed_origins: str | Sequence[str] | None = None,
+               prompt_scorer: Any = True) -> Starlette:
     """The ASGI app over a running `Engine`. `model_name` is the id clients send as `model`
-    (default: the model directory's name, or "ninfer")."""
+    (default: the model directory's name, or "ninfer"). `allowed_origins`: browser origins
+    allowed by CORS (off when None). Every response carries `x-request-id` (the client's own,
+    when it sent a usable one). `prompt_scorer`: what scores prompts for `echo` with logprobs
+    (True: the served model's CausalScoring purpose, opened on first use; None: refused)."""
     body_timeout_s = positive_seconds("body_timeout_s", body_timeout_s)
+    origins = check_origins(allowed_origins)
     if model_name is None:
         path = getattr(engine, "model_path", None)
         model_name = path.name if path is not None else "ninfer"
+    if prompt_scorer is True:
+        path = getattr(engine, "model_path", None)
+        prompt_scorer = None if path is None else PromptScorer(path, max_len=engine.max_seq_len)
     state = ServerState(engine, model_name, Metrics(engine), api_keys(api_key), max_body_bytes,
-                        body_timeout_s)
+                        body_timeout_s, prompt_scorer)
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -169,7 +219,14 @@ def create_app(engine: Any, *, model_name: str | None = None, api_key: str | Seq
 
     def model_card() -> dict[str, Any]:
         return {"id": state.model_name, "object": "model", "created": state.created,
-                "owned_by": "ninfer"}
+                "owned_by": "ninfer", "max_model_len": engine.max_seq_len}
+
+    async def tokenizer_info(request: Request) -> Response:
+        try:
+            _authorize(request, state.api_keys)
+        except ApiError as e:
+            return e.response(Api.OPENAI)
+        return tokens_api.tokenizer_info(state)
 
     async def list_models(request: Request) -> Response:
         try:
@@ -206,11 +263,30 @@ def create_app(engine: Any, *, model_name: str | None = None, api_key: str | Seq
               _generation_endpoint(state, Api.OPENAI, parse_completion,
                                    functools.partial(openai_api.complete, chat=False)),
               methods=["POST"]),
+        Route("/v1/responses", _generation_endpoint(state, Api.OPENAI,
+                                                    responses_api.parse_responses,
+                                                    responses_api.create_response),
+              methods=["POST"]),
         Route("/v1/messages", _generation_endpoint(state, Api.ANTHROPIC, parse_messages,
                                                    anthropic_api.create_message),
               methods=["POST"]),
+        Route("/v1/messages/count_tokens",
+              _json_endpoint(state, Api.ANTHROPIC, tokens_api.count_tokens), methods=["POST"]),
+        Route("/tokenize", _json_endpoint(
+            state, Api.OPENAI, lambda st, obj, _: tokens_api.tokenize(st, obj)),
+              methods=["POST"]),
+        Route("/detokenize", _json_endpoint(
+            state, Api.OPENAI, lambda st, obj, _: tokens_api.detokenize(st, obj)),
+              methods=["POST"]),
+        Route("/tokenizer_info", tokenizer_info),
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    middleware = [Middleware(RequestIdMiddleware)]
+    if origins:
+        middleware.append(Middleware(
+            CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST"],
+            allow_headers=["*"], expose_headers=["x-request-id"]))
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error},
+                    middleware=middleware)
     app.state.server = state
     return app
 
@@ -259,7 +335,8 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | Sequence[str] | None = None, model_name: str | None = None,
           header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
           keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
-          max_connections: int = MAX_CONNECTIONS) -> None:
+          max_connections: int = MAX_CONNECTIONS,
+          allowed_origins: str | Sequence[str] | None = None) -> None:
     """Serves `engine` until interrupted (SIGINT/SIGTERM). A request head must be complete
     within `header_timeout_s` and its body within `body_timeout_s` (else 408); an idle
     keep-alive connection closes after `keepalive_timeout_s`; beyond `max_connections` open
@@ -267,7 +344,7 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000,
     once when every connection is serving a request."""
     limits = ConnectionLimits(header_timeout_s, keepalive_timeout_s, max_connections)
     app = create_app(engine, model_name=model_name, api_key=api_key,
-                     body_timeout_s=body_timeout_s)
+                     body_timeout_s=body_timeout_s, allowed_origins=allowed_origins)
     name = app.state.server.model_name
     print(f"[ninfer] serving {name!r} on http://{host}:{port} "
           f"(auth {'on' if app.state.server.api_keys else 'off'})", file=sys.stderr)
@@ -278,13 +355,15 @@ def run_serve(*, model: str | None, host: str, port: int, api_key: str | Sequenc
               max_concurrency: int, max_seq_len: int, dtype: str, verify_weights: bool = True,
               header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
               keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
-              max_connections: int = MAX_CONNECTIONS, **engine_settings: Any) -> int:
+              max_connections: int = MAX_CONNECTIONS,
+              allowed_origins: str | Sequence[str] | None = None, **engine_settings: Any) -> int:
     """`ninfer serve`: opens the Engine, serves until interrupted, closes the Engine. The
     server's limits are checked before the model loads. `engine_settings` go to `Engine.open`
     (e.g. speculative, num_speculative_tokens)."""
     ConnectionLimits(header_timeout_s, keepalive_timeout_s, max_connections)
     positive_seconds("body_timeout_s", body_timeout_s)
     api_keys(api_key)
+    check_origins(allowed_origins)
     from ninfer_jax.api import Engine
 
     start = time.perf_counter()
@@ -297,7 +376,7 @@ def run_serve(*, model: str | None, host: str, port: int, api_key: str | Sequenc
               file=sys.stderr)
         serve(engine, host=host, port=port, api_key=api_key, header_timeout_s=header_timeout_s,
               body_timeout_s=body_timeout_s, keepalive_timeout_s=keepalive_timeout_s,
-              max_connections=max_connections)
+              max_connections=max_connections, allowed_origins=allowed_origins)
     finally:
         engine.close()
     return 0

@@ -117,6 +117,7 @@ class SeqRecord:
     max_new_tokens: int
     sampling: SamplingParams
     reserved: int  # pages still reserved (not yet allocated) for this sequence
+    stop_ids: tuple[int, ...] = ()  # not sampled before sampling.min_tokens generated tokens
     pages: list[int] = dataclasses.field(default_factory=list)
     frontier: int = 0  # positions whose K/V and GDN effect are committed
     state: SeqState = SeqState.PREFILL
@@ -158,14 +159,15 @@ class HostProgram(abc.ABC):
 
     # Execution supplied by subclasses --------------------------------------------------------
     @abc.abstractmethod
-    def _run_prefill(self, seq: SeqRecord, start: int, chunk: list[int]) -> int:
-        """Runs one chunk at positions start.. of seq; returns the token sampled after it."""
+    def _run_prefill(self, seq: SeqRecord, start: int, chunk: list[int]) -> tuple[int, Any]:
+        """Runs one chunk at positions start.. of seq; returns (the token sampled after it, its
+        log-probs as PendingBatch takes them, or None when the sequence asked for none)."""
 
     @abc.abstractmethod
-    def _run_decode(self, seqs: list[SeqRecord], limits: np.ndarray) -> tuple[Any, Any]:
+    def _run_decode(self, seqs: list[SeqRecord], limits: np.ndarray) -> tuple[Any, Any, Any]:
         """Starts a round: row b proposes 1..limits[b] tokens (limits <= verify_width). Returns
-        (tokens [B, verify_width], produced [B]); either may be an array still being computed
-        that np.asarray waits for."""
+        (tokens [B, verify_width], produced [B], log-probs or None: see PendingBatch); any may
+        be an array still being computed that np.asarray waits for."""
 
     @abc.abstractmethod
     def _run_commit(self, seqs: list[SeqRecord], accepted: np.ndarray, tokens: np.ndarray,
@@ -241,8 +243,11 @@ class HostProgram(abc.ABC):
                 and self.pages.num_available >= plan.num_pages)
 
     def materialize(self, plan: ResourcePlan, prompt_ids: Sequence[int],
-                    sampling: SamplingParams = GREEDY) -> SequenceHandle:
-        """Creates a sequence from root holding its complete growth reservation."""
+                    sampling: SamplingParams = GREEDY,
+                    stop_ids: Sequence[int] = ()) -> SequenceHandle:
+        """Creates a sequence from root holding its complete growth reservation. `stop_ids`:
+        the ids that end its output (the Engine's), never sampled before `sampling.min_tokens`
+        generated tokens."""
         if plan.revision != self.resource_revision:
             raise StalePlanError(
                 f"plan sealed at revision {plan.revision}, Program is at {self.resource_revision}")
@@ -255,6 +260,9 @@ class HostProgram(abc.ABC):
             raise InfeasibleError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         if sampling.temperature > 0 and sampling.seed is None:
             raise InfeasibleError("sampling.seed is required when temperature > 0")
+        stop_ids = tuple(int(t) for t in stop_ids)
+        if any(not 0 <= t < self.limits.vocab_size for t in stop_ids):
+            raise InfeasibleError(f"stop ids must be in [0, {self.limits.vocab_size})")
         if not self.can_start(plan):
             raise ResourceError(
                 f"plan cannot start now: {self.slots.num_free} free slots, "
@@ -267,7 +275,7 @@ class HostProgram(abc.ABC):
         handle = SequenceHandle(next(self._ids), self.resource_revision)
         seq = SeqRecord(handle=handle, slot=slot, tokens=ids, prompt_len=len(ids),
                         max_new_tokens=plan.max_new_tokens, sampling=sampling,
-                        reserved=plan.num_pages)
+                        reserved=plan.num_pages, stop_ids=stop_ids)
         self._seqs[handle.seq_id] = seq
         if ckpt is not None:
             shared = self._shared_pages(ckpt.frontier)
@@ -435,14 +443,15 @@ class HostProgram(abc.ABC):
             end = stop_at
         chunk = seq.tokens[start:end]
         self._grow(seq, start + len(chunk))
-        token = self._run_prefill(seq, start, chunk)
+        token, logprobs = self._run_prefill(seq, start, chunk)
         if start + len(chunk) < seq.prompt_len:  # not the last chunk: adopt its state now
             self._run_commit([seq], np.ones(1, np.int32),
                              np.zeros((1, self.limits.verify_width), np.int32), count=False)
             seq.frontier = start + len(chunk)
             return None
         tokens = np.array([[token]], np.int32)
-        self._pending = PendingBatch(BatchKind.PREFILL, (handle,), tokens, next(self._batch_ids))
+        self._pending = PendingBatch(BatchKind.PREFILL, (handle,), tokens, next(self._batch_ids),
+                                     logprobs=logprobs)
         return self._pending
 
     def decode(self, handles: Sequence[SequenceHandle],
@@ -473,9 +482,9 @@ class HostProgram(abc.ABC):
                 limits[i] = min(int(limits[i]), int(cap))
             self._grow(s, s.frontier + int(limits[i]))
         # The step runs on the device after this returns; reading batch.tokens waits for it.
-        tokens, produced = self._run_decode(seqs, limits)
+        tokens, produced, logprobs = self._run_decode(seqs, limits)
         self._pending = PendingBatch(BatchKind.DECODE, tuple(handles), tokens,
-                                     next(self._batch_ids), produced)
+                                     next(self._batch_ids), produced, logprobs)
         return self._pending
 
     def control(self, handle: SequenceHandle, forced: Sequence[int]) -> PendingBatch:
@@ -501,9 +510,9 @@ class HostProgram(abc.ABC):
             raise ResourceError(f"{len(ids)} forced tokens exceed the prefill chunk "
                                 f"{self.limits.prefill_chunk} (minus the last token)")
         self._grow(seq, seq.frontier + len(chunk))
-        token = self._run_prefill(seq, seq.frontier, chunk)
+        token, logprobs = self._run_prefill(seq, seq.frontier, chunk)
         self._pending = PendingBatch(BatchKind.CONTROL, (handle,), np.array([[token]], np.int32),
-                                     next(self._batch_ids), forced=tuple(ids))
+                                     next(self._batch_ids), logprobs=logprobs, forced=tuple(ids))
         return self._pending
 
     def commit(self, batch: PendingBatch, accepted: Sequence[int]) -> None:

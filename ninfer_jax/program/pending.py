@@ -36,12 +36,17 @@ class PendingBatch:
     """Provisional output of one step. Consume with Program.commit or Program.abort_pending."""
 
     def __init__(self, kind: BatchKind, handles: tuple[SequenceHandle, ...], tokens: Any,
-                 batch_id: int, produced: Any = 1, forced: tuple[int, ...] = ()):
+                 batch_id: int, produced: Any = 1, logprobs: tuple[Any, Any, Any] | None = None,
+                 forced: tuple[int, ...] = ()):
         """tokens: [B, W] int32 (W >= max produced), or anything `np.asarray` turns into it (a
         device array still being computed: the step was dispatched, and reading `tokens` waits
-        for it); produced: an int for every row, or [B] (possibly on the device too). forced
-        (CONTROL only): the Frontend's tokens before the row's sampled one; a commit that
-        accepts the row adopts them with it, none of them alone."""
+        for it); produced: an int for every row, or [B] (possibly on the device too);
+        logprobs: when some row asked for them, (sampled [B, W] float32, top ids [B, W, N]
+        int32, top log-probs [B, W, N] float32), read (and copied to the host) only on demand.
+        forced (CONTROL only): the Frontend's tokens before the row's sampled one; a commit
+        that accepts the row adopts them with it, none of them alone."""
+        self._logprobs = logprobs
+        self._logprobs_ready: tuple[np.ndarray, ...] | None = None
         self.kind = kind
         self.forced = forced
         self.handles = handles
@@ -73,6 +78,22 @@ class PendingBatch:
     def row_tokens(self, row: int) -> list[int]:
         """The candidates of one row: its first produced[row] tokens."""
         return [int(t) for t in self.tokens[row, : self.produced[row]]]
+
+    def row_logprobs(self, row: int) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+        """Per candidate of one row: (its log-prob, ((id, log-prob) of the N most likely tokens,
+        most likely first)). Empty when the step computed none."""
+        if self._logprobs is None and self._logprobs_ready is None:
+            return []
+        if self._logprobs_ready is None:
+            sampled, ids, lps = (np.asarray(a) for a in self._logprobs)
+            self._logprobs_ready = (sampled.reshape(self.batch, -1),
+                                    ids.reshape(self.batch, sampled.shape[-1], -1),
+                                    lps.reshape(self.batch, sampled.shape[-1], -1))
+            self._logprobs = None
+        sampled, ids, lps = self._logprobs_ready
+        return [(float(sampled[row, i]),
+                 tuple(zip(ids[row, i].tolist(), lps[row, i].astype(float).tolist())))
+                for i in range(int(self.produced[row]))]
 
     @property
     def batch(self) -> int:

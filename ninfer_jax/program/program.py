@@ -218,11 +218,11 @@ class Program(HostProgram):
             commit=self._take_commit(1), token_ids=np.array([chunk + [0] * (c - n)], np.int32),
             start_pos=np.array([start], np.int32), num_valid=np.array([n], np.int32),
             page_table=self._page_table([seq]), slot=np.array([seq.slot], np.int32),
-            reset=np.array([start == 0]), sampling=sampling_arrays([seq.sampling]),
+            reset=np.array([start == 0]), sampling=self._sampling([seq]),
             step_index=np.array([start + n], np.int32))
         self._pools, out = self.executables(StepKey(StepKind.PREFILL, 1), self.params,
                                             self._pools, inputs)
-        return int(np.asarray(out.tokens)[0, 0])
+        return int(np.asarray(out.tokens)[0, 0]), _logprobs([seq], out)
 
     def _run_decode(self, seqs: list[SeqRecord], limits: np.ndarray) -> tuple:
         inputs = DecodeInputs(
@@ -231,11 +231,12 @@ class Program(HostProgram):
             positions=np.array([s.frontier for s in seqs], np.int32),
             slots=np.array([s.slot for s in seqs], np.int32),
             page_tables=self._page_table(seqs),
-            sampling=sampling_arrays([s.sampling for s in seqs]),
+            sampling=self._sampling(seqs),
             step_index=np.array([s.frontier + 1 for s in seqs], np.int32), limit=limits)
         self._pools, out = self.executables(StepKey(StepKind.DECODE, len(seqs)), self.params,
                                             self._pools, inputs)
-        return out.tokens, out.num  # on the device; the PendingBatch reads them when asked
+        # On the device; the PendingBatch reads them when asked.
+        return out.tokens, out.num, _logprobs(seqs, out)
 
     def _run_commit(self, seqs: list[SeqRecord], accepted: np.ndarray, tokens: np.ndarray,
                     count: bool) -> None:
@@ -312,11 +313,22 @@ class Program(HostProgram):
         self._pools = self.executables(StepKey(StepKind.IMPORT_STATE, 1), self._pools,
                                        StateImport(np.array([ckpt.slot], np.int32), *parts))
 
+    def _sampling(self, seqs: list[SeqRecord]):
+        return sampling_arrays([s.sampling for s in seqs], [s.stop_ids for s in seqs],
+                               self.cfg.vocab_size)
+
     def _page_table(self, seqs: list[SeqRecord]) -> np.ndarray:
         table = np.zeros((len(seqs), self.pcfg.max_pages_per_seq), np.int32)
         for row, seq in enumerate(seqs):
             table[row, : len(seq.pages)] = seq.pages
         return table
+
+
+def _logprobs(seqs: list[SeqRecord], out) -> tuple | None:
+    """The step's log-prob outputs when a row asked for them (else nothing is read back)."""
+    if all(s.sampling.logprobs is None for s in seqs):
+        return None
+    return out.logprobs, out.top_ids, out.top_logprobs
 
 
 def _bytes(buffers) -> np.ndarray:

@@ -42,9 +42,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ninfer_jax.sampling_params import SamplingParamsError, as_sampling_params
+from ninfer_jax.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParamsError,
+    as_sampling_params,
+)
 
 RNG_IMPL = "threefry2x32"  # fixed, so streams do not depend on jax's default PRNG setting
+MAX_STOP_IDS = MAX_STOP_TOKEN_IDS + 8  # a row's ending ids: its stop_token_ids and EOS ids
 
 
 @functools.partial(
@@ -58,6 +64,9 @@ RNG_IMPL = "threefry2x32"  # fixed, so streams do not depend on jax's default PR
         "frequency_penalty",
         "repetition_penalty",
         "seed",
+        "min_tokens",
+        "stop_ids",
+        "logprobs",
     ],
     meta_fields=[],
 )
@@ -71,6 +80,9 @@ class SamplingArrays:
     frequency_penalty: jax.Array  # [B] float32, 0 = off
     repetition_penalty: jax.Array  # [B] float32 > 0, 1 = off
     seed: jax.Array  # [B] uint32, the request's RNG seed
+    min_tokens: jax.Array  # [B] int32, stop_ids are not sampled before this many tokens
+    stop_ids: jax.Array  # [B, MAX_STOP_IDS] int32, the row's ending ids (vocab size: unused)
+    logprobs: jax.Array  # [B] bool, the row wants its tokens' top-N log-probs
 
 
 @functools.partial(
@@ -85,12 +97,21 @@ class SampleOutput:
 # ---------------------------------------------------------------- host side (numpy only)
 
 
-def sampling_arrays(rows: Sequence[Mapping[str, Any] | Any]) -> SamplingArrays:
+def sampling_arrays(rows: Sequence[Mapping[str, Any] | Any],
+                    stop_ids: Sequence[Sequence[int]] | None = None,
+                    vocab_size: int = 2**31 - 1) -> SamplingArrays:
     """Validates per-row settings (dicts, `SamplingParams` or dataclasses with those field names)
     and stacks them into numpy-backed `SamplingArrays` of batch len(rows). Greedy rows without a
-    seed get seed 0 (unused). Raises `SamplingParamsError` naming the row and field."""
+    seed get seed 0 (unused). `stop_ids[b]`: the ids row b may not sample while it has generated
+    fewer than its `min_tokens` (at most MAX_STOP_IDS; unused entries are `vocab_size`, which
+    the device drops). Raises `SamplingParamsError` naming the row and field."""
     if len(rows) == 0:
         raise SamplingParamsError("sampling_arrays needs at least one row")
+    stops = np.full((len(rows), MAX_STOP_IDS), vocab_size, np.int32)
+    for i, ids in enumerate(stop_ids or ()):
+        if len(ids) > MAX_STOP_IDS:
+            raise SamplingParamsError(f"row {i}: at most {MAX_STOP_IDS} stop ids, got {len(ids)}")
+        stops[i, : len(ids)] = ids
     params = []
     for i, row in enumerate(rows):
         try:
@@ -114,6 +135,9 @@ def sampling_arrays(rows: Sequence[Mapping[str, Any] | Any]) -> SamplingArrays:
         frequency_penalty=column("frequency_penalty", np.float32),
         repetition_penalty=column("repetition_penalty", np.float32),
         seed=np.asarray([0 if p.seed is None else p.seed for p in params], dtype=np.uint32),
+        min_tokens=column("min_tokens", np.int32),
+        stop_ids=stops,
+        logprobs=np.asarray([p.logprobs is not None for p in params], dtype=bool),
     )
 
 
@@ -154,17 +178,30 @@ def apply_penalties(
 
     Repetition (Hugging Face): over prompt ∪ generated tokens, positive logits are divided by the
     penalty and negative ones multiplied. Then presence and frequency (OpenAI), over generated
-    tokens only: logit -= presence * (count > 0) + frequency * count.
+    tokens only: logit -= presence * (count > 0) + frequency * count. Last, `min_tokens`: while a
+    row has generated fewer (the sum of its counts), its `stop_ids` are set to -inf.
     """
     generated = output_counts > 0
     seen = prompt_mask | generated
     rep = arrays.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits < 0, logits * rep, logits / rep), logits)
-    return (
+    logits = (
         logits
         - arrays.frequency_penalty[:, None] * output_counts.astype(logits.dtype)
         - arrays.presence_penalty[:, None] * generated.astype(logits.dtype)
     )
+    return jax.lax.cond(jnp.any(arrays.min_tokens > 0),
+                        lambda: _suppress_stops(logits, arrays, output_counts), lambda: logits)
+
+
+def _suppress_stops(logits: jax.Array, arrays: SamplingArrays,
+                    output_counts: jax.Array) -> jax.Array:
+    """logits [B, V] with each row's stop_ids at -inf while it is below its min_tokens."""
+    num_rows, vocab_size = logits.shape
+    early = jnp.sum(output_counts, axis=-1) < arrays.min_tokens  # [B]
+    ids = jnp.where(early[:, None], arrays.stop_ids, vocab_size)  # [B, S]; V: dropped
+    rows = jnp.broadcast_to(jnp.arange(num_rows)[:, None], ids.shape)
+    return logits.at[rows, ids].set(-jnp.inf, mode="drop")
 
 
 def _tempered(logits: jax.Array, temperature: jax.Array) -> jax.Array:
@@ -242,6 +279,24 @@ def token_logprobs(logits: jax.Array, arrays: SamplingArrays, tokens: jax.Array)
     scaled = _tempered(logits, arrays.temperature)
     picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
     return picked - jax.nn.logsumexp(scaled, axis=-1)
+
+
+def top_logprobs(logits: jax.Array, arrays: SamplingArrays) -> tuple[jax.Array, jax.Array]:
+    """The MAX_LOGPROBS most likely tokens of each row and their log-probabilities under the
+    distribution `token_logprobs` uses (penalised, tempered, before the filters): logits [B, V]
+    float32 (already penalised) -> (ids [B, N] int32, logprobs [B, N] float32), most likely
+    first (ties: lowest id first). Computed only when some row asks (`arrays.logprobs`); else
+    zeros, so a batch without log-prob rows pays one predicate."""
+    num_rows, n = logits.shape[0], min(MAX_LOGPROBS, logits.shape[-1])
+
+    def compute() -> tuple[jax.Array, jax.Array]:
+        scaled = _tempered(logits, arrays.temperature)
+        values, ids = jax.lax.top_k(scaled, n)
+        return ids.astype(jnp.int32), values - jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
+
+    return jax.lax.cond(jnp.any(arrays.logprobs), compute,
+                        lambda: (jnp.zeros((num_rows, n), jnp.int32),
+                                 jnp.zeros((num_rows, n), jnp.float32)))
 
 
 def sample(logits: jax.Array, arrays: SamplingArrays, step_index: jax.Array) -> SampleOutput:

@@ -46,6 +46,7 @@ from ninfer_jax.program.sampling import (
     row_keys,
     sample,
     token_logprobs,
+    top_logprobs,
 )
 
 # Purpose tags folded into a row's step key; `sample()` uses the untagged key.
@@ -63,6 +64,8 @@ class Verified(NamedTuple):
     tokens: jax.Array  # [B, T] int32; tokens[:, :num] are committed, later ones repeat the last
     num: jax.Array  # [B] int32 in 1..limit
     logprobs: jax.Array  # [B, T] float32, log p_i(tokens[:, i]), tempered and penalised target
+    top_ids: jax.Array  # [B, T, N] int32, position i's most likely tokens (`top_logprobs`)
+    top_logprobs: jax.Array  # [B, T, N] float32, their log-probabilities
 
 
 def _stream(keys: jax.Array, purpose: int) -> jax.Array:
@@ -212,7 +215,9 @@ def accept(
     logprobs = jax.vmap(token_logprobs, in_axes=(1, None, 1), out_axes=1)(
         penalised, arrays, tokens
     )
-    return Verified(tokens=tokens, num=num, logprobs=logprobs)
+    top_ids, top_lps = jax.vmap(top_logprobs, in_axes=(1, None), out_axes=1)(penalised, arrays)
+    return Verified(tokens=tokens, num=num, logprobs=logprobs, top_ids=top_ids,
+                    top_logprobs=top_lps)
 
 
 def _leading_true(flags: jax.Array) -> jax.Array:

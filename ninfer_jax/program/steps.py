@@ -38,6 +38,7 @@ from ninfer_jax.program.sampling import (
     count_tokens,
     mark_prompt_tokens,
     sample,
+    top_logprobs,
 )
 from ninfer_jax.program.speculative import accept, draft_token
 
@@ -136,12 +137,15 @@ class StateImport:
     ctx: jax.Array  # [1, H]
 
 
-@_register(["tokens", "num", "logprobs"])
+@_register(["tokens", "num", "logprobs", "top_ids", "top_logprobs"])
 @dataclasses.dataclass(frozen=True)
 class StepOutputs:
     tokens: jax.Array  # [B, T] int32 proposed tokens (provisional until commit)
     num: jax.Array  # [B] int32, row b's candidates: its first num[b] tokens
     logprobs: jax.Array  # [B, T] float32 their log-probabilities (after penalties, temperature)
+    top_ids: jax.Array  # [B, T, N] int32, each position's N most likely tokens (zeros unless
+    #   a row of the batch asked for log-probs; `sampling.top_logprobs`)
+    top_logprobs: jax.Array  # [B, T, N] float32, their log-probabilities
 
 
 def commit_step(pools: Pools, inputs: CommitInputs) -> Pools:
@@ -177,10 +181,12 @@ def _finish(pools: Pools, out, logits: jax.Array, counts: jax.Array, masks: jax.
     b = logits.shape[0]
     one_position = GDNState(conv=out.gdn.conv[:, :, None], recurrent=out.gdn.recurrent[:, :, None])
     pools = _write_provisional(pools, out.kv.layers, one_position, ctx[:, None])
-    sampled = sample(apply_penalties(logits, inputs.sampling, counts, masks), inputs.sampling,
-                     inputs.step_index)
+    penalised = apply_penalties(logits, inputs.sampling, counts, masks)
+    sampled = sample(penalised, inputs.sampling, inputs.step_index)
+    top_ids, top_lps = top_logprobs(penalised, inputs.sampling)
     return pools, StepOutputs(tokens=sampled.tokens[:, None], num=jnp.ones((b,), jnp.int32),
-                              logprobs=sampled.logprobs[:, None])
+                              logprobs=sampled.logprobs[:, None], top_ids=top_ids[:, None],
+                              top_logprobs=top_lps[:, None])
 
 
 def _write_provisional(pools: Pools, kv_layers, gdn: GDNState, ctx: jax.Array) -> Pools:
@@ -302,14 +308,15 @@ def verify_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
     ids = jnp.concatenate([inputs.token_ids[:, None], drafts], axis=1)  # [B, T]
     out = step(params, cfg, ids, pos, _gdn_state(pools, slots), kv.with_layers(layers), limit,
                keep_states=True)
-    tokens, num, logprobs = accept(out.logits, drafts, jnp.stack(probs, axis=1),
-                                   inputs.sampling, pools.output_counts[slots], masks,
-                                   inputs.step_index, limit)
+    verified = accept(out.logits, drafts, jnp.stack(probs, axis=1), inputs.sampling,
+                      pools.output_counts[slots], masks, inputs.step_index, limit)
+    tokens, num = verified.tokens, verified.num
     # The head's K/V at positions pos..: (the model's hidden state there, the token after it).
     _, mkv = mtp_hidden(params, cfg, out.hidden, tokens, pos,
                         _mtp_kv(out.kv, cfg, pos, limit))
     pools = _write_provisional(pools, mkv.layers, out.gdn, out.hidden)
-    return pools, StepOutputs(tokens=tokens, num=num, logprobs=logprobs)
+    return pools, StepOutputs(tokens=tokens, num=num, logprobs=verified.logprobs,
+                              top_ids=verified.top_ids, top_logprobs=verified.top_logprobs)
 
 
 def capture_step(pools: Pools, inputs: CaptureInputs) -> Pools:

@@ -50,6 +50,8 @@ class ScoringConfig:
     min_len: shortest compiled window length; lengths double from it up to the longest window.
     max_batch_tokens: tokens per call; a call holds max(1, max_batch_tokens // length) windows.
     dtype: weights and activations ("float32" or "bfloat16"); log-probs are always fp32.
+    top_logprobs: also return each scored position's N most likely tokens (0 = none; the
+      server's `echo` uses MAX_LOGPROBS).
     """
 
     window: int | None = None
@@ -58,6 +60,7 @@ class ScoringConfig:
     min_len: int = 64
     max_batch_tokens: int = 4096
     dtype: str = "float32"
+    top_logprobs: int = 0
 
     def __post_init__(self):
         """Types and model-independent ranges, checked before any model is loaded."""
@@ -69,6 +72,10 @@ class ScoringConfig:
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1"
                                   f"{' or None' if optional else ''}, got {value!r:.40}")
+        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int) \
+                or not 0 <= self.top_logprobs <= 64:
+            raise ConfigError(f"top_logprobs must be an integer in [0, 64], got "
+                              f"{self.top_logprobs!r:.40}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r:.40}")
 
@@ -116,6 +123,8 @@ class ScoreRequest:
 class TokenScores:
     logprobs: np.ndarray  # [K] float32, one per scored token
     is_greedy: np.ndarray  # [K] bool
+    top_ids: np.ndarray  # [K, N] int32, the N most likely tokens at each scored position
+    top_logprobs: np.ndarray  # [K, N] float32, their log-probs (N = top_logprobs)
 
 
 class CausalScoreCore:
@@ -130,7 +139,7 @@ class CausalScoreCore:
         self.lengths = scfg.window_lens(cfg)
         self.compile_seconds: dict[WindowKey, float] = {}
         self._table: dict[WindowKey, Any] = {}
-        fn = jax.jit(functools.partial(score_window_step, cfg=cfg))
+        fn = jax.jit(functools.partial(score_window_step, cfg=cfg, top_n=scfg.top_logprobs))
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.params)
         for length in self.lengths:
             key = WindowKey(max(1, scfg.max_batch_tokens // length), length)
@@ -187,16 +196,16 @@ class CausalScoreCore:
                 batch = jobs[k : k + rows]
                 inputs = _inputs([(requests[i].token_ids, w) for i, _, w in batch], rows, length)
                 dispatched.append((batch, self._call(WindowKey(rows, length), inputs)))
-        pieces: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        pieces: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
         for batch, out in dispatched:
-            logprobs, greedy = np.asarray(out.logprobs), np.asarray(out.is_greedy)
+            arrays = [np.asarray(a) for a in (out.logprobs, out.is_greedy, out.top_ids,
+                                              out.top_logprobs)]
             for row, (i, j, w) in enumerate(batch):
                 lo = w.length - w.num_targets
-                pieces[i, j] = logprobs[row, lo : w.length], greedy[row, lo : w.length]
-        return [TokenScores(
-            logprobs=np.concatenate([pieces[i, j][0] for j in range(n)]),
-            is_greedy=np.concatenate([pieces[i, j][1] for j in range(n)]),
-        ) for i, n in enumerate(num_windows)]
+                pieces[i, j] = tuple(a[row, lo : w.length] for a in arrays)
+        return [TokenScores(*(np.concatenate([pieces[i, j][f] for j in range(n)])
+                              for f in range(4)))
+                for i, n in enumerate(num_windows)]
 
 
 def _inputs(windows: list[tuple[np.ndarray, Window]], rows: int, length: int) -> WindowInputs:

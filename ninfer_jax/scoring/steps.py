@@ -38,11 +38,13 @@ class WindowInputs:
     num_valid: jax.Array  # [B] int32, real tokens in the row (0 for a filler row)
 
 
-@_register(["logprobs", "is_greedy"])
+@_register(["logprobs", "is_greedy", "top_ids", "top_logprobs"])
 @dataclasses.dataclass(frozen=True)
 class WindowScores:
     logprobs: jax.Array  # [B, L] float32, log p(target | prefix); 0 where not scored
     is_greedy: jax.Array  # [B, L] bool, target == argmax of the logits; True where not scored
+    top_ids: jax.Array  # [B, L, N] int32, the N most likely next tokens (N = top_logprobs)
+    top_logprobs: jax.Array  # [B, L, N] float32, their log-probs (most likely first)
 
 
 def logits_chunk(cfg: ModelConfig, num_tokens: int) -> int:
@@ -50,12 +52,13 @@ def logits_chunk(cfg: ModelConfig, num_tokens: int) -> int:
     return max(1, min(num_tokens, LOGITS_CHUNK_BYTES // (4 * cfg.vocab_size)))
 
 
-def target_scores(params: dict, cfg: ModelConfig, hidden: jax.Array, target_ids: jax.Array
-                  ) -> tuple[jax.Array, jax.Array]:
-    """hidden [N, H] (final-normed), target_ids [N] -> (log-probs [N] f32, is_greedy [N] bool).
+def target_scores(params: dict, cfg: ModelConfig, hidden: jax.Array, target_ids: jax.Array,
+                  top_n: int = 0) -> tuple[jax.Array, ...]:
+    """hidden [N, H] (final-normed), target_ids [N] -> (log-probs [N] f32, is_greedy [N] bool,
+    top ids [N, top_n] int32, top log-probs [N, top_n] f32).
 
     Log-softmax in fp32 over the full vocabulary; is_greedy uses argmax (first index on ties),
-    as lm-evaluation-harness does.
+    as lm-evaluation-harness does. The top-N leave the chunk, never its vocabulary row.
     """
     n = hidden.shape[0]
     chunk = logits_chunk(cfg, n)
@@ -69,22 +72,32 @@ def target_scores(params: dict, cfg: ModelConfig, hidden: jax.Array, target_ids:
         logits = lm_head(params, cfg, h)  # [C, V] f32
         lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
-        return picked - lse, jnp.argmax(logits, axis=-1) == t
+        if top_n:
+            values, ids = jax.lax.top_k(logits, top_n)
+            top = (ids.astype(jnp.int32), values - lse[:, None])
+        else:
+            top = (jnp.zeros((h.shape[0], 0), jnp.int32), jnp.zeros((h.shape[0], 0)))
+        return picked - lse, jnp.argmax(logits, axis=-1) == t, *top
 
-    logprobs, greedy = jax.lax.map(one, (hidden, targets))
-    return logprobs.reshape(-1)[:n], greedy.reshape(-1)[:n]
+    logprobs, greedy, top_ids, top_lps = jax.lax.map(one, (hidden, targets))
+    return (logprobs.reshape(-1)[:n], greedy.reshape(-1)[:n],
+            top_ids.reshape(n + pad, top_n)[:n], top_lps.reshape(n + pad, top_n)[:n])
 
 
-def score_window_step(params: dict, inputs: WindowInputs, *, cfg: ModelConfig) -> WindowScores:
-    """Scores B windows of L positions, each from empty state at position 0."""
+def score_window_step(params: dict, inputs: WindowInputs, *, cfg: ModelConfig,
+                      top_n: int = 0) -> WindowScores:
+    """Scores B windows of L positions, each from empty state at position 0; with top_n, also
+    each position's top_n most likely next tokens."""
     b, length = inputs.token_ids.shape
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
     h = params["embed"][inputs.token_ids]
     gdn = GDNState.zeros(cfg, b, params["embed"].dtype)
     h, _, _ = run_layers(params, cfg, h, positions, gdn, CausalKV(), inputs.num_valid)
     hidden = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    logprobs, greedy = target_scores(params, cfg, hidden.reshape(b * length, -1),
-                                     inputs.target_ids.reshape(-1))
+    logprobs, greedy, top_ids, top_lps = target_scores(
+        params, cfg, hidden.reshape(b * length, -1), inputs.target_ids.reshape(-1), top_n)
     mask = inputs.target_mask
     return WindowScores(logprobs=jnp.where(mask, logprobs.reshape(b, length), 0.0),
-                        is_greedy=greedy.reshape(b, length) | ~mask)
+                        is_greedy=greedy.reshape(b, length) | ~mask,
+                        top_ids=top_ids.reshape(b, length, top_n),
+                        top_logprobs=top_lps.reshape(b, length, top_n))

@@ -23,6 +23,7 @@ holds the worker the first time `when(seqs)` holds, until the test releases it.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -39,7 +40,7 @@ from ninfer_jax.program.host import (
     SeqRecord,
 )
 from ninfer_jax.program.pending import PendingBatch, SequenceHandle
-from ninfer_jax.sampling_params import SamplingParams
+from ninfer_jax.sampling_params import MAX_LOGPROBS, SamplingParams
 
 HOOK_POINTS = ("after_materialize", "after_prefill", "after_decode", "after_control",
                "before_commit", "after_commit")
@@ -62,6 +63,22 @@ def next_token(state: int, position: int, seed: int, vocab_size: int, eos_id: in
     if h % 6 == 0:
         return min(32, vocab_size - 1)
     return 97 + h % 26 if vocab_size > 122 else h % vocab_size
+
+
+def fake_logprobs(token: int, vocab_size: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The fake model's log-probs for a token it produced: it was the most likely, at 1/2, and
+    token + i (mod vocab) comes next at 2^-(i + 1), for MAX_LOGPROBS alternatives."""
+    n = min(MAX_LOGPROBS, vocab_size)
+    top = tuple(((token + i) % vocab_size, -(i + 1) * math.log(2)) for i in range(n))
+    return top[0][1], top
+
+
+def _logprob_arrays(tokens: np.ndarray, vocab_size: int) -> tuple[np.ndarray, ...]:
+    """(sampled [B, W], top ids [B, W, N], top log-probs [B, W, N]) of `fake_logprobs`."""
+    n = min(MAX_LOGPROBS, vocab_size)
+    ids = (tokens[..., None] + np.arange(n)) % vocab_size
+    lps = np.broadcast_to(-(np.arange(n) + 1) * math.log(2), ids.shape).astype(np.float32)
+    return lps[..., 0].copy(), ids.astype(np.int32), lps.copy()
 
 
 def page_content(tokens, nbytes: int) -> np.ndarray:
@@ -176,8 +193,9 @@ class FakeProgram(HostProgram):
             fn(seqs)
 
     def materialize(self, plan: ResourcePlan, prompt_ids: Sequence[int],
-                    sampling: SamplingParams = GREEDY) -> SequenceHandle:
-        handle = super().materialize(plan, prompt_ids, sampling)
+                    sampling: SamplingParams = GREEDY,
+                    stop_ids: Sequence[int] = ()) -> SequenceHandle:
+        handle = super().materialize(plan, prompt_ids, sampling, stop_ids)
         self._at("after_materialize", [self._seq(handle)])
         return handle
 
@@ -221,17 +239,25 @@ class FakeProgram(HostProgram):
         time.sleep(self.step_seconds)
 
     def _token(self, seq: SeqRecord, state: int, position: int) -> int:
-        return next_token(state, position, seq.sampling.seed or 0, self.limits.vocab_size,
-                          self.eos_id)
+        """The fake model's token; one of the sequence's stop ids drawn before its min_tokens
+        becomes a space instead (the real sampler never draws them then)."""
+        token = next_token(state, position, seq.sampling.seed or 0, self.limits.vocab_size,
+                           self.eos_id)
+        if token in seq.stop_ids and position - seq.prompt_len < seq.sampling.min_tokens:
+            return min(32, self.limits.vocab_size - 1)
+        return token
 
-    def _run_prefill(self, seq: SeqRecord, start: int, chunk: list[int]) -> int:
+    def _run_prefill(self, seq: SeqRecord, start: int, chunk: list[int]) -> tuple:
         self._step()
         self.prefilled_tokens += len(chunk)
         state = self._committed.get(seq.slot, 0) if start else 0
         for t in chunk:
             state = mix(state, t)
         self._provisional = [[state]]
-        return self._token(seq, state, start + len(chunk))
+        token = self._token(seq, state, start + len(chunk))
+        wanted = seq.sampling.logprobs is not None
+        return token, _logprob_arrays(np.array([[token]]), self.limits.vocab_size) if wanted \
+            else None
 
     def _run_decode(self, seqs: list[SeqRecord], limits: np.ndarray) -> tuple:
         self._step()
@@ -248,7 +274,9 @@ class FakeProgram(HostProgram):
                 token = tokens[row, i] = self._token(s, state, s.frontier + 1 + i)
             produced[row] = n
             self._provisional.append(states)
-        return tokens, produced
+        wanted = any(s.sampling.logprobs is not None for s in seqs)
+        return tokens, produced, _logprob_arrays(tokens, self.limits.vocab_size) if wanted \
+            else None
 
     def _run_commit(self, seqs, accepted, tokens, count) -> None:
         self._touch()

@@ -39,8 +39,9 @@ def test_the_thinking_channel_holds_at_most_the_budget_and_content_follows(budge
         assert len(thinking) == budget and forced == list(SUFFIX)
         # the suffix's first newline closes the block's text, as the model writes it
         assert result.reasoning_text == TOKENIZER.decode(thinking + forced[:forced.index(END)])
-        assert result.text == TOKENIZER.decode([t for t in forced[forced.index(END) + 1:]]
-                                               + content)
+        # the newlines after </think> separate the block, as the model's own (not content)
+        assert result.text == TOKENIZER.decode(forced[forced.index(END) + 1:]
+                                               + content).lstrip("\n")
         assert result.usage.completion_tokens == len(result.token_ids)
         assert content  # the answer went on in the content channel
         s = settle(core)

@@ -171,7 +171,8 @@ def test_stop_string_is_not_emitted(client):
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
+    ({"n": 0}, "n"),
     ({"temperature": -1}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
@@ -179,7 +180,8 @@ def test_stop_string_is_not_emitted(client):
     ({"max_tokens": 10_000}, "max_tokens"),
     ({"seed": -3}, "seed"),
     ({"stop": [""]}, "stop[0]"),
-    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
     ({"extra_body": {"min_p": 2}}, "min_p"),
 ])
 def test_bad_chat_fields_are_400_naming_the_field(client, kwargs, param):
@@ -187,11 +189,16 @@ def test_bad_chat_fields_are_400_naming_the_field(client, kwargs, param):
         client.chat.completions.create(model=MODEL, messages=FLAT, **kwargs)
     assert e.value.status_code == 400
     assert e.value.body["param"] == param, e.value.body
-    assert e.value.body["message"].startswith(param)
+    if e.value.body["code"] == "context_length_exceeded":  # OpenAI's wording, which clients read
+        assert e.value.body["message"].startswith("This model's maximum context length is 512 "
+                                                  "tokens. However, you requested 1")
+    else:
+        assert e.value.body["message"].startswith(param)
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    ({"echo": True}, "echo"), ({"logprobs": 2}, "logprobs"), ({"best_of": 3}, "best_of"),
+    ({"echo": True, "logprobs": 1}, "echo"), ({"logprobs": 21}, "logprobs"),
+    ({"best_of": 3}, "best_of"),
     ({"prompt": [999_999]}, "prompt[0]"), ({"prompt": "x" * 600}, "prompt"),
 ])
 def test_bad_completion_fields(client, kwargs, param):

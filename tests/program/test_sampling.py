@@ -475,3 +475,26 @@ def test_structural_errors_and_accepted_row_kinds():
     assert arrays.temperature.tolist() == [0.0, 0.5, 1.0]
     assert arrays.seed.dtype == np.uint32 and arrays.seed.tolist() == [0, 2**32 - 1, 7]
     assert arrays.top_k.dtype == np.int32 and arrays.top_k.tolist() == [0, 0, 3]
+
+
+def test_min_tokens_suppresses_stop_ids_until_reached():
+    """Rows below their min_tokens (generated = the sum of their counts) get -inf at their stop
+    ids and nothing else changes; rows at it, and rows with min_tokens 0, come back unchanged."""
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(size=(3, V)), jnp.float32)
+    counts = np.zeros((3, V), np.int32)
+    counts[0, 5] = 2  # row 0 generated 2 tokens, row 1 generated 4, row 2 none
+    counts[1, 7] = 4
+    arrays = sampling_arrays([{"min_tokens": 3, "seed": 1}, {"min_tokens": 4, "seed": 1},
+                              {"min_tokens": 0, "seed": 1}],
+                             stop_ids=[(1, 9), (1, 9), (1, 9)], vocab_size=V)
+    mask = jnp.zeros((3, V), bool)
+    out = np.asarray(jax.jit(apply_penalties)(logits, arrays, jnp.asarray(counts), mask))
+    want = np.asarray(logits).copy()
+    want[0, [1, 9]] = -np.inf
+    np.testing.assert_array_equal(out, want)
+    none = sampling_arrays([{"seed": 1}] * 3, vocab_size=V)
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(apply_penalties)(logits, none, jnp.asarray(counts), mask)), logits)
+    tokens = np.asarray(jit_sample(jnp.asarray(out), arrays, jnp.zeros(3, jnp.int32)).tokens)
+    assert tokens[0] not in (1, 9)

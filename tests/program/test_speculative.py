@@ -348,7 +348,7 @@ def test_committed_tokens_follow_non_speculative_sampling():
     names = list(GROUPS)
     group = np.repeat(np.arange(len(names)), N)
     per_group = sampling_arrays([dict(GROUPS[n], seed=0) for n in names])
-    arrays = dataclasses.replace(jax.tree.map(lambda x: np.repeat(x, N), per_group),
+    arrays = dataclasses.replace(jax.tree.map(lambda x: np.repeat(x, N, axis=0), per_group),
                                  seed=np.arange(len(group), dtype=np.uint32) * 7919 + 11)
     counts = np.tile(counts0, (len(group), 1))
     mask = np.tile(mask0, (len(group), 1))

@@ -75,7 +75,8 @@ def from_rejected(e: RejectedError, *, prompt_field: str, budget_field: str) -> 
     if e.reason == "too_long":
         param = budget_field if message.startswith("max_new_tokens") else prompt_field
         return ApiError(400, f"{param}: {message}", param=param, code="context_length_exceeded")
-    return ApiError(400, message, param=prompt_field, code="invalid_value")
+    param = e.field if e.field not in (None, "prompt", "prompt_token_ids") else prompt_field
+    return ApiError(400, message, param=param, code="invalid_value")
 
 
 def from_failure(error: str | None, engine_available: bool) -> ApiError:

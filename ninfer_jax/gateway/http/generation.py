@@ -22,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 from ninfer_jax.engine import Delta, Finished, GenerationStart, RejectedError
 from ninfer_jax.engine.events import Event, GenerationResult
 from ninfer_jax.frontend import ChatTemplateError, PromptError
-from ninfer_jax.gateway.http.errors import ApiError, from_rejected
+from ninfer_jax.gateway.http.errors import Api, ApiError, from_rejected
 from ninfer_jax.gateway.http.metrics import Metrics
 from ninfer_jax.gateway.http.requests import GenerationRequest
 from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError
@@ -51,6 +51,8 @@ class Generation:
         self._last_token_at: float | None = None
         self._closed = False
         self.finished: Finished | None = None
+        self.prompt_ids: tuple[int, ...] = ()
+        self.prompt_text: str | None = None
 
     async def events(self) -> AsyncIterator[Event]:
         async for event in self.handle:
@@ -93,15 +95,15 @@ class Generation:
         self.handle.release()
 
 
-async def start(engine: Any, req: GenerationRequest, metrics: Metrics,
-                received_at: float) -> Generation:
-    """Prepares the prompt (to learn its length for the default budget) and submits it.
-    Bad input raises a 400 naming the field; a refusal maps to 400/429/503."""
+def prepare(engine: Any, req: GenerationRequest) -> tuple[Any, SamplingParams]:
+    """(PreparedPrompt, SamplingParams) of a request: the prompt prepared (to learn its length
+    for the default budget), the context checked. Bad input raises a 400 naming the field."""
     names = req.field_names
     try:
         prepared = engine.frontend.prepare(
             prompt=req.prompt, messages=req.messages, prompt_token_ids=req.prompt_token_ids,
-            enable_thinking=req.enable_thinking, allow_control_tokens=req.allow_control_tokens)
+            enable_thinking=req.enable_thinking, allow_control_tokens=req.allow_control_tokens,
+            tools=req.tools)
     except PromptError as e:
         raise ApiError.invalid(*_renamed(str(e), names)) from None
     except ChatTemplateError as e:
@@ -110,17 +112,61 @@ async def start(engine: Any, req: GenerationRequest, metrics: Metrics,
     budget = req.max_tokens
     if budget is None:  # OpenAI's default: whatever the context has left
         budget = max(1, engine.max_seq_len - n)
+    _check_context(req, n, budget, engine.max_seq_len)
     try:
         sampling = SamplingParams(max_new_tokens=budget, **req.sampling)
     except SamplingParamsError as e:
         raise ApiError.invalid(*_renamed(str(e), names)) from None
+    return prepared, sampling
+
+
+async def submit(engine: Any, req: GenerationRequest, prepared: Any, sampling: SamplingParams,
+                 metrics: Metrics, received_at: float) -> Generation:
+    """Submits a prepared request; a refusal maps to 400/429/503."""
     try:
         handle = await engine.asubmit(prompt_token_ids=prepared.token_ids, sampling=sampling,
                                       session=req.session, cache_salt=req.cache_scope)
     except RejectedError as e:
         raise from_rejected(e, prompt_field=req.prompt_field,
-                            budget_field=names.get("max_new_tokens", "max_tokens")) from None
-    return Generation(handle, n, metrics, received_at, req.api.value)
+                            budget_field=req.field_names.get("max_new_tokens",
+                                                             "max_tokens")) from None
+    gen = Generation(handle, prepared.num_tokens, metrics, received_at, req.api.value)
+    gen.prompt_ids, gen.prompt_text = prepared.token_ids, prepared.text
+    return gen
+
+
+async def start(engine: Any, req: GenerationRequest, metrics: Metrics,
+                received_at: float) -> Generation:
+    """Prepares and submits one request (see `prepare` and `submit`)."""
+    prepared, sampling = prepare(engine, req)
+    return await submit(engine, req, prepared, sampling, metrics, received_at)
+
+
+def _check_context(req: GenerationRequest, prompt_tokens: int, budget: int,
+                   limit: int) -> None:
+    """The context-overflow error in each API's own words, which client libraries match on
+    (litellm's context-window handling reads OpenAI's "maximum context length")."""
+    if budget < 1 or prompt_tokens + budget <= limit:
+        return  # a bad budget is SamplingParams' error, named as its field
+    field = req.prompt_field
+    if req.api is Api.ANTHROPIC:
+        if prompt_tokens >= limit:
+            message = f"prompt is too long: {prompt_tokens} tokens > {limit - 1} maximum"
+        else:
+            field = "max_tokens"
+            message = (f"input length and `max_tokens` exceed context limit: {prompt_tokens} + "
+                       f"{budget} > {limit}, decrease input length or `max_tokens` and try again")
+    elif req.max_tokens is None or prompt_tokens >= limit:
+        message = (f"This model's maximum context length is {limit} tokens. However, your "
+                   f"{field} resulted in {prompt_tokens} tokens. Please reduce the length of the "
+                   f"{field}.")
+    else:
+        budget_field = field = req.field_names.get("max_new_tokens", "max_tokens")
+        message = (f"This model's maximum context length is {limit} tokens. However, you "
+                   f"requested {prompt_tokens + budget} tokens ({prompt_tokens} in the "
+                   f"{req.prompt_field}, {budget} in the completion). Please reduce the length "
+                   f"of the {req.prompt_field} or {budget_field}.")
+    raise ApiError(400, message, param=field, code="context_length_exceeded")
 
 
 async def whole_result(request: Request, gen: Generation) -> Any | None:

@@ -13,13 +13,43 @@ from typing import Any
 
 from ninfer_jax.gateway.http.errors import Api, ApiError
 from ninfer_jax.gateway.http.fields import Fields, check_text
+from ninfer_jax.gateway.http.tools import (
+    anthropic_content,
+    anthropic_tool_choice,
+    anthropic_tools,
+    openai_tool_calls,
+    openai_tool_choice,
+    openai_tools,
+)
 
 _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
-               "assistant": "assistant"}
+               "assistant": "assistant", "tool": "tool"}
 # OpenAI sampling fields read as numbers / integers (top_k, min_p, repetition_penalty are the
 # common extensions of OpenAI-compatible servers).
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
+# Fields every request may carry that change nothing here (so they are accepted, not refused):
+# `user`/`metadata` (a session key and bookkeeping), `store` false, `service_tier`.
+_SHARED = ("model", "stream", "cache_salt", "allow_control_tokens")
+_OPENAI_SAMPLING = (*_FLOAT_FIELDS, "top_k", "seed", "stop", "min_tokens", "ignore_eos",
+                    "stop_token_ids", "skip_special_tokens", "max_thinking_tokens")
+CHAT_FIELDS = frozenset({
+    *_SHARED, *_OPENAI_SAMPLING, "messages", "max_tokens", "max_completion_tokens", "n",
+    "stream_options", "user", "metadata", "store", "service_tier", "logprobs", "top_logprobs",
+    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "logit_bias",
+    "response_format", "enable_thinking", "chat_template_kwargs", "reasoning_effort",
+    "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"})
+COMPLETION_FIELDS = frozenset({
+    *_SHARED, *_OPENAI_SAMPLING, "prompt", "max_tokens", "n", "best_of", "stream_options",
+    "user", "metadata", "store", "service_tier", "logprobs", "echo", "suffix", "logit_bias",
+    "enable_thinking", "response_format", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "structured_outputs"})
+MESSAGES_FIELDS = frozenset({
+    *_SHARED, "messages", "system", "max_tokens", "temperature", "top_p", "top_k",
+    "stop_sequences", "thinking", "metadata", "tools", "tool_choice", "service_tier"})
+COUNT_TOKENS_FIELDS = frozenset({"model", "messages", "system", "thinking", "tools",
+                                 "tool_choice", "max_tokens"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +70,14 @@ class GenerationRequest:
     max_tokens: int | None = None
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # every streamed chunk carries the usage so far
+    echo: bool = False  # completions: the prompt (and its log-probs) before the answer
+    n: int = 1  # choices per prompt (they share the prompt's prefill)
+    more_prompts: tuple[Any, ...] = ()  # completions: the batch's other prompts (str or ids)
+    tools: list[dict[str, Any]] | None = None  # rendered into the prompt by the template
+    parse_tools: bool = False  # the answer's tool calls are parsed out of its content
+    echoed: dict[str, Any] = dataclasses.field(default_factory=dict)  # Responses API: fields
+    #   its response object repeats (instructions, tools, metadata, ...)
     enable_thinking: bool | None = None
     session: str | None = None
     cache_salt: str | None = None  # prefix reuse only among requests with the same salt
@@ -59,13 +97,24 @@ class GenerationRequest:
         return f"{self.tenant or ''}\0{self.cache_salt or ''}"
 
 
-def _isolation(body: Fields) -> dict[str, Any]:
+def isolation(body: Fields) -> dict[str, Any]:
     """The extension fields every API shares: `cache_salt` (vLLM's name) and
     `allow_control_tokens` (special-token text in messages becomes control tokens)."""
     salt = body.string("cache_salt")
     if salt is not None and not salt:
         raise ApiError.invalid("cache_salt", "must not be empty")
     return {"cache_salt": salt, "allow_control_tokens": body.boolean("allow_control_tokens")}
+
+
+def reject_unknown(body: Fields, known: frozenset[str]) -> None:
+    """An unknown field is refused (a client would otherwise believe it took effect)."""
+    unknown = sorted(k for k in body.data if k not in known)
+    if unknown:
+        raise ApiError.invalid(unknown[0], "unknown field (not part of this API, or not "
+                               "supported by this server)", code="unsupported_parameter")
+    if body.data.get("store") not in (None, False):
+        raise ApiError.invalid("store", "stored completions are not supported",
+                               code="unsupported_parameter")
 
 
 def _refuse_unsupported(body: Fields, *, flags: tuple[str, ...] = (),
@@ -79,11 +128,58 @@ def _refuse_unsupported(body: Fields, *, flags: tuple[str, ...] = (),
             raise ApiError.invalid(key, "not supported yet", code="unsupported_parameter")
 
 
-def _n(body: Fields) -> None:
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+           "structured_outputs")
+
+
+# OpenAI `reasoning_effort` (chat) / `reasoning.effort` (Responses) -> (thinking on, budget):
+# "none" renders the prompt with thinking off; "low" and "medium" cap the thinking block at a
+# budget of max_thinking_tokens (then the answer follows); "high" thinks without a budget.
+REASONING_EFFORT: dict[str, tuple[bool, int | None]] = {
+    "none": (False, None), "low": (True, 1024), "medium": (True, 4096), "high": (True, None)}
+
+
+def reasoning_effort(body: Fields, key: str, sampling: dict[str, Any],
+                     thinking: bool | None) -> bool | None:
+    """Applies an effort field `key` of `body` (absent: `thinking` unchanged): returns whether
+    to think and sets `sampling["max_thinking_tokens"]` for a budgeted effort. An unknown
+    effort, or one contradicting an explicit enable_thinking / max_thinking_tokens, is a 400."""
+    effort = body.string(key)
+    if effort is None:
+        return thinking
+    if effort not in REASONING_EFFORT:
+        raise ApiError.invalid(body.name(key), f"must be one of {list(REASONING_EFFORT)}, "
+                               f"got {effort!r:.40}")
+    on, budget = REASONING_EFFORT[effort]
+    if thinking is not None and thinking != on:
+        raise ApiError.invalid(body.name(key), f"{effort!r} contradicts enable_thinking="
+                               f"{str(thinking).lower()}")
+    if "max_thinking_tokens" in sampling:
+        raise ApiError.invalid(body.name(key), "give either reasoning_effort or "
+                               "max_thinking_tokens, not both")
+    if budget is not None:
+        sampling["max_thinking_tokens"] = budget
+    return on
+
+
+MAX_CHOICES = 16  # choices of one answer: n per prompt times the prompts of a batch
+
+
+def _n(body: Fields, num_prompts: int = 1) -> int:
+    """`n` (and `best_of`, which must equal it: no server-side ranking), within MAX_CHOICES."""
     n = body.integer("n")
-    if n is not None and n != 1:
-        raise ApiError.invalid("n", f"only n = 1 is supported, got {n}",
-                               code="unsupported_parameter")
+    n = 1 if n is None else n
+    if n < 1:
+        raise ApiError.invalid("n", f"must be >= 1, got {n}")
+    best_of = body.integer("best_of")
+    if best_of is not None and best_of != n:
+        raise ApiError.invalid("best_of", f"only best_of = n ({n}) is supported (no ranking of "
+                               f"samples), got {best_of}", code="unsupported_parameter")
+    if n * num_prompts > MAX_CHOICES:
+        field = "n" if num_prompts == 1 else "prompt"
+        raise ApiError.invalid(field, f"n ({n}) x prompts ({num_prompts}) = {n * num_prompts} "
+                               f"choices; at most {MAX_CHOICES} per request")
+    return n
 
 
 def _openai_sampling(body: Fields) -> dict[str, Any]:
@@ -97,29 +193,59 @@ def _openai_sampling(body: Fields) -> dict[str, Any]:
         if value is not None:
             sampling[key] = 0 if key == "top_k" and value == -1 else value  # -1 = off, as vLLM
     sampling["stop"] = body.stop("stop")
+    for key in ("min_tokens",):
+        value = body.integer(key)
+        if value is not None:
+            sampling[key] = value
+    for key in ("ignore_eos", "skip_special_tokens"):
+        value = body.boolean(key)
+        if value is not None:
+            sampling[key] = value
+    ids = body.array("stop_token_ids")
+    if ids is not None:
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ApiError.invalid(f"stop_token_ids[{i}]", "expected a token id (integer)",
+                                       code="invalid_type")
+        sampling["stop_token_ids"] = tuple(ids)
     return sampling
 
 
-def _stream_options(body: Fields, stream: bool) -> bool:
+def _stream_options(body: Fields, stream: bool) -> dict[str, bool]:
+    """`stream_options`: include_usage (a last chunk with the usage) and vLLM's
+    continuous_usage_stats (the usage so far on every chunk)."""
     options = body.obj("stream_options")
     if options is None:
-        return False
+        return {"include_usage": False, "continuous_usage": False}
+    unknown = sorted(set(options.data) - {"include_usage", "continuous_usage_stats"})
+    if unknown:
+        raise ApiError.invalid(options.name(unknown[0]), "unknown field",
+                               code="unsupported_parameter")
     include = options.boolean("include_usage")
-    if include and not stream:
+    continuous = options.boolean("continuous_usage_stats")
+    if (include or continuous) and not stream:
         raise ApiError.invalid("stream_options", "only allowed when stream is true")
-    return bool(include)
+    return {"include_usage": bool(include), "continuous_usage": bool(continuous)}
 
 
-def _session(body: Fields, header: str | None, key: str = "user") -> str | None:
+def session_of(body: Fields, header: str | None, key: str = "user") -> str | None:
     return check_text(header, "x-session-id") if header else body.string(key)
 
 
 def parse_chat(obj: Any, session_header: str | None) -> GenerationRequest:
     """`POST /v1/chat/completions`."""
     body = Fields(obj)
-    _n(body)
-    _refuse_unsupported(body, flags=("logprobs", "top_logprobs"),
-                        lists=("tools", "functions", "logit_bias"))
+    reject_unknown(body, CHAT_FIELDS)
+    if body.has("best_of"):
+        raise ApiError.invalid("best_of", "is a completions field", code="unsupported_parameter")
+    n = _n(body)
+    _refuse_unsupported(body, lists=("functions", "logit_bias", *_GUIDED))
+    if body.has("function_call"):
+        raise ApiError.invalid("function_call", "the legacy functions API is not supported; "
+                               "use tools", code="unsupported_parameter")
+    body.boolean("parallel_tool_calls")  # several calls are always parsed
+    tools = openai_tools(body)
+    choice = openai_tool_choice(body, tools)
     fmt = body.obj("response_format")
     if fmt is not None and fmt.string("type") not in (None, "text"):
         raise ApiError.invalid("response_format", "only type 'text' is supported yet",
@@ -131,10 +257,16 @@ def parse_chat(obj: Any, session_header: str | None) -> GenerationRequest:
         if role not in _CHAT_ROLES:
             raise ApiError.invalid(m.name("role"), f"must be one of {sorted(_CHAT_ROLES)}, "
                                    f"got {role!r:.40}")
-        if m.array("tool_calls"):
-            raise ApiError.invalid(m.name("tool_calls"), "not supported yet",
-                                   code="unsupported_parameter")
-        message = {"role": _CHAT_ROLES[role], "content": m.text_content("content")}
+        calls = openai_tool_calls(m) if role == "assistant" else None
+        if m.has("tool_calls") and role != "assistant":
+            raise ApiError.invalid(m.name("tool_calls"), "only assistant messages have tool calls")
+        empty = calls is not None and not m.has("content")  # content null with tool calls
+        message: dict[str, Any] = {"role": _CHAT_ROLES[role],
+                                   "content": "" if empty else m.text_content("content")}
+        if calls is not None:
+            message["tool_calls"] = calls
+        if role == "tool":
+            message["tool_call_id"] = m.string("tool_call_id") or ""
         reasoning = m.string("reasoning_content")
         if reasoning is not None and role == "assistant":
             message["reasoning_content"] = reasoning
@@ -147,51 +279,82 @@ def parse_chat(obj: Any, session_header: str | None) -> GenerationRequest:
     kwargs = body.obj("chat_template_kwargs")
     if thinking is None and kwargs is not None:
         thinking = kwargs.boolean("enable_thinking")
+    sampling = _openai_sampling(body)
+    thinking = reasoning_effort(body, "reasoning_effort", sampling, thinking)
+    top = body.integer("top_logprobs")
+    if body.boolean("logprobs"):
+        sampling["logprobs"] = 0 if top is None else top
+    elif top is not None:
+        raise ApiError.invalid("top_logprobs", "needs logprobs: true")
     return GenerationRequest(
-        api=Api.OPENAI, model=body.string("model"), messages=messages,
-        sampling=_openai_sampling(body), max_tokens=body.integer(budget_key), stream=stream,
-        include_usage=_stream_options(body, stream), enable_thinking=thinking,
-        session=_session(body, session_header), field_names={"max_new_tokens": budget_key},
-        **_isolation(body))
+        api=Api.OPENAI, model=body.string("model"), messages=messages, n=n,
+        tools=tools if choice.mode != "none" else None,
+        parse_tools=bool(tools) and choice.mode != "none",
+        sampling=sampling, max_tokens=body.integer(budget_key), stream=stream,
+        **_stream_options(body, stream), enable_thinking=thinking,
+        session=session_of(body, session_header), field_names={"max_new_tokens": budget_key},
+        **isolation(body))
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _prompt_batch(prompt: Any) -> list[str | list[int]]:
+    """The prompts of `prompt`: a string, token ids, or a non-empty list of either."""
+    if isinstance(prompt, str) or _is_ids(prompt):
+        return [check_text(prompt, "prompt") if isinstance(prompt, str) else prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise ApiError.invalid("prompt", "expected a string, an array of token ids, or a "
+                               "non-empty array of either", code="invalid_type")
+    out = []
+    for i, p in enumerate(prompt):
+        if isinstance(p, str):
+            out.append(check_text(p, f"prompt[{i}]"))
+        elif _is_ids(p):
+            out.append(p)
+        else:
+            raise ApiError.invalid(f"prompt[{i}]", "expected a string or a non-empty array of "
+                                   "token ids", code="invalid_type")
+    return out
 
 
 def parse_completion(obj: Any, session_header: str | None) -> GenerationRequest:
-    """`POST /v1/completions`: one prompt (a string or token ids); `echo` and `logprobs` wait
-    for the scoring path."""
+    """`POST /v1/completions`: a prompt (a string or token ids) or a batch of them."""
     body = Fields(obj)
-    _n(body)
-    best_of = body.integer("best_of")
-    if best_of is not None and best_of != 1:
-        raise ApiError.invalid("best_of", f"only best_of = 1 is supported, got {best_of}",
-                               code="unsupported_parameter")
-    _refuse_unsupported(body, flags=("echo", "logprobs"), lists=("logit_bias",))
+    reject_unknown(body, COMPLETION_FIELDS)
+    _refuse_unsupported(body, lists=("logit_bias", "response_format", *_GUIDED))
     if body.string("suffix"):
         raise ApiError.invalid("suffix", "not supported yet", code="unsupported_parameter")
-    prompt = body.required("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    text, ids = None, None
-    if isinstance(prompt, str):
-        text = check_text(prompt, "prompt")
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                          for t in prompt):
-        ids = prompt
-    else:
-        raise ApiError.invalid("prompt", "expected a string or an array of token ids "
-                               "(one prompt per request)", code="invalid_type")
+    batch = _prompt_batch(body.required("prompt"))
+    n = _n(body, len(batch))
+    text, ids = (batch[0], None) if isinstance(batch[0], str) else (None, batch[0])
     stream = bool(body.boolean("stream"))
+    sampling = _openai_sampling(body)
+    logprobs = body.integer("logprobs")
+    if logprobs is not None:
+        sampling["logprobs"] = logprobs
+    echo = bool(body.boolean("echo"))
+    if echo and stream:
+        raise ApiError.invalid("echo", "is not supported with stream (ask without streaming)",
+                               code="unsupported_parameter")
     return GenerationRequest(
         api=Api.OPENAI, model=body.string("model"), prompt=text, prompt_token_ids=ids,
-        sampling=_openai_sampling(body), max_tokens=body.integer("max_tokens"), stream=stream,
-        include_usage=_stream_options(body, stream),
-        enable_thinking=body.boolean("enable_thinking"), session=_session(body, session_header),
+        more_prompts=tuple(batch[1:]), n=n,
+        sampling=sampling, max_tokens=body.integer("max_tokens"), stream=stream, echo=echo,
+        **_stream_options(body, stream),
+        enable_thinking=body.boolean("enable_thinking"), session=session_of(body, session_header),
         field_names={"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"},
-        **_isolation(body))
+        **isolation(body))
 
 
-def parse_messages(obj: Any, session_header: str | None) -> GenerationRequest:
-    """`POST /v1/messages` (Anthropic Messages)."""
+def parse_messages(obj: Any, session_header: str | None, *,
+                   count_only: bool = False) -> GenerationRequest:
+    """`POST /v1/messages` (Anthropic Messages); `count_only`: a count_tokens body (no
+    generation settings)."""
     body = Fields(obj)
+    reject_unknown(body, COUNT_TOKENS_FIELDS if count_only else MESSAGES_FIELDS)
     messages: list[dict[str, Any]] = []
     system = body.get("system")
     if isinstance(system, (str, list)):
@@ -205,10 +368,11 @@ def parse_messages(obj: Any, session_header: str | None) -> GenerationRequest:
         if role not in ("user", "assistant"):
             raise ApiError.invalid(m.name("role"), f"must be 'user' or 'assistant', "
                                    f"got {role!r:.40}")
-        messages.append({"role": role, "content": m.text_content("content")})
+        messages.extend(anthropic_content(m, role))
     if len(messages) == (1 if messages and messages[0]["role"] == "system" else 0):
         raise ApiError.invalid("messages", "must not be empty")
-    _refuse_unsupported(body, lists=("tools",))
+    tools = anthropic_tools(body)
+    choice = anthropic_tool_choice(body, tools)
     sampling: dict[str, Any] = {}
     for key in ("temperature", "top_p"):
         value = body.number(key)
@@ -218,8 +382,8 @@ def parse_messages(obj: Any, session_header: str | None) -> GenerationRequest:
     if top_k is not None:
         sampling["top_k"] = top_k
     sampling["stop"] = body.stop("stop_sequences")
-    max_tokens = body.integer("max_tokens", required=True)
-    thinking = None
+    max_tokens = body.integer("max_tokens", required=not count_only)
+    thinking = False  # Anthropic's default: no thinking unless the request enables it
     config = body.obj("thinking")
     if config is not None:
         kind = config.string("type", required=True)
@@ -231,16 +395,20 @@ def parse_messages(obj: Any, session_header: str | None) -> GenerationRequest:
         if budget is not None:
             if kind != "enabled":
                 raise ApiError.invalid("thinking.budget_tokens", "only with type 'enabled'")
-            if budget < 1 or budget >= max_tokens:
-                raise ApiError.invalid("thinking.budget_tokens", f"must be >= 1 and less than "
+            if budget < 1:
+                raise ApiError.invalid("thinking.budget_tokens", f"must be >= 1, got {budget}")
+            if max_tokens is not None and budget >= max_tokens:
+                raise ApiError.invalid("thinking.budget_tokens", f"must be less than "
                                        f"max_tokens ({max_tokens}), got {budget}")
             sampling["max_thinking_tokens"] = budget  # the thinking block ends there
     metadata = body.obj("metadata")
-    session = _session(metadata, session_header, "user_id") if metadata is not None \
+    session = session_of(metadata, session_header, "user_id") if metadata is not None \
         else (check_text(session_header, "x-session-id") if session_header else None)
     return GenerationRequest(
         api=Api.ANTHROPIC, model=body.string("model"), messages=messages, sampling=sampling,
+        tools=tools if choice.mode != "none" else None,
+        parse_tools=bool(tools) and choice.mode != "none",
         max_tokens=max_tokens, stream=bool(body.boolean("stream")), enable_thinking=thinking,
         session=session, field_names={"max_new_tokens": "max_tokens", "stop": "stop_sequences",
                                       "max_thinking_tokens": "thinking.budget_tokens"},
-        **_isolation(body))
+        **isolation(body))

@@ -17,6 +17,7 @@ class ServerState:
     api_keys: tuple[str, ...]  # accepted keys, each its own tenant; empty: auth off
     max_body_bytes: int
     body_timeout_s: float  # the whole body must arrive within this long of the head
+    prompt_scorer: Any = None  # logprobs.PromptScorer for `echo` with logprobs; None: refused
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property

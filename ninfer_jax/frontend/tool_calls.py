@@ -1,0 +1,172 @@
+"""Tool calls in the Qwen3.6 chat template's format: parsing model output, preparing histories.
+
+The template (`<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n...
+</function>\\n</tool_call>`) is the model's own; this module owns reading it back out of the
+content channel, whole (`parse`) or incrementally (`ToolCallStream`, which releases the text
+before a call at once and each call when it closes), and turning parameter text into JSON
+values by the tool's declared schema (a string parameter stays text; others are read as JSON
+when they parse, as vLLM's qwen3-coder parser does). A call that does not follow the format is
+not a call: its text is returned as content, never an error. It also owns the reverse step for
+histories: OpenAI `arguments` (a JSON object in a string) become the mapping the template
+iterates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_CALL = re.compile(r"\A\s*<function=([^>\n]+)>\n?(.*?)</function>\s*\Z", re.DOTALL)
+_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>\s*", re.DOTALL)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+    id: str = dataclasses.field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    @property
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+    def argument_pieces(self) -> list[str]:
+        """`arguments_json` in pieces, one per parameter (what a stream sends as deltas)."""
+        if not self.arguments:
+            return ["{}"]
+        pieces = []
+        for i, (k, v) in enumerate(self.arguments.items()):
+            pieces.append(("{" if i == 0 else ", ") + json.dumps(k, ensure_ascii=False) + ": "
+                          + json.dumps(v, ensure_ascii=False))
+        pieces[-1] += "}"
+        return pieces
+
+
+def tool_schemas(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """name -> JSON schema `properties` of each function tool (OpenAI or flat shape)."""
+    out: dict[str, dict[str, Any]] = {}
+    for tool in tools or ():
+        fn = tool.get("function", tool) if isinstance(tool, Mapping) else {}
+        if isinstance(fn, Mapping) and isinstance(fn.get("name"), str):
+            params = fn.get("parameters") or fn.get("input_schema") or {}
+            props = params.get("properties") if isinstance(params, Mapping) else None
+            out[fn["name"]] = dict(props) if isinstance(props, Mapping) else {}
+    return out
+
+
+def _value(text: str, schema: Any) -> Any:
+    kind = schema.get("type") if isinstance(schema, Mapping) else None
+    if kind == "string" or (isinstance(kind, list) and "string" in kind and len(kind) == 1):
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def parse_call(body: str, schemas: Mapping[str, Mapping[str, Any]]) -> ToolCall | None:
+    """The call in the text between `<tool_call>` and `</tool_call>`, or None if malformed
+    (unknown function names are calls too: the client decides)."""
+    match = _CALL.match(body)
+    if match is None:
+        return None
+    name, inner = match.group(1).strip(), match.group(2)
+    props = schemas.get(name, {})
+    args: dict[str, Any] = {}
+    at = 0
+    inner = inner.strip()
+    for p in _PARAM.finditer(inner):
+        if inner[at:p.start()].strip():
+            return None
+        args[p.group(1).strip()] = _value(p.group(2), props.get(p.group(1).strip()))
+        at = p.end()
+    if inner[at:].strip() or not name:
+        return None
+    return ToolCall(name, args)
+
+
+def parse(text: str, tools: Sequence[Mapping[str, Any]] | None) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a whole answer; malformed call text stays in the content."""
+    stream = ToolCallStream(tools)
+    pieces = stream.feed(text) + stream.finish()
+    content = "".join(p for p in pieces if isinstance(p, str))
+    return content, [p for p in pieces if isinstance(p, ToolCall)]
+
+
+class ToolCallStream:
+    """Incremental parser over content text: `feed(text)` and `finish()` return what can be
+    released, in order: text (str) and calls (ToolCall). Text that could begin `<tool_call>` is
+    held until resolved; a call is released when its `</tool_call>` arrives (or as text, if
+    malformed or unclosed at the end). Content after the calls is kept as text."""
+
+    def __init__(self, tools: Sequence[Mapping[str, Any]] | None):
+        self._schemas = tool_schemas(tools)
+        self._buf = ""
+        self._in_call = False
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        self._buf += text
+        out: list[str | ToolCall] = []
+        while True:
+            if not self._in_call:
+                at = self._buf.find(OPEN)
+                if at < 0:
+                    keep = _partial_suffix(self._buf, OPEN)
+                    head = self._buf[: len(self._buf) - keep]
+                    keep += len(head) - len(head.rstrip("\n"))  # newlines may precede a call
+                    if len(self._buf) > keep:
+                        out.append(self._buf[: len(self._buf) - keep])
+                        self._buf = self._buf[len(self._buf) - keep:]
+                    return out
+                before = self._buf[:at].rstrip("\n")
+                if before.strip():  # whitespace before and between calls is dropped
+                    out.append(before)
+                self._buf, self._in_call = self._buf[at:], True
+            end = self._buf.find(CLOSE)
+            if end < 0:
+                return [p for p in out if p != ""]
+            raw = self._buf[: end + len(CLOSE)]
+            call = parse_call(raw[len(OPEN): end], self._schemas)
+            if call is None:
+                out.append(raw)
+            else:
+                self.calls.append(call)
+                out.append(call)
+            self._buf, self._in_call = self._buf[end + len(CLOSE):], False
+            if self.calls:
+                self._buf = self._buf.lstrip("\n") if self._buf.strip() == "" else self._buf
+
+    def finish(self) -> list[str | ToolCall]:
+        """The rest at the end of the answer: held or unclosed text is content."""
+        rest, self._buf, self._in_call = self._buf, "", False
+        if self.calls and not rest.strip():
+            return []
+        return [rest] if rest else []
+
+
+def _partial_suffix(text: str, token: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `token`."""
+    for size in range(min(len(token) - 1, len(text)), 0, -1):
+        if text.endswith(token[:size]):
+            return size
+    return 0
+
+
+def history_arguments(arguments: Any, field: str) -> dict[str, Any]:
+    """A history's tool-call arguments as the mapping the template iterates: a JSON object
+    given as text (OpenAI) or as an object (Anthropic `input`). Raises ValueError naming
+    `field` otherwise."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError as e:
+            raise ValueError(f"{field}: not valid JSON ({e})") from None
+    if not isinstance(arguments, dict):
+        raise ValueError(f"{field}: must be a JSON object")
+    return arguments
