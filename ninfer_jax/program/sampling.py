@@ -301,7 +301,7 @@ def top_logprobs(logits: jax.Array, arrays: SamplingArrays) -> tuple[jax.Array, 
 
 def sample(logits: jax.Array, arrays: SamplingArrays, step_index: jax.Array) -> SampleOutput:
     """Picks one token per row. logits [B, V] float32 (already penalised); step_index [B] int32,
-    the tokens each request has committed so far. Greedy rows (temperature == 0) take the argmax,
+    the absolute position of the token being sampled (see the module docstring). Greedy rows (temperature == 0) take the argmax,
     ties to the lowest id; the others draw from the truncated tempered distribution.
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
