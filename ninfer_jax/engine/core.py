@@ -163,6 +163,17 @@ class EngineCore:
             ignore_eos=sampling.ignore_eos, min_tokens=sampling.min_tokens,
             skip_special_tokens=sampling.skip_special_tokens,
             max_thinking_tokens=sampling.max_thinking_tokens)
+        grammar = None
+        if sampling.structured is not None:
+            if session.channel.value == "thinking":
+                raise RejectedError("invalid", "structured output constrains the answer from "
+                                    "its first token: render the prompt with thinking off",
+                                    "structured")
+            try:
+                grammar = self.frontend.grammar(self.limits.vocab_size).matcher(
+                    sampling.structured)
+            except ValueError as e:
+                raise RejectedError("invalid", f"structured: {e}", "structured") from None
         now = time.monotonic()
         qt = queue_timeout_s if queue_timeout_s is not None else self.config.queue_timeout_s
         sink = EventSink(loop)
@@ -179,7 +190,7 @@ class EngineCore:
                 submitted_at=now, queue_deadline=None if qt is None else now + qt,
                 deadline=None if deadline_s is None else now + deadline_s,
                 publication_order=next(self._order), session_key=session_key,
-                cache_scope=cache_scope, reuse=prefix_reuse)
+                cache_scope=cache_scope, reuse=prefix_reuse, grammar=grammar)
             self._outstanding += 1  # nothing below can fail: the capacity is never stranded
             self._sinks[record.request_id] = sink
             self._capacity[record.request_id] = capacity
@@ -552,7 +563,7 @@ class EngineCore:
             self._publish_committed()
             r = unit.record
             boundary = r.prompt.reuse_boundary if self.reuse and r.reuse else None
-            batch = self.program.prefill(r.seq, stop_at=boundary)
+            batch = self.program.prefill(r.seq, stop_at=boundary, mask=_mask(r))
             if batch is None:  # a middle chunk: the Program adopted it; nothing to publish
                 if boundary is not None and self.program.frontier(r.seq) == boundary:
                     # where the conversation's next turn leaves this prompt (the Frontend's
@@ -562,8 +573,10 @@ class EngineCore:
             records = [r]
         elif isinstance(unit, ControlUnit):
             self._publish_committed()
-            records = [unit.record]
-            batch = self.program.control(unit.record.seq, unit.record.control)
+            r = unit.record
+            records = [r]
+            mask = None if r.grammar is None else r.grammar.mask_after(r.control)
+            batch = self.program.control(r.seq, r.control, mask)
         else:
             records = list(unit.records)
             # A row may not run past the point where its Frontend will force control (counting
@@ -571,8 +584,12 @@ class EngineCore:
             unpublished = {r.request_id: p for r, p, _ in self._unpublished}
             caps = [r.session.tokens_before_control(unpublished.get(r.request_id))
                     for r in records]
+            # Grammar rows: the mask of each row's next token (its matcher is at the committed
+            # output; the Program drafts nothing for them).
+            masks = [_mask(r) for r in records]
             batch = self.program.decode([r.seq for r in records],
-                                        None if all(c is None for c in caps) else caps)
+                                        None if all(c is None for c in caps) else caps,
+                                        None if all(m is None for m in masks) else masks)
             # The round runs on the device now: publish the previous round's committed output
             # meanwhile (its Program commit is done; reading batch.tokens waits for this one).
             self._publish_committed()
@@ -618,7 +635,10 @@ class EngineCore:
                     TokenLogprob(t, lp, top[: r.sampling.logprobs]) for t, (lp, top) in
                     zip(preview.token_ids[len(forced):], batch.row_logprobs(row)))
             self._unpublished.append((r, preview, logprobs))  # after the next round starts
-            if preview.finish_reason is not None:
+            if r.grammar is not None and not r.grammar.advance(preview.token_ids) \
+                    and preview.finish_reason is None:  # e.g. ignore_eos past the match
+                self._terminal(r, FinishReason.ERROR, f"structured output: {r.grammar.error}")
+            elif preview.finish_reason is not None:
                 reason = FinishReason.STOP if preview.finish_reason is TextFinish.STOP \
                     else FinishReason.LENGTH
                 r.stop_string = preview.stop_string
@@ -730,6 +750,11 @@ class EngineCore:
             prefix=self.catalog.stats(*self.program.checkpoint_footprint()),
             speculative=self._speculative.snapshot(),
             tiers=self.tiers.stats() if self.tiers is not None else TierStats(()))
+
+
+def _mask(r: RequestRecord) -> Any:
+    """The allowed-token mask of a grammar row's next token (None: unconstrained)."""
+    return None if r.grammar is None else r.grammar.mask()
 
 
 def _seconds(name: str, value: Any) -> float | None:

@@ -66,6 +66,8 @@ class RequestRecord:
     error: str | None = None
     stop_string: str | None = None
     control: tuple[int, ...] = ()  # the forced tokens asked for, while ControlReady
+    grammar: Any = None  # the Frontend's GrammarMatcher of a structured request, advanced
+    #   with exactly the tokens committed to the Program
     cancel_requested: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def move(self, new: RequestState) -> None:

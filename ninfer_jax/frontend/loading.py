@@ -18,6 +18,7 @@ from ninfer_jax.frontend.chat_template import (
     ChatTemplate,
     load_chat_template,
 )
+from ninfer_jax.frontend.grammar import GrammarCompiler
 from ninfer_jax.frontend.hf_backend import HfTokenizer
 from ninfer_jax.frontend.output_session import OutputSession, initial_channel
 from ninfer_jax.frontend.prompt import PreparedPrompt, prepare
@@ -93,6 +94,15 @@ class Frontend:
             tools=tools,
             allow_control_tokens=allow_control_tokens,
         )
+
+    def grammar(self, vocab_size: int | None = None) -> GrammarCompiler:
+        """The grammar compiler of this tokenizer for masks `vocab_size` wide (the model's
+        vocabulary; default the tokenizer's). Built once per width, then shared."""
+        compilers = self.__dict__.setdefault("_grammars", {})  # not a field: frozen stays
+        width = self.tokenizer.vocab_size if vocab_size is None else vocab_size
+        if width not in compilers:
+            compilers[width] = GrammarCompiler(self.tokenizer, width)
+        return compilers[width]
 
     def open_session(
         self,

@@ -107,6 +107,11 @@ class ProgramLimits:
     # holding them (a copy), never a shared one.
     rewrites_below_frontier: int = 0
 
+    @property
+    def mask_words(self) -> int:
+        """Width of an allowed-token bitmask: ceil(vocab_size / 32) uint32 words."""
+        return -(-self.vocab_size // 32)
+
 
 @dataclasses.dataclass
 class SeqRecord:
@@ -121,6 +126,9 @@ class SeqRecord:
     pages: list[int] = dataclasses.field(default_factory=list)
     frontier: int = 0  # positions whose K/V and GDN effect are committed
     state: SeqState = SeqState.PREFILL
+    # The allowed-token bitmask of the next sampled token ([mask_words] uint32, None: any
+    # token): set by each prefill / decode / control call from its caller's masks.
+    mask: np.ndarray | None = None
 
     @property
     def generated(self) -> int:
@@ -429,12 +437,15 @@ class HostProgram(abc.ABC):
         self.resource_revision += 1
 
     # Execution -----------------------------------------------------------------------------
-    def prefill(self, handle: SequenceHandle, stop_at: int | None = None) -> PendingBatch | None:
+    def prefill(self, handle: SequenceHandle, stop_at: int | None = None,
+                mask: np.ndarray | None = None) -> PendingBatch | None:
         """Runs the next prefill chunk; the last one returns the PendingBatch of the first token.
         `stop_at` (a position inside the prompt): a chunk that would pass it ends there, so the
-        sequence can be captured at that frontier."""
+        sequence can be captured at that frontier. `mask`: the tokens the first generated token
+        may be ([mask_words] uint32 bitmask; None: any)."""
         self._check_idle()
         seq = self._seq(handle)
+        seq.mask = self._check_mask(mask)
         if seq.state is not SeqState.PREFILL:
             raise ResourceError(f"{handle} is not prefilling")
         start = seq.frontier
@@ -455,14 +466,20 @@ class HostProgram(abc.ABC):
         return self._pending
 
     def decode(self, handles: Sequence[SequenceHandle],
-               caps: Sequence[int | None] | None = None) -> PendingBatch:
+               caps: Sequence[int | None] | None = None,
+               masks: Sequence[np.ndarray | None] | None = None) -> PendingBatch:
         """A round for each of the B decode-ready sequences (exact B, no padding): one token
         per row, or with speculation up to verify_width (never past a row's max_new_tokens, nor
-        past caps[b] when given: the Engine's limit before the row's next forced control)."""
+        past caps[b] when given: the Engine's limit before the row's next forced control).
+        `masks[b]`: the tokens row b's next token may be (a [mask_words] uint32 bitmask, or
+        None: any); a masked row proposes exactly one token (drafting is off for it)."""
         self._check_idle()
         seqs = [self._seq(h) for h in handles]
         if caps is not None and len(caps) != len(seqs):
             raise PendingBatchError(f"decode of {len(seqs)} rows got {len(caps)} caps")
+        if masks is not None and len(masks) != len(seqs):
+            raise PendingBatchError(f"decode of {len(seqs)} rows got {len(masks)} masks")
+        checked = [self._check_mask(m) for m in (masks or [None] * len(seqs))]
         if not seqs or len({s.handle.seq_id for s in seqs}) != len(seqs):
             raise PendingBatchError(f"decode needs distinct sequences, got {list(handles)}")
         if len(seqs) > self.limits.max_concurrency:
@@ -480,6 +497,10 @@ class HostProgram(abc.ABC):
                 if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 1:
                     raise ResourceError(f"decode cap of row {i} must be an int >= 1, got {cap!r}")
                 limits[i] = min(int(limits[i]), int(cap))
+            if checked[i] is not None:
+                limits[i] = 1
+        for i, s in enumerate(seqs):
+            s.mask = checked[i]
             self._grow(s, s.frontier + int(limits[i]))
         # The step runs on the device after this returns; reading batch.tokens waits for it.
         tokens, produced, logprobs = self._run_decode(seqs, limits)
@@ -487,14 +508,17 @@ class HostProgram(abc.ABC):
                                      next(self._batch_ids), produced, logprobs)
         return self._pending
 
-    def control(self, handle: SequenceHandle, forced: Sequence[int]) -> PendingBatch:
+    def control(self, handle: SequenceHandle, forced: Sequence[int],
+                mask: np.ndarray | None = None) -> PendingBatch:
         """Forced control (DESIGN §3 ControlReady): runs `forced` (the Frontend's tokens, never
         sampled) after the sequence's last token and samples the token after them. Returns a
         CONTROL PendingBatch with that one candidate; committing it adopts the forced tokens
         and the candidate together. The draw is keyed by its position, so it is the token a
-        sequence whose prompt already held the forced tokens would draw there."""
+        sequence whose prompt already held the forced tokens would draw there. `mask`: the
+        tokens the one after the forced ones may be (None: any)."""
         self._check_idle()
         seq = self._seq(handle)
+        checked = self._check_mask(mask)
         if seq.state is not SeqState.ACTIVE:
             raise ResourceError(f"{handle} is not decode-ready")
         ids = [int(t) for t in forced]
@@ -509,6 +533,7 @@ class HostProgram(abc.ABC):
         if len(chunk) > self.limits.prefill_chunk:
             raise ResourceError(f"{len(ids)} forced tokens exceed the prefill chunk "
                                 f"{self.limits.prefill_chunk} (minus the last token)")
+        seq.mask = checked
         self._grow(seq, seq.frontier + len(chunk))
         token, logprobs = self._run_prefill(seq, seq.frontier, chunk)
         self._pending = PendingBatch(BatchKind.CONTROL, (handle,), np.array([[token]], np.int32),
@@ -585,6 +610,19 @@ class HostProgram(abc.ABC):
         if seq is None or seq.handle != handle:
             raise ResourceError(f"unknown or stale sequence handle {handle}")
         return seq
+
+    def _check_mask(self, mask: np.ndarray | None) -> np.ndarray | None:
+        """A token mask as the steps take it (or None); a wrong shape or dtype, or a mask that
+        allows nothing, is refused."""
+        if mask is None:
+            return None
+        mask = np.asarray(mask)
+        if mask.shape != (self.limits.mask_words,) or mask.dtype != np.uint32:
+            raise ResourceError(f"a token mask must be [{self.limits.mask_words}] uint32, got "
+                                f"{mask.shape} {mask.dtype}")
+        if not mask.any():
+            raise ResourceError("a token mask must allow at least one token")
+        return mask
 
     def _check_idle(self) -> None:
         if self._pending is not None:

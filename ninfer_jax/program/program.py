@@ -117,7 +117,7 @@ class Program(HostProgram):
             example = DecodeInputs(
                 commit=self._no_commit(b), token_ids=np.zeros(b, np.int32),
                 positions=np.zeros(b, np.int32), slots=np.arange(b, dtype=np.int32),
-                page_tables=np.zeros((b, w), np.int32), sampling=sampling_arrays([GREEDY] * b),
+                page_tables=np.zeros((b, w), np.int32), sampling=self._sampling_example(b),
                 step_index=np.zeros(b, np.int32), limit=np.ones(b, np.int32))
             self.executables.compile(StepKey(StepKind.DECODE, b),
                                      bind(round_step, cfg=cfg, pcfg=pcfg), self.params,
@@ -127,7 +127,7 @@ class Program(HostProgram):
             commit=self._no_commit(1), token_ids=np.zeros((1, c), np.int32),
             start_pos=np.zeros(1, np.int32), num_valid=np.ones(1, np.int32),
             page_table=np.zeros((1, w), np.int32), slot=np.zeros(1, np.int32),
-            reset=np.ones(1, bool), sampling=sampling_arrays([GREEDY]),
+            reset=np.ones(1, bool), sampling=self._sampling_example(1),
             step_index=np.zeros(1, np.int32))
         # The prefill first, alone (a compile shares the two cores badly), then the rest on the
         # background thread in the order of first need: the prompt's checkpoint right after its
@@ -315,7 +315,11 @@ class Program(HostProgram):
 
     def _sampling(self, seqs: list[SeqRecord]):
         return sampling_arrays([s.sampling for s in seqs], [s.stop_ids for s in seqs],
-                               self.cfg.vocab_size)
+                               self.cfg.vocab_size, [s.mask for s in seqs],
+                               self.limits.mask_words)
+
+    def _sampling_example(self, b: int):
+        return sampling_arrays([GREEDY] * b, mask_words=self.limits.mask_words)
 
     def _page_table(self, seqs: list[SeqRecord]) -> np.ndarray:
         table = np.zeros((len(seqs), self.pcfg.max_pages_per_seq), np.int32)

@@ -67,6 +67,8 @@ MAX_STOP_IDS = MAX_STOP_TOKEN_IDS + 8  # a row's ending ids: its stop_token_ids 
         "min_tokens",
         "stop_ids",
         "logprobs",
+        "allowed",
+        "constrained",
     ],
     meta_fields=[],
 )
@@ -83,6 +85,9 @@ class SamplingArrays:
     min_tokens: jax.Array  # [B] int32, stop_ids are not sampled before this many tokens
     stop_ids: jax.Array  # [B, MAX_STOP_IDS] int32, the row's ending ids (vocab size: unused)
     logprobs: jax.Array  # [B] bool, the row wants its tokens' top-N log-probs
+    allowed: jax.Array  # [B, W] uint32, constrained rows' allowed tokens: bit i of word j is
+    #   token 32 j + i (W = ceil(V / 32) in the Program; tokens past 32 W are not allowed)
+    constrained: jax.Array  # [B] bool, the row samples only tokens `allowed` holds
 
 
 @functools.partial(
@@ -99,12 +104,16 @@ class SampleOutput:
 
 def sampling_arrays(rows: Sequence[Mapping[str, Any] | Any],
                     stop_ids: Sequence[Sequence[int]] | None = None,
-                    vocab_size: int = 2**31 - 1) -> SamplingArrays:
+                    vocab_size: int = 2**31 - 1,
+                    masks: Sequence[np.ndarray | None] | None = None,
+                    mask_words: int = 1) -> SamplingArrays:
     """Validates per-row settings (dicts, `SamplingParams` or dataclasses with those field names)
     and stacks them into numpy-backed `SamplingArrays` of batch len(rows). Greedy rows without a
     seed get seed 0 (unused). `stop_ids[b]`: the ids row b may not sample while it has generated
     fewer than its `min_tokens` (at most MAX_STOP_IDS; unused entries are `vocab_size`, which
-    the device drops). Raises `SamplingParamsError` naming the row and field."""
+    the device drops). `masks[b]`: row b's allowed-token bitmask, [mask_words] uint32 (the
+    grammar's, `frontend/grammar.py`), or None for an unconstrained row. Raises
+    `SamplingParamsError` naming the row and field."""
     if len(rows) == 0:
         raise SamplingParamsError("sampling_arrays needs at least one row")
     stops = np.full((len(rows), MAX_STOP_IDS), vocab_size, np.int32)
@@ -123,6 +132,17 @@ def sampling_arrays(rows: Sequence[Mapping[str, Any] | Any],
                 f"row {i}: seed is required when temperature > 0 (the Engine assigns one to "
                 "requests that gave none, so a rerun can reproduce the tokens)")
 
+    allowed = np.zeros((len(rows), mask_words), np.uint32)
+    constrained = np.zeros(len(rows), bool)
+    for i, mask in enumerate(masks or ()):
+        if mask is None:
+            continue
+        mask = np.asarray(mask)
+        if mask.shape != (mask_words,) or mask.dtype != np.uint32:
+            raise SamplingParamsError(f"row {i}: the token mask must be [{mask_words}] uint32, "
+                                      f"got {mask.shape} {mask.dtype}")
+        allowed[i], constrained[i] = mask, True
+
     def column(name: str, dtype: Any) -> np.ndarray:
         return np.asarray([getattr(p, name) for p in params], dtype=dtype)
 
@@ -138,6 +158,8 @@ def sampling_arrays(rows: Sequence[Mapping[str, Any] | Any],
         min_tokens=column("min_tokens", np.int32),
         stop_ids=stops,
         logprobs=np.asarray([p.logprobs is not None for p in params], dtype=bool),
+        allowed=allowed,
+        constrained=constrained,
     )
 
 
@@ -178,8 +200,11 @@ def apply_penalties(
 
     Repetition (Hugging Face): over prompt ∪ generated tokens, positive logits are divided by the
     penalty and negative ones multiplied. Then presence and frequency (OpenAI), over generated
-    tokens only: logit -= presence * (count > 0) + frequency * count. Last, `min_tokens`: while a
-    row has generated fewer (the sum of its counts), its `stop_ids` are set to -inf.
+    tokens only: logit -= presence * (count > 0) + frequency * count. Then `min_tokens`: while a
+    row has generated fewer (the sum of its counts), its `stop_ids` are set to -inf. Last, a
+    constrained row's tokens outside its `allowed` mask are set to -inf (constrained decoding).
+    Each of the last two runs only when some row of the batch needs it: a batch without them
+    pays one predicate.
     """
     generated = output_counts > 0
     seen = prompt_mask | generated
@@ -190,8 +215,25 @@ def apply_penalties(
         - arrays.frequency_penalty[:, None] * output_counts.astype(logits.dtype)
         - arrays.presence_penalty[:, None] * generated.astype(logits.dtype)
     )
-    return jax.lax.cond(jnp.any(arrays.min_tokens > 0),
-                        lambda: _suppress_stops(logits, arrays, output_counts), lambda: logits)
+    logits = jax.lax.cond(jnp.any(arrays.min_tokens > 0),
+                          lambda: _suppress_stops(logits, arrays, output_counts), lambda: logits)
+    return jax.lax.cond(jnp.any(arrays.constrained), lambda: apply_token_mask(logits, arrays),
+                        lambda: logits)
+
+
+def unpack_mask(allowed: jax.Array, vocab_size: int) -> jax.Array:
+    """allowed [B, W] uint32 bitmasks -> [B, vocab_size] bool (ids past 32 W: False)."""
+    bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)) & 1  # [B, W, 32]
+    flat = bits.reshape(allowed.shape[0], -1).astype(bool)
+    if flat.shape[1] >= vocab_size:
+        return flat[:, :vocab_size]
+    return jnp.pad(flat, ((0, 0), (0, vocab_size - flat.shape[1])))
+
+
+def apply_token_mask(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
+    """logits [B, V] with each constrained row's disallowed tokens at -inf (others unchanged)."""
+    keep = unpack_mask(arrays.allowed, logits.shape[-1]) | ~arrays.constrained[:, None]
+    return jnp.where(keep, logits, -jnp.inf)
 
 
 def _suppress_stops(logits: jax.Array, arrays: SamplingArrays,

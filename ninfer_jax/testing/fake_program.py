@@ -199,19 +199,22 @@ class FakeProgram(HostProgram):
         self._at("after_materialize", [self._seq(handle)])
         return handle
 
-    def prefill(self, handle: SequenceHandle, stop_at: int | None = None) -> PendingBatch | None:
-        batch = super().prefill(handle, stop_at)
+    def prefill(self, handle: SequenceHandle, stop_at: int | None = None,
+                mask: np.ndarray | None = None) -> PendingBatch | None:
+        batch = super().prefill(handle, stop_at, mask)
         self._at("after_prefill", [self._seq(handle)])
         return batch
 
     def decode(self, handles: Sequence[SequenceHandle],
-               caps: Sequence[int | None] | None = None) -> PendingBatch:
-        batch = super().decode(handles, caps)
+               caps: Sequence[int | None] | None = None,
+               masks: Sequence[np.ndarray | None] | None = None) -> PendingBatch:
+        batch = super().decode(handles, caps, masks)
         self._at("after_decode", [self._seq(h) for h in handles])
         return batch
 
-    def control(self, handle: SequenceHandle, forced: Sequence[int]) -> PendingBatch:
-        batch = super().control(handle, forced)
+    def control(self, handle: SequenceHandle, forced: Sequence[int],
+                mask: np.ndarray | None = None) -> PendingBatch:
+        batch = super().control(handle, forced, mask)
         self._at("after_control", [self._seq(handle)])
         return batch
 
@@ -247,6 +250,17 @@ class FakeProgram(HostProgram):
             return min(32, self.limits.vocab_size - 1)
         return token
 
+    def _allowed(self, seq: SeqRecord, state: int, position: int) -> int:
+        """The fake model's token under the sequence's token mask (the one a round's first
+        position is sampled under): its own token when allowed, else the allowed id at index
+        hash(state, position) mod the number allowed."""
+        token = self._token(seq, state, position)
+        if seq.mask is None or (int(seq.mask[token // 32]) >> token % 32) & 1:
+            return token
+        bits = np.unpackbits(seq.mask.view(np.uint8), bitorder="little")
+        allowed = np.flatnonzero(bits[: self.limits.vocab_size])
+        return int(allowed[mix(state, position) % len(allowed)])
+
     def _run_prefill(self, seq: SeqRecord, start: int, chunk: list[int]) -> tuple:
         self._step()
         self.prefilled_tokens += len(chunk)
@@ -254,7 +268,7 @@ class FakeProgram(HostProgram):
         for t in chunk:
             state = mix(state, t)
         self._provisional = [[state]]
-        token = self._token(seq, state, start + len(chunk))
+        token = self._allowed(seq, state, start + len(chunk))
         wanted = seq.sampling.logprobs is not None
         return token, _logprob_arrays(np.array([[token]]), self.limits.vocab_size) if wanted \
             else None
@@ -271,7 +285,8 @@ class FakeProgram(HostProgram):
             for i in range(n):
                 state = mix(state, token)
                 states.append(state)
-                token = tokens[row, i] = self._token(s, state, s.frontier + 1 + i)
+                pick = self._allowed if i == 0 else self._token
+                token = tokens[row, i] = pick(s, state, s.frontier + 1 + i)
             produced[row] = n
             self._provisional.append(states)
         wanted = any(s.sampling.logprobs is not None for s in seqs)
