@@ -170,3 +170,62 @@ def history_arguments(arguments: Any, field: str) -> dict[str, Any]:
     if not isinstance(arguments, dict):
         raise ValueError(f"{field}: must be a JSON object")
     return arguments
+
+
+def call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None = None,
+                 special_tokens: Mapping[str, int] | None = None) -> str:
+    """A Lark grammar (llguidance's dialect) whose matches are answers of tool calls only, in
+    the template's format: one call to function `name`, or with `name` None one or more calls
+    to any of `tools` (tool_choice "required"). A call names each declared parameter in the
+    schema's order, the required ones always; a string parameter's value is one line of text
+    without '<', an enum's one of its values, any other's JSON matching its schema (`%json`).
+    Markup the tokenizer holds as special tokens (`special_tokens`: text -> id) is written by
+    id, so the model's own control token is the one allowed."""
+    specials = special_tokens or {}
+
+    def literal(text: str) -> str:
+        parts, rest = [], text
+        while rest:
+            hits = [(rest.find(t), t) for t in (OPEN, CLOSE) if t in specials and t in rest]
+            if not hits:
+                parts.append(json.dumps(rest))
+                break
+            at, tag = min(hits)
+            if at:
+                parts.append(json.dumps(rest[:at]))
+            parts.append(f"<[{specials[tag]}]>")
+            rest = rest[at + len(tag):]
+        return " ".join(parts)
+
+    rules, functions = [], []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function", tool)
+        if name is not None and fn["name"] != name:
+            continue
+        params = fn.get("parameters") or {}
+        props = params.get("properties") or {}
+        required = set(params.get("required") or ())
+        body = []
+        for j, (pname, schema) in enumerate(props.items()):
+            rule = f"p{i}_{j}"
+            rules.append(f"{rule}: {literal(f'<parameter={pname}>' + chr(10))} "
+                         f"{_value_grammar(schema)} {literal(chr(10) + '</parameter>' + chr(10))}")
+            body.append(rule if pname in required else f"{rule}?")
+        rules.append(f"f{i}: {literal(OPEN + chr(10) + '<function=' + fn['name'] + '>' + chr(10))}"
+                     f" {' '.join(body)} {literal('</function>' + chr(10) + CLOSE)}")
+        functions.append(f"f{i}")
+    if not functions:
+        raise ValueError(f"no tool named {name!r}")
+    call = " | ".join(functions)
+    start = f"start: call ({literal(chr(10))} call)*" if name is None else "start: call"
+    return "\n".join([start, f"call: {call}", *rules])
+
+
+def _value_grammar(schema: Any) -> str:
+    schema = schema if isinstance(schema, Mapping) else {}
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+        return "(" + " | ".join(json.dumps(v) for v in enum) + ")"
+    if schema.get("type") == "string":
+        return "/[^<\\n]+/"
+    return "%json" + json.dumps(dict(schema) or {})

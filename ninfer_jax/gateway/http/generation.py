@@ -22,10 +22,12 @@ from starlette.types import Receive, Scope, Send
 from ninfer_jax.engine import Delta, Finished, GenerationStart, RejectedError
 from ninfer_jax.engine.events import Event, GenerationResult
 from ninfer_jax.frontend import ChatTemplateError, PromptError
+from ninfer_jax.frontend.grammar import GrammarError
+from ninfer_jax.frontend.tool_calls import call_grammar
 from ninfer_jax.gateway.http.errors import Api, ApiError, from_rejected
 from ninfer_jax.gateway.http.metrics import Metrics
 from ninfer_jax.gateway.http.requests import GenerationRequest
-from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError
+from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError, StructuredOutput
 
 T = TypeVar("T")
 _FIELD = re.compile(r"^([A-Za-z_]\w*)([\w.\[\]]*?)(?::\s*|\s+)(.*)$", re.DOTALL)
@@ -113,10 +115,21 @@ def prepare(engine: Any, req: GenerationRequest) -> tuple[Any, SamplingParams]:
     if budget is None:  # OpenAI's default: whatever the context has left
         budget = max(1, engine.max_seq_len - n)
     _check_context(req, n, budget, engine.max_seq_len)
+    fields = dict(req.sampling)
+    if req.forced_tools is not None:
+        fields["structured"] = StructuredOutput("grammar", call_grammar(
+            req.tools, req.forced_tools.name, engine.frontend.tokenizer.special_tokens))
+        names = {**names, "structured": "tool_choice"}
     try:
-        sampling = SamplingParams(max_new_tokens=budget, **req.sampling)
+        sampling = SamplingParams(max_new_tokens=budget, **fields)
     except SamplingParamsError as e:
         raise ApiError.invalid(*_renamed(str(e), names)) from None
+    if sampling.structured is not None:
+        try:  # compiled once per spec (cached); the Engine opens its matcher at submit
+            engine.frontend.grammar().compile(sampling.structured)
+        except GrammarError as e:
+            raise ApiError.invalid(names.get("structured", "structured"),
+                                   f"does not compile: {e}") from None
     return prepared, sampling
 
 

@@ -13,7 +13,9 @@ from typing import Any
 
 from ninfer_jax.gateway.http.errors import Api, ApiError
 from ninfer_jax.gateway.http.fields import Fields, check_text
+from ninfer_jax.gateway.http.structured import GUIDED, openai_structured, thinking_off
 from ninfer_jax.gateway.http.tools import (
+    ToolChoice,
     anthropic_content,
     anthropic_tool_choice,
     anthropic_tools,
@@ -75,6 +77,7 @@ class GenerationRequest:
     n: int = 1  # choices per prompt (they share the prompt's prefill)
     more_prompts: tuple[Any, ...] = ()  # completions: the batch's other prompts (str or ids)
     tools: list[dict[str, Any]] | None = None  # rendered into the prompt by the template
+    forced_tools: ToolChoice | None = None  # tool_choice required / named: calls only
     parse_tools: bool = False  # the answer's tool calls are parsed out of its content
     echoed: dict[str, Any] = dataclasses.field(default_factory=dict)  # Responses API: fields
     #   its response object repeats (instructions, tools, metadata, ...)
@@ -128,8 +131,6 @@ def _refuse_unsupported(body: Fields, *, flags: tuple[str, ...] = (),
             raise ApiError.invalid(key, "not supported yet", code="unsupported_parameter")
 
 
-_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-           "structured_outputs")
 
 
 # OpenAI `reasoning_effort` (chat) / `reasoning.effort` (Responses) -> (thinking on, budget):
@@ -239,17 +240,14 @@ def parse_chat(obj: Any, session_header: str | None) -> GenerationRequest:
     if body.has("best_of"):
         raise ApiError.invalid("best_of", "is a completions field", code="unsupported_parameter")
     n = _n(body)
-    _refuse_unsupported(body, lists=("functions", "logit_bias", *_GUIDED))
+    _refuse_unsupported(body, lists=("functions", "logit_bias"))
     if body.has("function_call"):
         raise ApiError.invalid("function_call", "the legacy functions API is not supported; "
                                "use tools", code="unsupported_parameter")
     body.boolean("parallel_tool_calls")  # several calls are always parsed
     tools = openai_tools(body)
     choice = openai_tool_choice(body, tools)
-    fmt = body.obj("response_format")
-    if fmt is not None and fmt.string("type") not in (None, "text"):
-        raise ApiError.invalid("response_format", "only type 'text' is supported yet",
-                               code="unsupported_parameter")
+    structured = openai_structured(body)
     messages = []
     for i, raw in enumerate(body.array("messages", required=True)):
         m = Fields(raw, f"messages[{i}]")
@@ -281,6 +279,10 @@ def parse_chat(obj: Any, session_header: str | None) -> GenerationRequest:
         thinking = kwargs.boolean("enable_thinking")
     sampling = _openai_sampling(body)
     thinking = reasoning_effort(body, "reasoning_effort", sampling, thinking)
+    names = {"max_new_tokens": budget_key}
+    thinking = constrain(structured, choice, thinking, sampling, names,
+                         "reasoning_effort" if body.has("reasoning_effort") else
+                         "enable_thinking")
     top = body.integer("top_logprobs")
     if body.boolean("logprobs"):
         sampling["logprobs"] = 0 if top is None else top
@@ -290,10 +292,29 @@ def parse_chat(obj: Any, session_header: str | None) -> GenerationRequest:
         api=Api.OPENAI, model=body.string("model"), messages=messages, n=n,
         tools=tools if choice.mode != "none" else None,
         parse_tools=bool(tools) and choice.mode != "none",
+        forced_tools=choice if choice.forced else None,
         sampling=sampling, max_tokens=body.integer(budget_key), stream=stream,
         **_stream_options(body, stream), enable_thinking=thinking,
-        session=session_of(body, session_header), field_names={"max_new_tokens": budget_key},
+        session=session_of(body, session_header), field_names=names,
         **isolation(body))
+
+
+def constrain(structured, choice: ToolChoice, thinking: bool | None,
+                 sampling: dict[str, Any], names: dict[str, str], thinking_field: str):
+    """Adds a structured-output spec to `sampling` (and its field to `names`); a constrained
+    request (a spec or a forced tool choice) runs with thinking off. Returns the thinking
+    setting."""
+    if structured is not None and choice.forced:
+        raise ApiError.invalid(structured[1], "cannot be combined with tool_choice "
+                               f"{choice.mode!r}")
+    if structured is not None:
+        sampling["structured"], names["structured"] = structured
+    if structured is None and not choice.forced:
+        return thinking
+    thinking_off(thinking, thinking_field)
+    if sampling.get("max_thinking_tokens") is not None:
+        thinking_off(True, "max_thinking_tokens")
+    return False
 
 
 def _is_ids(value: Any) -> bool:
@@ -324,7 +345,7 @@ def parse_completion(obj: Any, session_header: str | None) -> GenerationRequest:
     """`POST /v1/completions`: a prompt (a string or token ids) or a batch of them."""
     body = Fields(obj)
     reject_unknown(body, COMPLETION_FIELDS)
-    _refuse_unsupported(body, lists=("logit_bias", "response_format", *_GUIDED))
+    _refuse_unsupported(body, lists=("logit_bias",))
     if body.string("suffix"):
         raise ApiError.invalid("suffix", "not supported yet", code="unsupported_parameter")
     batch = _prompt_batch(body.required("prompt"))
@@ -339,14 +360,17 @@ def parse_completion(obj: Any, session_header: str | None) -> GenerationRequest:
     if echo and stream:
         raise ApiError.invalid("echo", "is not supported with stream (ask without streaming)",
                                code="unsupported_parameter")
+    names = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}
+    structured = openai_structured(body)
+    if structured is not None:  # a raw prompt: the caller decides what the prompt opens
+        sampling["structured"], names["structured"] = structured
     return GenerationRequest(
         api=Api.OPENAI, model=body.string("model"), prompt=text, prompt_token_ids=ids,
         more_prompts=tuple(batch[1:]), n=n,
         sampling=sampling, max_tokens=body.integer("max_tokens"), stream=stream, echo=echo,
         **_stream_options(body, stream),
         enable_thinking=body.boolean("enable_thinking"), session=session_of(body, session_header),
-        field_names={"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"},
-        **isolation(body))
+        field_names=names, **isolation(body))
 
 
 def parse_messages(obj: Any, session_header: str | None, *,
@@ -401,6 +425,8 @@ def parse_messages(obj: Any, session_header: str | None, *,
                 raise ApiError.invalid("thinking.budget_tokens", f"must be less than "
                                        f"max_tokens ({max_tokens}), got {budget}")
             sampling["max_thinking_tokens"] = budget  # the thinking block ends there
+    if choice.forced and thinking:  # as Anthropic: forced tool use needs thinking off
+        thinking_off(True, "thinking")
     metadata = body.obj("metadata")
     session = session_of(metadata, session_header, "user_id") if metadata is not None \
         else (check_text(session_header, "x-session-id") if session_header else None)
@@ -408,6 +434,7 @@ def parse_messages(obj: Any, session_header: str | None, *,
         api=Api.ANTHROPIC, model=body.string("model"), messages=messages, sampling=sampling,
         tools=tools if choice.mode != "none" else None,
         parse_tools=bool(tools) and choice.mode != "none",
+        forced_tools=choice if choice.forced else None,
         max_tokens=max_tokens, stream=bool(body.boolean("stream")), enable_thinking=thinking,
         session=session, field_names={"max_new_tokens": "max_tokens", "stop": "stop_sequences",
                                       "max_thinking_tokens": "thinking.budget_tokens"},

@@ -34,12 +34,14 @@ from ninfer_jax.gateway.http.fields import MISSING, Fields
 from ninfer_jax.gateway.http.generation import EventStream, start, until_disconnect
 from ninfer_jax.gateway.http.requests import (
     GenerationRequest,
+    constrain,
     isolation,
     reasoning_effort,
     reject_unknown,
     session_of,
 )
 from ninfer_jax.gateway.http.state import ServerState
+from ninfer_jax.gateway.http.structured import openai_structured
 from ninfer_jax.gateway.http.tools import openai_tool_choice, openai_tools
 
 FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature",
@@ -127,11 +129,14 @@ def parse_responses(obj: Any, session_header: str | None) -> GenerationRequest:
     if body.array("include"):
         raise ApiError.invalid("include", "not supported", code="unsupported_parameter")
     text = body.obj("text")
+    structured = None
     if text is not None:
-        fmt = text.obj("format")
-        if fmt is not None and fmt.string("type") not in (None, "text"):
-            raise ApiError.invalid("text.format", "only type 'text' is supported yet",
+        unknown = sorted(set(text.data) - {"format", "verbosity"})
+        if unknown:
+            raise ApiError.invalid(text.name(unknown[0]), "unknown field",
                                    code="unsupported_parameter")
+        structured = openai_structured(Fields({}), format_key="format", format_fields=text,
+                                       flat=True)
     if body.string("truncation") not in (None, "disabled"):
         raise ApiError.invalid("truncation", "only 'disabled' is supported",
                                code="unsupported_parameter")
@@ -160,14 +165,16 @@ def parse_responses(obj: Any, session_header: str | None) -> GenerationRequest:
         value = body.integer(key)
         if value is not None:
             sampling[key] = value
+    names = {"max_new_tokens": "max_output_tokens", "prompt_token_ids": "input"}
+    thinking = constrain(structured, choice, thinking, sampling, names, "reasoning")
     return GenerationRequest(
         api=Api.OPENAI, model=body.string("model"), messages=_messages(body),
         sampling=sampling, max_tokens=body.integer("max_output_tokens"),
         stream=bool(body.boolean("stream")), enable_thinking=thinking,
         tools=tools if choice.mode != "none" else None,
         parse_tools=bool(tools) and choice.mode != "none",
-        session=session_of(body, session_header),
-        field_names={"max_new_tokens": "max_output_tokens", "prompt_token_ids": "input"},
+        forced_tools=choice if choice.forced else None,
+        session=session_of(body, session_header), field_names=names,
         echoed={k: body.data.get(k) for k in ("instructions", "max_output_tokens", "metadata",
                                               "temperature", "top_p", "tool_choice", "tools",
                                               "reasoning")},

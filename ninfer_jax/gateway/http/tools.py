@@ -5,7 +5,8 @@ Anthropic `tools` / `tool_choice` / `tool_use` / `tool_result` blocks into the o
 chat template renders (OpenAI's: `{"type": "function", "function": {name, description,
 parameters}}`, assistant `tool_calls` with `arguments` as a mapping, `tool` messages), each
 refusal naming the field. `tool_choice` none means the tools are neither shown to the model nor
-parsed out of its answer; required and named choices need constrained decoding.
+parsed out of its answer; required and named choices (Anthropic `any` / `tool`) are enforced by
+a grammar over the call format (`frontend.tool_calls.call_grammar`), with thinking off.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ from ninfer_jax.gateway.http.fields import Fields
 class ToolChoice:
     mode: str  # "none" | "auto" | "required" | "function"
     name: str | None = None  # the function of mode "function"
+
+    @property
+    def forced(self) -> bool:
+        """The answer must be tool calls (enforced by a grammar over the call format)."""
+        return self.mode in ("required", "function")
 
 
 def _function(fields: Fields, name_key: str, schema_key: str) -> dict[str, Any]:
@@ -121,9 +127,6 @@ def _checked(choice: ToolChoice, tools: list[dict] | None) -> ToolChoice:
             raise ApiError.invalid("tool_choice", f"{choice.mode!r} needs tools")
         if choice.name is not None and choice.name not in {t["function"]["name"] for t in tools}:
             raise ApiError.invalid("tool_choice", f"names no tool: {choice.name!r:.80}")
-        raise ApiError.invalid("tool_choice", f"{choice.mode!r} needs constrained decoding of "
-                               "tool calls, which this server does not do yet (use 'auto')",
-                               code="unsupported_parameter")
     return choice
 
 
