@@ -1,0 +1,92 @@
+"""Constrained decoding through the Engine on the embedded demo model (the real Program: the
+mask applied on the device, prefill's first token included), sharing the compiled Programs of
+`test_speculative_engine.py` (K = 0 and K = 2).
+
+Hypothesis draws small JSON schemas (objects of bounded strings, bounded integers, booleans,
+enums and arrays of them, nested one level, some properties optional); every answer, greedy or
+sampled, with and without MTP speculation, in a batch shared with an unconstrained request,
+ends with EOS and its text parses and validates against its schema. Rows without a grammar are
+untouched (the unconstrained request's output equals its output alone), and grammar rows
+propose one token per round (drafting is off for them).
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ninfer_jax.engine import FinishReason
+from ninfer_jax.program.pending import BatchKind
+from ninfer_jax.sampling_params import SamplingParams, StructuredOutput
+from tests.engine.test_speculative_engine import K, _ids, engine
+
+NAMES = st.sampled_from(["id", "name", "ok", "size", "kind", "tags", "meta", "x"])
+# Small enough that any answer fits the shared Programs' max_seq_len (72) after the prompt.
+LEAF = st.one_of(
+    st.integers(1, 4).map(lambda n: {"type": "string", "maxLength": n}),
+    st.tuples(st.integers(-50, 50), st.integers(0, 500)).map(
+        lambda t: {"type": "integer", "minimum": t[0], "maximum": t[0] + t[1]}),
+    st.just({"type": "boolean"}),
+    st.lists(st.sampled_from(["red", "blue", "a b"]), min_size=1, max_size=3,
+             unique=True).map(lambda v: {"enum": v}),
+)
+ITEMS = st.one_of(LEAF, LEAF.map(lambda leaf: {"type": "array", "items": leaf, "maxItems": 2}))
+
+
+def _object(values):
+    return st.dictionaries(NAMES, values, min_size=1, max_size=2).flatmap(
+        lambda props: st.sets(st.sampled_from(sorted(props))).map(
+            lambda required: {"type": "object", "properties": props,
+                              "required": sorted(required), "additionalProperties": False}))
+
+
+SCHEMAS = _object(st.one_of(ITEMS, _object(LEAF)))
+PROMPT = {"prompt": "Once upon a time"}
+OTHER = {"prompt": "Tom had a dog"}  # the unconstrained request's
+PLAIN = SamplingParams(temperature=0.0, max_new_tokens=16)
+
+
+def _plain_alone(k: int):
+    with engine(k) as (e, _):
+        return e.submit(**OTHER, sampling=PLAIN).result(120).token_ids
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck),
+          derandomize=True)
+@given(schema=SCHEMAS, temperature=st.sampled_from([0.0, 1.0]))
+def test_schema_outputs_always_parse_and_validate(schema, temperature):
+    spec = StructuredOutput("json_schema", json.dumps(schema))
+    for k in (0, K):
+        alone = _plain_alone(k)
+        with engine(k) as (e, rows):
+            plain = e.submit(**OTHER, sampling=PLAIN)
+            handles = [e.submit(**PROMPT, sampling=SamplingParams(
+                temperature=temperature, seed=seed, max_new_tokens=64, structured=spec))
+                for seed in range(3)]
+            for h in handles:
+                r = h.result(120)
+                assert r.finish_reason is FinishReason.STOP, (schema, r.text)
+                jsonschema.validate(json.loads(r.text), schema)
+            assert plain.result(120).token_ids == alone
+        prompt = tuple(_ids(PROMPT["prompt"]))
+        decode = [r for r in rows if r.kind is BatchKind.DECODE]
+        assert all(r.produced == 1 for r in decode if r.tokens[: len(prompt)] == prompt)
+        if k:  # the unconstrained row still speculates
+            assert max(r.produced for r in decode if r.tokens[: len(prompt)] != prompt) > 1
+
+
+def test_choice_and_regex_on_the_demo_model():
+    with engine(K) as (e, _):
+        for seed in range(3):
+            got = e.submit(**PROMPT, sampling=SamplingParams(
+                temperature=1.0, seed=seed, max_new_tokens=20,
+                structured=StructuredOutput("choice", choices=("a red fox", "the blue sky"))))
+            assert got.result(120).text in ("a red fox", "the blue sky")
+            got = e.submit(**PROMPT, sampling=SamplingParams(
+                temperature=1.0, seed=seed, max_new_tokens=20,
+                structured=StructuredOutput("regex", r"[a-z]{2,5} [0-9]{1,3}")))
+            text = got.result(120).text
+            assert text.split(" ")[0].isalpha() and text.split(" ")[1].isdigit(), text
