@@ -124,7 +124,7 @@ def test_malformed_call_is_text_and_tool_choice_none(live, oa):
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required", "extra_body": {"enable_thinking": True}}, "enable_thinking"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
 ])
