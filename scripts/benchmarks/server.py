@@ -12,6 +12,20 @@ the wall time of the whole level.
 Engines: `fake` (default) is the FakeProgram with a 5 ms step and no EOS behind the real
 EngineCore, Frontend and server, so the numbers are the serving stack's own cost at a fixed
 model speed; `demo` is the embedded demo model (`Engine.open()`), max_concurrency 8.
+
+Then, always on the embedded demo model (max_concurrency 4; its own server), in turns A B A B
+(REPS each, after one warm-up of each):
+- JSON schema: GRAMMAR_CLIENTS concurrent non-streaming chat requests, greedy, MAX_TOKENS new
+  tokens, `response_format` json_schema (one string property whose minLength keeps the answer
+  open, so the budget ends both sides' answers: equal work) against the same requests without
+  it; tok/s is completion tokens over wall time, the ratio is with / without (target >= 0.8).
+  Every constrained answer is checked to start as the schema's object. Also the host's mask
+  time per token (a matcher replaying the answers).
+- n = 4: one completions request with n = 4 (seeded sampling) against four separate
+  concurrent requests with distinct `cache_salt` (so nothing is shared); reported: the
+  prompt tokens prefilled (the admitted prompts, the n = 4 request's priming of its prefix
+  included, minus the Engine's prefix `cached_tokens` gained), the admissions that found no
+  checkpoint (prefills from the root), and tok/s.
 """
 
 from __future__ import annotations
@@ -107,6 +121,140 @@ def _drive(url: str, queue: Any) -> None:
     queue.put([asyncio.run(_level(url, c)) for c in LEVELS])
 
 
+GRAMMAR_CLIENTS = 4
+REPS = 3
+# minLength: the string cannot close within the budget, so with and without the grammar every
+# request produces exactly MAX_TOKENS tokens (the same work per turn).
+SCHEMA = {"type": "object", "properties": {"story": {"type": "string", "minLength": 1000}},
+          "required": ["story"], "additionalProperties": False}
+
+
+def _post_all(url: str, bodies: list[dict]) -> tuple[float, list[dict]]:
+    """Wall time and responses of `bodies` sent concurrently."""
+    import httpx
+
+    async def go():
+        async with httpx.AsyncClient(timeout=600) as client:
+            start = time.perf_counter()
+            rs = await asyncio.gather(*(client.post(url, json=b) for b in bodies))
+            wall = time.perf_counter() - start
+        for r in rs:
+            r.raise_for_status()
+        return wall, [r.json() for r in rs]
+
+    return asyncio.run(go())
+
+
+def _grammar_turn(url: str, constrained: bool) -> dict[str, Any]:
+    bodies = []
+    for i in range(GRAMMAR_CLIENTS):
+        body = {"model": MODEL, "temperature": 0, "max_tokens": MAX_TOKENS,
+                "messages": [{"role": "user", "content": f"story {i}: once upon a time"}]}
+        if constrained:
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "story", "schema": SCHEMA, "strict": True}}
+        bodies.append(body)
+    wall, outs = _post_all(f"{url}/v1/chat/completions", bodies)
+    texts = [o["choices"][0]["message"]["content"] for o in outs]
+    tokens = sum(o["usage"]["completion_tokens"] for o in outs)
+    return {"wall_s": wall, "tokens": tokens, "tok_per_s": tokens / wall, "texts": texts,
+            "finish": [o["choices"][0]["finish_reason"] for o in outs]}
+
+
+def _n_turn(url: str, engine: Any, shared: bool, salt: int) -> dict[str, Any]:
+    prompt = f"run {salt}: " + "the little dog ran to the park and " * 6
+    base = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 1.0,
+            "seed": 1}
+    before = engine.stats().prefix
+    if shared:
+        wall, outs = _post_all(f"{url}/v1/completions", [{**base, "n": 4}])
+    else:
+        wall, outs = _post_all(f"{url}/v1/completions", [
+            {**base, "seed": 1 + j, "cache_salt": f"{salt}-{j}"} for j in range(4)])
+    prompt_tokens = outs[0]["usage"]["prompt_tokens"]
+    tokens = sum(o["usage"]["completion_tokens"] for o in outs)
+    after = engine.stats().prefix
+    cached = after.cached_tokens - before.cached_tokens
+    # n > 1: the gateway first primes the prompt minus its last token (one Engine request of
+    # prompt_tokens - 1 tokens: a prefix miss), whose checkpoint every sample then reuses.
+    primed = prompt_tokens - 1 if shared else 0
+    return {"wall_s": wall, "tok_per_s": tokens / wall, "prompt_tokens": prompt_tokens,
+            "prefilled_tokens": primed + 4 * prompt_tokens - cached, "cached_tokens": cached,
+            "prefills_from_root": after.misses - before.misses}
+
+
+def _mask_us(frontend: Any, texts: list[str]) -> float:
+    """Median host time of one next-token mask along the constrained answers."""
+    from ninfer_jax.sampling_params import StructuredOutput
+
+    spec = StructuredOutput("json_schema", json.dumps(SCHEMA))
+    times = []
+    for text in texts:
+        matcher = frontend.grammar().matcher(spec)
+        for t in frontend.tokenizer.encode_text(text):
+            start = time.perf_counter()
+            matcher.mask()
+            times.append(time.perf_counter() - start)
+            if not matcher.advance([t]):  # re-encoded text may split differently: stop there
+                break
+    return 1e6 * statistics.median(times)
+
+
+def _ratio_rows(pairs: list[tuple[dict, dict]], key: str) -> dict[str, float]:
+    ratios = sorted(a[key] / b[key] for a, b in pairs)
+    return {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
+
+
+def _demo_rows() -> dict[str, Any]:
+    """The JSON-schema and n = 4 rows on the embedded model (module docstring)."""
+    from ninfer_jax.api import Engine
+
+    engine = Engine.open(max_concurrency=4, max_seq_len=512)
+    try:
+        with ServerThread(create_app(engine, model_name=MODEL)) as server:
+            _grammar_turn(server.url, True), _grammar_turn(server.url, False)  # warm-up
+            pairs = []
+            for _ in range(REPS):
+                pairs.append((_grammar_turn(server.url, True),
+                              _grammar_turn(server.url, False)))
+            for with_grammar, _ in pairs:
+                for text, finish in zip(with_grammar["texts"], with_grammar["finish"]):
+                    ok = finish == "length" and text.startswith('{"story": "')
+                    if not ok:
+                        raise AssertionError(f"constrained answer breaks the schema: {text!r}")
+            mask_us = _mask_us(engine.frontend, [t for a, _ in pairs for t in a["texts"]])
+            _n_turn(server.url, engine, True, -1), _n_turn(server.url, engine, False, -2)
+            n_pairs = [(_n_turn(server.url, engine, True, 2 * r),
+                        _n_turn(server.url, engine, False, 2 * r + 1)) for r in range(REPS)]
+    finally:
+        engine.close()
+    grammar = {"with": [a["tok_per_s"] for a, _ in pairs],
+               "without": [b["tok_per_s"] for _, b in pairs],
+               "ratio": _ratio_rows(pairs, "tok_per_s"), "mask_us_per_token": mask_us,
+               "clients": GRAMMAR_CLIENTS, "max_tokens": MAX_TOKENS}
+    n4 = {"n4": [a for a, _ in n_pairs], "separate": [b for _, b in n_pairs],
+          "tok_per_s_ratio": _ratio_rows(n_pairs, "tok_per_s")}
+    print(f"\nembedded demo model, {GRAMMAR_CLIENTS} concurrent greedy chat requests, "
+          f"{MAX_TOKENS} new tokens, {REPS} turns each (A B A B)")
+    print(f"{'row':<34} {'tok/s (median)':>15} {'ratio med [min-max]':>22}")
+    r = grammar["ratio"]
+    print(f"{'json_schema (response_format)':<34} {statistics.median(grammar['with']):>15.1f} "
+          f"{r['median']:>9.3f} [{r['min']:.3f}-{r['max']:.3f}]")
+    print(f"{'no grammar':<34} {statistics.median(grammar['without']):>15.1f}")
+    print(f"host mask time per token: {mask_us:.1f} us (median)")
+    r = n4["tok_per_s_ratio"]
+    a, b = n_pairs[-1]
+    print(f"{'n=4, one request':<34} {statistics.median(x['tok_per_s'] for x in n4['n4']):>15.1f} "
+          f"{r['median']:>9.3f} [{r['min']:.3f}-{r['max']:.3f}]   prefilled "
+          f"{a['prefilled_tokens']} of 4 x {a['prompt_tokens']} (cached {a['cached_tokens']}, "
+          f"{a['prefills_from_root']} from root)")
+    print(f"{'4 separate requests (own salts)':<34} "
+          f"{statistics.median(x['tok_per_s'] for x in n4['separate']):>15.1f} "
+          f"{'':>22}   prefilled {b['prefilled_tokens']} of 4 x {b['prompt_tokens']} "
+          f"(cached {b['cached_tokens']}, {b['prefills_from_root']} from root)")
+    return {"json_schema": {k: v for k, v in grammar.items()}, "n4": n4}
+
+
 def run(out_dir: str) -> dict[str, Any]:
     del out_dir
     kind = os.environ.get("BENCH_SERVER_ENGINE", "fake")
@@ -128,5 +276,6 @@ def run(out_dir: str) -> dict[str, Any]:
     for r in levels:
         print(f"{r['concurrency']:>7} {r['requests']:>8} {r['tok_per_s']:>9.1f} "
               f"{r['req_per_s']:>7.2f} {r['ttft_p50_ms']:>12.1f} {r['ttft_p99_ms']:>12.1f}")
+    demo = _demo_rows()
     return {"engine": kind, "requests_per_client": REQUESTS_PER_CLIENT,
-            "max_tokens": MAX_TOKENS, "levels": levels}
+            "max_tokens": MAX_TOKENS, "levels": levels, "demo": demo}
