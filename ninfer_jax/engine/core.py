@@ -172,6 +172,7 @@ class EngineCore:
             try:
                 grammar = self.frontend.grammar(self.limits.vocab_size).matcher(
                     sampling.structured)
+                grammar.mask()  # the first token's, here on the caller's thread, not the worker
             except ValueError as e:
                 raise RejectedError("invalid", f"structured: {e}", "structured") from None
         now = time.monotonic()

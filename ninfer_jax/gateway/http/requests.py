@@ -13,7 +13,7 @@ from typing import Any
 
 from ninfer_jax.gateway.http.errors import Api, ApiError
 from ninfer_jax.gateway.http.fields import Fields, check_text
-from ninfer_jax.gateway.http.structured import GUIDED, openai_structured, thinking_off
+from ninfer_jax.gateway.http.structured import openai_structured, thinking_off
 from ninfer_jax.gateway.http.tools import (
     ToolChoice,
     anthropic_content,

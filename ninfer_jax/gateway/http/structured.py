@@ -20,7 +20,6 @@ from ninfer_jax.gateway.http.errors import ApiError
 from ninfer_jax.gateway.http.fields import Fields
 from ninfer_jax.sampling_params import SamplingParamsError, StructuredOutput
 
-GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 _STRUCTURED_KEYS = {"json": "json_schema", "json_object": "json_object", "regex": "regex",
                     "choice": "choice", "grammar": "grammar"}
 
