@@ -7,7 +7,9 @@ enums and arrays of them, nested one level, some properties optional); every ans
 sampled, with and without MTP speculation, in a batch shared with an unconstrained request,
 ends with EOS and its text parses and validates against its schema. Rows without a grammar are
 untouched (the unconstrained request's output equals its output alone), and grammar rows
-propose one token per round (drafting is off for them).
+propose one token per round (drafting is off for them). On the Program itself: the token a
+mask allows is the one sampled at a prefill's last chunk, a forced-control step and a decode
+round.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ninfer_jax.engine import FinishReason
+from ninfer_jax.program.errors import ResourceError
 from ninfer_jax.program.pending import BatchKind
 from ninfer_jax.sampling_params import SamplingParams, StructuredOutput
-from tests.engine.test_speculative_engine import K, _ids, engine
+from tests.engine.test_speculative_engine import K, _ids, _opened, engine
 
 NAMES = st.sampled_from(["id", "name", "ok", "size", "kind", "tags", "meta", "x"])
 # Small enough that any answer fits the shared Programs' max_seq_len (72) after the prompt.
@@ -90,3 +95,41 @@ def test_choice_and_regex_on_the_demo_model():
                 structured=StructuredOutput("regex", r"[a-z]{2,5} [0-9]{1,3}")))
             text = got.result(120).text
             assert text.split(" ")[0].isalpha() and text.split(" ")[1].isdigit(), text
+
+
+def _only(token: int, words: int) -> np.ndarray:
+    mask = np.zeros(words, np.uint32)
+    mask[token // 32] = np.uint32(1 << (token % 32))
+    return mask
+
+
+def test_program_masks_prefill_control_and_decode_tokens():
+    """The real Program (K = 0 and K = 2) samples exactly the one token a mask allows at each
+    kind of step, sampled or greedy; a masked decode row proposes one token; bad masks are
+    refused before anything runs."""
+    for k in (0, K):
+        program = _opened(k)[0]
+        words = program.limits.mask_words
+        ids = _ids(PROMPT["prompt"])
+        sampling = SamplingParams(temperature=1.0, seed=3, max_new_tokens=12)
+        handle = program.materialize(program.plan_admission(len(ids), 12), ids, sampling)
+        try:
+            with pytest.raises(ResourceError):
+                program.prefill(handle, mask=np.zeros(words, np.uint32))  # allows nothing
+            with pytest.raises(ResourceError):
+                program.prefill(handle, mask=np.ones(words + 1, np.uint32))
+            batch = None
+            while batch is None:
+                batch = program.prefill(handle, mask=_only(777, words))
+            assert batch.row_tokens(0) == [777]
+            program.commit(batch, [1])
+            batch = program.control(handle, [11, 12], mask=_only(901, words))
+            assert batch.row_tokens(0) == [901]
+            program.commit(batch, [1])
+            for token in (5, 2048, 4095):
+                batch = program.decode([handle], masks=[_only(token, words)])
+                assert batch.row_tokens(0) == [token] and int(batch.produced[0]) == 1
+                program.commit(batch, [1])
+            assert program.tokens(handle)[len(ids):] == [777, 11, 12, 901, 5, 2048, 4095]
+        finally:
+            program.release(handle)
