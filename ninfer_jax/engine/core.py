@@ -576,7 +576,11 @@ class EngineCore:
             self._publish_committed()
             r = unit.record
             records = [r]
-            mask = None if r.grammar is None else r.grammar.mask_after(r.control)
+            try:
+                mask = None if r.grammar is None else r.grammar.mask_after(r.control)
+            except ValueError as e:  # forced tokens the grammar refuses: this request ends
+                self._terminal(r, FinishReason.ERROR, f"structured output: {e}")
+                return
             batch = self.program.control(r.seq, r.control, mask)
         else:
             records = list(unit.records)

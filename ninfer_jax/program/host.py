@@ -445,9 +445,10 @@ class HostProgram(abc.ABC):
         may be ([mask_words] uint32 bitmask; None: any)."""
         self._check_idle()
         seq = self._seq(handle)
-        seq.mask = self._check_mask(mask)
+        checked = self._check_mask(mask)
         if seq.state is not SeqState.PREFILL:
             raise ResourceError(f"{handle} is not prefilling")
+        seq.mask = checked
         start = seq.frontier
         end = start + self.limits.prefill_chunk
         if stop_at is not None and start < stop_at < min(end, seq.prompt_len):
