@@ -106,7 +106,6 @@ class EngineCore:
         self.limits = program.limits
         self.scheduler = Scheduler()
         self.resources = ResourceManager(self.limits.max_concurrency)
-        self.catalog = CheckpointCatalog()
         self.reuse = config.prefix_reuse and self.limits.total_checkpoint_slots > 0
         self.tiers = tiers if self.reuse else None
         if tiers is not None and self.tiers is None:
@@ -250,6 +249,11 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    @property
+    def catalog(self) -> CheckpointCatalog:
+        """The ResourceManager's checkpoint catalog (prefix index, SessionIndex)."""
+        return self.resources.catalog
 
     @property
     def available(self) -> bool:
@@ -409,13 +413,9 @@ class EngineCore:
         if not any(x.request_id in self.scheduler.donors for x in self._active):
             return False  # nobody to wait for: the head goes next
         borrowers = [x for x in self._active if x.request_id in self.scheduler.borrowers]
-
-        def need(x: RequestRecord) -> int:
-            return self.program.pages_needed(x.prompt_tokens, x.sampling.max_new_tokens)
-
-        pages = need(head) + need(r) + sum(need(b) for b in borrowers)
-        return (pages <= self.limits.total_pages
-                and len(borrowers) + 2 <= min(len(self.resources.lanes), self.limits.total_slots))
+        together = [head, r, *borrowers]
+        return len(together) <= len(self.resources.lanes) and self.program.backfill_fits(
+            [(x.prompt_tokens, x.sampling.max_new_tokens) for x in together])
 
     def _admit(self, r: RequestRecord, may_evict: bool) -> bool:
         lane = self.resources.free_lane()
@@ -427,23 +427,25 @@ class EngineCore:
         if reuse and self.tiers is not None and not r.store_probed:
             source = self._reload(r, source, may_evict) or source
 
-        def plan():
-            return self.program.plan_admission(r.prompt_tokens, r.sampling.max_new_tokens,
-                                               None if source is None else source.ckpt)
+        def ask(evictable=()):
+            return self.program.admission(r.prompt_tokens, r.sampling.max_new_tokens,
+                                          None if source is None else source.ckpt, evictable)
 
-        sealed = plan()
-        victims = self.catalog.eviction_order(keep=source)
-        if (not self.program.can_start(sealed) and may_evict and self.program.slots.num_free
-                and self.program.pages.num_available + self.program.reclaimable_pages(
-                    [v.ckpt for v in victims]) >= sealed.num_pages):
-            # Inactive cache is what stands in the way: evict, least recently used first.
-            for victim in victims:
-                self._drop_checkpoint(victim, evicted=True)
-                sealed = plan()  # the revision changed: re-plan
-                if self.program.can_start(sealed):
-                    break
-        if not self.program.can_start(sealed):
+        victims = {v.ckpt: v for v in self.catalog.eviction_order(keep=source)} \
+            if may_evict else {}
+        answer = ask(list(victims))
+        if not answer.fits and answer.evict:
+            # Inactive cache is what stands in the way: release what the Program named (least
+            # recently used first), then the plan it seals again fits.
+            for ckpt in answer.evict:
+                self._drop_checkpoint(victims[ckpt], evicted=True)
+            answer = ask()
+            if not answer.fits:
+                raise InvariantError(f"request {r.request_id}: releasing the checkpoints the "
+                                     "Program named did not make room")
+        if not answer.fits:
             return False  # blocked by incumbents; they always finish (they hold reservations)
+        sealed = answer.plan
         self.scheduler.remove(r)
         self.resources.move(lane, LaneState.MATERIALIZING, r.request_id)
         r.lane = lane
@@ -475,8 +477,7 @@ class EngineCore:
             return None
         victims = self.catalog.eviction_order(keep=source) if may_evict else []
         need = self.program.pages_needed(r.prompt_tokens, r.sampling.max_new_tokens) + 2
-        if not (self.program.slots.num_free and self.program.pages.num_available
-                + self.program.reclaimable_pages([v.ckpt for v in victims]) >= need):
+        if self.program.release_to_fit(need, [v.ckpt for v in victims]) is None:
             return None
         r.store_probed = True
         start = time.perf_counter()

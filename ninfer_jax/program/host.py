@@ -46,6 +46,18 @@ class CheckpointId:
 
 
 @dataclasses.dataclass(frozen=True)
+class Admission:
+    """The Program's answer to "may this sequence start?" (DESIGN §5): `plan` sealed at the
+    current revision; `fits` when it can start now; otherwise `evict`: the fewest checkpoints
+    of the evictable ones offered (a prefix, in the order offered) whose release makes it fit,
+    or None when no release would (it waits for active sequences to finish)."""
+
+    plan: ResourcePlan
+    fits: bool
+    evict: tuple[CheckpointId, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class ResourcePlan:
     """A sealed admission plan: valid only while resource_revision is unchanged."""
 
@@ -237,6 +249,42 @@ class HostProgram(abc.ABC):
         return ResourcePlan(self.resource_revision, prompt_len, max_new_tokens, need - shared,
                             source, ckpt.frontier)
 
+    def admission(self, prompt_len: int, max_new_tokens: int,
+                  source: CheckpointId | None = None,
+                  evictable: Sequence[CheckpointId] = ()) -> Admission:
+        """Plans a sequence (see plan_admission) and says whether it fits now, after releasing
+        some of the `evictable` checkpoints (never `source`), or not until capacity is freed."""
+        plan = self.plan_admission(prompt_len, max_new_tokens, source)
+        if self.can_start(plan):
+            return Admission(plan, True)
+        evict = self.release_to_fit(plan.num_pages, [c for c in evictable if c != source])
+        return Admission(plan, False, evict)
+
+    def release_to_fit(self, num_pages: int, evictable: Sequence[CheckpointId]
+                       ) -> tuple[CheckpointId, ...] | None:
+        """The fewest checkpoints, a prefix of `evictable`, whose release leaves a free slot
+        and `num_pages` unpromised pages (() when they are there already), or None."""
+        if not self.slots.num_free:
+            return None
+        short = num_pages - self.pages.num_available
+        if short <= 0:
+            return ()
+        refs: dict[int, int] = {}  # page -> references held by the checkpoints taken so far
+        for i, ckpt_id in enumerate(evictable):
+            for page in self._ckpt(ckpt_id).pages:
+                refs[page] = refs.get(page, 0) + 1
+                if refs[page] == self.pages.refcount(page):  # nothing else holds it: freed
+                    short -= 1
+            if short <= 0:
+                return tuple(evictable[: i + 1])
+        return None
+
+    def backfill_fits(self, sequences: Sequence[tuple[int, int]]) -> bool:
+        """The backfill proof (DESIGN §5): sequences of these (prompt_len, max_new_tokens) could
+        all hold their full reservations at once, from root, with every checkpoint released."""
+        pages = sum(self.pages_needed(p, m) for p, m in sequences)
+        return pages <= self.limits.total_pages and len(sequences) <= self.limits.total_slots
+
     def can_start(self, plan: ResourcePlan) -> bool:
         """Whether `plan` can be materialized now (fresh, a free slot, enough unpromised pages)."""
         return (plan.revision == self.resource_revision and self.slots.num_free > 0
@@ -385,14 +433,6 @@ class HostProgram(abc.ABC):
         del self._ckpts[ckpt_id.ckpt_id]
         self._footprint = None
         self.resource_revision += 1
-
-    def reclaimable_pages(self, ckpt_ids: Sequence[CheckpointId]) -> int:
-        """Pages that releasing all of `ckpt_ids` would free (nothing else references them)."""
-        refs: dict[int, int] = {}
-        for ckpt_id in ckpt_ids:
-            for page in self._ckpt(ckpt_id).pages:
-                refs[page] = refs.get(page, 0) + 1
-        return sum(self.pages.refcount(p) == n for p, n in refs.items())
 
     def checkpoint_footprint(self) -> tuple[int, int]:
         """(distinct pages referenced by checkpoints, bytes they and their state images hold).
