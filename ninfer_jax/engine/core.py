@@ -375,7 +375,7 @@ class EngineCore:
         if r.seq is None:
             return  # adopted already, before its last delta went out
         if r.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-            entry = self._retain(r)  # the turn's frontier
+            entry = self._retain(r, publication=True)  # the turn's frontier
             if entry is not None and r.session_key is not None:
                 self.catalog.bind_session(r.session_key, entry, r.publication_order)
         self.program.release(r.seq)
@@ -487,6 +487,10 @@ class EngineCore:
         r.cached_tokens = sealed.cached_tokens
         if reuse:
             self.catalog.record_use(source)
+            # The publication slot (DESIGN §7): the slot its turn checkpoint will take, so its
+            # end does not evict another checkpoint to keep its own. Taken from free slots only
+            # (never by evicting); a request without one evicts at its end.
+            self.program.reserve_publication(r.seq)
         return True
 
     def _stop_ids(self, sampling: SamplingParams) -> tuple[int, ...]:
@@ -547,11 +551,13 @@ class EngineCore:
     def _offload(self, entry: CatalogEntry) -> None:
         self.tiers.offload(self.program, entry.ckpt, entry.tokens, entry.scope)
 
-    def _retain(self, r: RequestRecord, tokens=None) -> CatalogEntry | None:
+    def _retain(self, r: RequestRecord, tokens=None, publication: bool = False
+                ) -> CatalogEntry | None:
         """Checkpoints a sequence at its committed frontier unless that prefix is cataloged;
         evicts the least recently used checkpoint for a slot. None when nothing is kept.
         `tokens`: the frontier's tokens (default: all but the last, whose effect is not in the
-        state yet)."""
+        state yet). `publication`: the turn's checkpoint, into the slot reserved at
+        activation when the request holds one (an unused one is freed with the sequence)."""
         if not (self.reuse and r.reuse):
             return None
         if tokens is None:
@@ -563,12 +569,14 @@ class EngineCore:
         existing = self.catalog.get(tokens, r.cache_scope)
         if existing is not None:
             return existing
-        if not self.program.can_capture():
+        reserved = publication and self.program.has_publication_slot(r.seq)
+        if not reserved and not self.program.can_capture():
             victim = self.catalog.least_recent()
             if victim is None:
                 return None
             self._drop_checkpoint(victim, evicted=True)
-        entry = self.catalog.add(self.program.capture(r.seq), tokens, r.cache_scope)
+        entry = self.catalog.add(self.program.capture(r.seq, publication=reserved), tokens,
+                                 r.cache_scope)
         if self.tiers is not None:  # written through once this iteration's output is out
             self._to_offload.append(entry)
         return entry

@@ -133,6 +133,7 @@ class SeqRecord:
     pages: list[int] = dataclasses.field(default_factory=list)
     frontier: int = 0  # positions whose K/V and GDN effect are committed
     state: SeqState = SeqState.PREFILL
+    publication_slot: int | None = None  # a checkpoint slot kept for its terminal capture
 
     @property
     def generated(self) -> int:
@@ -343,22 +344,45 @@ class HostProgram(abc.ABC):
     def can_capture(self) -> bool:
         return self.limits.total_checkpoint_slots > 0 and self.ckpt_slots.num_free > 0
 
-    def capture(self, handle: SequenceHandle) -> CheckpointId:
+    def reserve_publication(self, handle: SequenceHandle) -> bool:
+        """Keeps a free checkpoint slot for the sequence's terminal checkpoint (DESIGN §7: the
+        publication slot, reserved at activation), so that its capture never needs a slot
+        freed at the end. Reservations hold at most half the checkpoint slots (the rest serve
+        the checkpoints being reused), so False when that half or every slot is taken.
+        Released with the sequence if unused."""
+        seq = self._seq(handle)
+        held = sum(s.publication_slot is not None for s in self._seqs.values())
+        if (seq.publication_slot is None and self.can_capture()
+                and held < self.limits.total_checkpoint_slots // 2):
+            seq.publication_slot = self.ckpt_slots.allocate()
+        return seq.publication_slot is not None
+
+    def has_publication_slot(self, handle: SequenceHandle) -> bool:
+        return self._seq(handle).publication_slot is not None
+
+    def capture(self, handle: SequenceHandle, *, publication: bool = False) -> CheckpointId:
         """Checkpoints a sequence at its committed frontier (its tokens minus the last one
-        sampled, whose effect is not yet in the state). Needs a free checkpoint slot."""
+        sampled, whose effect is not yet in the state). Needs a free checkpoint slot, or with
+        `publication` the one the sequence reserved."""
         seq = self._seq(handle)
         if self._pending is not None and handle in self._pending.handles:
             raise PendingBatchError(f"capture of {handle} while its PendingBatch is unconsumed")
         if seq.state not in (SeqState.ACTIVE, SeqState.PREFILL) or seq.frontier < 1:
             raise ResourceError(f"{handle} has no committed frontier to capture")
-        if not self.can_capture():
+        if publication and seq.publication_slot is None:
+            raise ResourceError(f"{handle} holds no publication slot")
+        if not publication and not self.can_capture():
             raise ResourceError("no free checkpoint slot")
         n = -(-seq.frontier // self.limits.page_size)
         pages = seq.pages[:n]
         for page in pages:
             self.pages.incref(page)
+        if publication:
+            slot, seq.publication_slot = seq.publication_slot, None
+        else:
+            slot = self.ckpt_slots.allocate()
         ckpt = CheckpointRecord(CheckpointId(next(self._ids)), tuple(seq.tokens[: seq.frontier]),
-                                self.ckpt_slots.allocate(), list(pages))
+                                slot, list(pages))
         self._run_capture(seq, ckpt.slot)
         self._ckpts[ckpt.ckpt.ckpt_id] = ckpt
         self._footprint = None
@@ -465,6 +489,8 @@ class HostProgram(abc.ABC):
             self.pages.decref(page)
         self.pages.unreserve(seq.reserved)
         self.slots.release(seq.slot)
+        if seq.publication_slot is not None:
+            self.ckpt_slots.release(seq.publication_slot)
         del self._seqs[handle.seq_id]
         self.resource_revision += 1
 

@@ -82,9 +82,9 @@ def test_the_turn_checkpoint_exists_before_the_last_delta_goes_out():
         log = []
         capture, release, emit = program.capture, program.release, core._emit
 
-        def logged_capture(handle):
+        def logged_capture(handle, **kw):
             log.append(("capture", program.num_generated(handle)))
-            return capture(handle)
+            return capture(handle, **kw)
 
         def logged_release(handle):
             log.append(("release",))
@@ -111,3 +111,46 @@ def test_the_turn_checkpoint_exists_before_the_last_delta_goes_out():
                 turn = [e for e in log if e[0] == "capture" and e[1] == max_new]
                 assert turn and log.index(turn[0]) < last_delta, log
         settle(core)
+
+
+def test_a_finishing_request_keeps_its_turn_in_the_slot_reserved_at_activation():
+    """The publication slot (DESIGN §7): reserved when the request activates (while at most
+    half the checkpoint slots are reserved), taken by its turn checkpoint at the end, so the
+    end evicts nothing even when every other slot is full; freed with the sequence if unused."""
+    from ninfer_jax.engine import Finished
+
+    with fake_engine(2, total_checkpoint_slots=4) as (core, program):
+        greedy1 = SamplingParams(max_new_tokens=1, temperature=0)
+        for i in range(3):  # three inactive checkpoints
+            core.submit(prompt(f"filler {i}"), greedy1).result(timeout=30)
+        assert settle(core).prefix.checkpoints == 3
+        log = []
+        capture, release_ckpt, emit = program.capture, program.release_checkpoint, core._emit
+
+        def logged_capture(handle, **kw):
+            log.append(("capture", kw.get("publication", False)))
+            return capture(handle, **kw)
+
+        def logged_release(ckpt):
+            log.append(("evict",))
+            release_ckpt(ckpt)
+
+        def logged_emit(r, event):
+            if isinstance(event, Finished):
+                log.append(("Finished",))
+            emit(r, event)
+
+        program.capture, program.release_checkpoint = logged_capture, logged_release
+        core._emit = logged_emit
+        program.on("after_commit", lambda seqs: log.append(("commit",)))
+        text = long_prompt(5, "turn")
+        result = core.submit(prompt(text), SamplingParams(max_new_tokens=5, temperature=0)
+                             ).result(timeout=30)
+        assert result.usage.completion_tokens == 5
+        end = log.index(("Finished",))
+        last_commit = max(i for i, e in enumerate(log[:end]) if e == ("commit",))
+        assert ("capture", True) in log[last_commit:end], log  # the reserved slot
+        assert ("evict",) not in log[last_commit:end], log  # nothing evicted at the end
+        s = settle(core)
+        assert s.prefix.checkpoints == 4  # two fillers, the prompt's and the turn's
+        assert program.stats().free_checkpoint_slots == 0
