@@ -352,8 +352,11 @@ class EngineCore:
                     continue  # still reading; decode rounds go on meanwhile
                 self._conclude_reload(r)
                 changed = True
-            if r.seq is None and not self._materialize(r, r.may_evict):
-                continue  # capacity frees as active requests finish (the gate holds others)
+            # Capacity frees as active requests finish (the gate holds others back); with none
+            # left to finish, inactive checkpoints may be evicted for it even as a borrower.
+            alone = not any(x.seq is not None for x in self._active if x is not r)
+            if r.seq is None and not self._materialize(r, r.may_evict or alone):
+                continue
             r.move(S.PREFILL)
             self.resources.move(r.lane, LaneState.ACTIVE, r.request_id)
             self._publish(r, GenerationStart(r.request_id, r.prompt_tokens, r.cached_tokens))
