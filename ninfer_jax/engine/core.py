@@ -571,6 +571,7 @@ class EngineCore:
                                  f"frontier {self.program.frontier(r.seq)}")
         existing = self.catalog.get(tokens, r.cache_scope)
         if existing is not None:
+            self.catalog.touch(existing)  # reached again: the last to evict
             return existing
         reserved = publication and self.program.has_publication_slot(r.seq)
         if not reserved and not self.program.can_capture():
