@@ -16,6 +16,7 @@ from ninfer_jax.sampling_params import SamplingParams
 from tests.engine.conftest import fake_engine, long_prompt, prompt
 
 LONG = SamplingParams(max_new_tokens=40, temperature=0)
+SLOW = {"step_seconds": 0.002}  # 40 rounds >= 80 ms: the fault lands while both still run
 
 
 def _assert_failed_cleanly(core, program, handles, cause: str):
@@ -42,7 +43,7 @@ def _start_two(core, program):
 
 
 def test_a_pending_batch_whose_rows_are_not_the_rounds_fails_the_engine():
-    with fake_engine(2, total_checkpoint_slots=4) as (core, program):
+    with fake_engine(2, total_checkpoint_slots=4, program_kw=SLOW) as (core, program):
         handles = _start_two(core, program)
         decode = type(program).decode
 
@@ -55,7 +56,7 @@ def test_a_pending_batch_whose_rows_are_not_the_rounds_fails_the_engine():
 
 def test_a_sequence_released_behind_the_engine_fails_it():
     """Handle owner/generation mismatch: the Engine's handle no longer names a sequence."""
-    with fake_engine(2, total_checkpoint_slots=4) as (core, program):
+    with fake_engine(2, total_checkpoint_slots=4, program_kw=SLOW) as (core, program):
         handles = _start_two(core, program)
         decode = type(program).decode
         done = []
@@ -73,7 +74,7 @@ def test_a_sequence_released_behind_the_engine_fails_it():
 def test_a_broken_adoption_invariant_fails_the_engine():
     """A Frontend preview that accepts none of a round's tokens breaks the adoption rule
     (a non-cancelled row accepts 1..produced)."""
-    with fake_engine(2, total_checkpoint_slots=4) as (core, program):
+    with fake_engine(2, total_checkpoint_slots=4, program_kw=SLOW) as (core, program):
         handles = _start_two(core, program)
         record = next(r for r in core._active if r.seq is not None)
         real = record.session.preview
