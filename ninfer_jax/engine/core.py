@@ -745,6 +745,7 @@ class EngineCore:
         for handle in self.program.handles():
             _best_effort(self.program.release, handle)
         for r in self._active:
+            r.seq = None  # released above: no terminal result is adopted any more
             if r.reload is not None:
                 _best_effort(self.tiers.abort_reload, r.reload)
                 r.reload = None
