@@ -47,6 +47,16 @@ def _stored_then_cleared(t):
     t.core.clear_prefix_cache()
 
 
+def _reading(t, ids, budget):
+    """Submits a request and returns its handle once its reload has started (held at the
+    gate)."""
+    reads = GatedTiers.started
+    handle = submit(t.core, ids, budget)
+    while GatedTiers.started == reads:
+        threading.Event().wait(0.001)
+    return handle
+
+
 def _engine(tmp_path):
     return tiered_engine(tmp_path, 2, page_size=8, tiers_cls=GatedTiers)
 
@@ -56,12 +66,9 @@ def test_active_requests_decode_while_a_reload_reads(tmp_path):
     with _engine(tmp_path) as t:
         _stored_then_cleared(t)
         GatedTiers.gate.clear()
-        reads = GatedTiers.started
         busy = submit(t.core, OTHER, 40)
         next(iter(busy))  # decoding
-        turn = submit(t.core, X + MORE, 4)
-        while GatedTiers.started == reads:  # the read started and waits at the gate
-            threading.Event().wait(0.001)
+        turn = _reading(t, X + MORE, 4)
         # the read is held: the other request still runs to its end meanwhile
         assert list(busy.result(timeout=30).token_ids) == want_ids(OTHER, 40)
         assert not turn.done
@@ -80,10 +87,7 @@ def test_a_cancel_while_reading_revokes_the_read(tmp_path):
     with _engine(tmp_path) as t:
         _stored_then_cleared(t)
         GatedTiers.gate.clear()
-        reads = GatedTiers.started
-        turn = submit(t.core, X + MORE, 4)
-        while GatedTiers.started == reads:
-            threading.Event().wait(0.001)
+        turn = _reading(t, X + MORE, 4)
         turn.cancel()
         result = turn.result(timeout=30)
         assert result.finish_reason is FinishReason.CANCELLED and not result.token_ids
