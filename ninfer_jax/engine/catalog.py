@@ -128,8 +128,12 @@ class CheckpointCatalog:
             return
         self.hits += 1
         self.cached_tokens += entry.frontier
+        self.touch(entry)
+
+    def touch(self, entry: CatalogEntry) -> None:
+        """Marks an entry most recently used (a request reached its prefix again)."""
         entry.last_used = next(self._clock)
-        self._entries[entry.digest] = self._entries.pop(entry.digest)  # most recent last
+        self._entries[entry.digest] = self._entries.pop(entry.digest)
 
     def bind_session(self, key: str, entry: CatalogEntry, publication_order: int) -> None:
         """Binds `key` in the entry's scope to it, unless a later-ordered result holds it."""

@@ -106,7 +106,6 @@ class EngineCore:
         self.limits = program.limits
         self.scheduler = Scheduler()
         self.resources = ResourceManager(self.limits.max_concurrency)
-        self.catalog = CheckpointCatalog()
         self.reuse = config.prefix_reuse and self.limits.total_checkpoint_slots > 0
         self.tiers = tiers if self.reuse else None
         if tiers is not None and self.tiers is None:
@@ -264,6 +263,11 @@ class EngineCore:
         return self._stats
 
     @property
+    def catalog(self) -> CheckpointCatalog:
+        """The ResourceManager's checkpoint catalog (prefix index, SessionIndex)."""
+        return self.resources.catalog
+
+    @property
     def available(self) -> bool:
         return self._available
 
@@ -271,7 +275,8 @@ class EngineCore:
         try:
             while not self._stop.is_set():
                 if not self._iterate():
-                    self._wake.wait(self.config.idle_wait_s)
+                    reading = self.tiers is not None and self.tiers.reads_in_flight
+                    self._wake.wait(0.001 if reading else self.config.idle_wait_s)
                     self._wake.clear()
             self._fail("the Engine was closed", closing=True)
         except Exception as e:  # an internal invariant broke: fail the Engine (DESIGN §8)
@@ -284,7 +289,7 @@ class EngineCore:
         progressed = self._run_commands()
         progressed |= self._take_inbox()
         progressed |= self._expire_waiting(now)  # 1
-        progressed |= self._advance_transitions()  # 2
+        progressed |= self._advance_transitions(now)  # 2
         progressed |= self._advance_offloads()
         progressed |= self._settle_terminal()  # 3
         progressed |= self._freeze_cancellations(now)  # 4
@@ -333,19 +338,40 @@ class EngineCore:
                 changed = True
         return changed
 
-    def _advance_transitions(self) -> bool:
+    def _advance_transitions(self, now: float) -> bool:
         changed = False
-        for r in [r for r in self._active if r.state is S.MATERIALIZING]:
-            if r.cancel_requested.is_set():  # abort the transition; adopt its complete end state
-                self.program.release(r.seq)
-                r.seq = None
+        materializing = [r for r in self._active if r.state is S.MATERIALIZING]
+        if self.tiers is not None and any(r.reload is not None for r in materializing):
+            self.tiers.poll()  # notes the reads that ended
+        for r in materializing:
+            expired = r.deadline is not None and now >= r.deadline
+            if r.cancel_requested.is_set() or expired:
+                # abort the transition; adopt its complete end state
+                if r.reload is not None:  # the read is revoked: nothing was imported
+                    self.tiers.abort_reload(r.reload)
+                    r.reload = None
+                if r.seq is not None:
+                    self.program.release(r.seq)
+                    r.seq = None
                 self.resources.move(r.lane, LaneState.FREE, r.request_id)
                 self._active.remove(r)
-                self._finish(r, FinishReason.CANCELLED)
-            else:
-                r.move(S.PREFILL)
-                self.resources.move(r.lane, LaneState.ACTIVE, r.request_id)
-                self._publish(r, GenerationStart(r.request_id, r.prompt_tokens, r.cached_tokens))
+                self._finish(r, FinishReason.DEADLINE if expired and not
+                             r.cancel_requested.is_set() else FinishReason.CANCELLED)
+                changed = True
+                continue
+            if r.reload is not None:
+                if not self.tiers.read_ended(r.reload):
+                    continue  # still reading; decode rounds go on meanwhile
+                self._conclude_reload(r)
+                changed = True
+            # Capacity frees as active requests finish (the gate holds others back); with none
+            # left to finish, inactive checkpoints may be evicted for it even as a borrower.
+            alone = not any(x.seq is not None for x in self._active if x is not r)
+            if r.seq is None and not self._materialize(r, r.may_evict or alone):
+                continue
+            r.move(S.PREFILL)
+            self.resources.move(r.lane, LaneState.ACTIVE, r.request_id)
+            self._publish(r, GenerationStart(r.request_id, r.prompt_tokens, r.cached_tokens))
             changed = True
         return changed
 
@@ -364,7 +390,7 @@ class EngineCore:
         if r.seq is None:
             return  # adopted already, before its last delta went out
         if r.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-            entry = self._retain(r)  # the turn's frontier
+            entry = self._retain(r, publication=True)  # the turn's frontier
             if entry is not None and r.session_key is not None:
                 self.catalog.bind_session(r.session_key, entry, r.publication_order)
         self.program.release(r.seq)
@@ -421,51 +447,65 @@ class EngineCore:
         if not any(x.request_id in self.scheduler.donors for x in self._active):
             return False  # nobody to wait for: the head goes next
         borrowers = [x for x in self._active if x.request_id in self.scheduler.borrowers]
-
-        def need(x: RequestRecord) -> int:
-            return self.program.pages_needed(x.prompt_tokens, x.sampling.max_new_tokens)
-
-        pages = need(head) + need(r) + sum(need(b) for b in borrowers)
-        return (pages <= self.limits.total_pages
-                and len(borrowers) + 2 <= min(len(self.resources.lanes), self.limits.total_slots))
+        together = [head, r, *borrowers]
+        return len(together) <= len(self.resources.lanes) and self.program.backfill_fits(
+            [(x.prompt_tokens, x.sampling.max_new_tokens) for x in together])
 
     def _admit(self, r: RequestRecord, may_evict: bool) -> bool:
+        """Claims a lane for `r` and moves it to Materializing: with a context-store read
+        started (a revocable claim: the sequence is materialized when the read ends, see
+        `_advance_transitions`), or with its sequence materialized now. False: it cannot start
+        yet (nothing was taken)."""
         lane = self.resources.free_lane()
         if lane is None:
             return False
-        reuse = self.reuse and r.reuse
-        source = self.catalog.lookup(r.prompt.token_ids, r.session_key, r.cache_scope) \
-            if reuse else None
-        if reuse and self.tiers is not None and not r.store_probed:
-            source = self._reload(r, source, may_evict) or source
-
-        def plan():
-            return self.program.plan_admission(r.prompt_tokens, r.sampling.max_new_tokens,
-                                               None if source is None else source.ckpt)
-
-        sealed = plan()
-        victims = self.catalog.eviction_order(keep=source)
-        if (not self.program.can_start(sealed) and may_evict and self.program.slots.num_free
-                and self.program.pages.num_available + self.program.reclaimable_pages(
-                    [v.ckpt for v in victims]) >= sealed.num_pages):
-            # Inactive cache is what stands in the way: evict, least recently used first.
-            for victim in victims:
-                self._drop_checkpoint(victim, evicted=True)
-                sealed = plan()  # the revision changed: re-plan
-                if self.program.can_start(sealed):
-                    break
-        if not self.program.can_start(sealed):
-            return False  # blocked by incumbents; they always finish (they hold reservations)
+        if self.reuse and r.reuse and self.tiers is not None and not r.store_probed:
+            r.reload = self._start_reload(r, may_evict)
+        if r.reload is None and not self._materialize(r, may_evict):
+            return False
         self.scheduler.remove(r)
         self.resources.move(lane, LaneState.MATERIALIZING, r.request_id)
         r.lane = lane
+        r.may_evict = may_evict
+        r.move(S.MATERIALIZING)
+        self._active.append(r)
+        return True
+
+    def _materialize(self, r: RequestRecord, may_evict: bool) -> bool:
+        """Plans `r` from its longest device checkpoint (evicting inactive ones if that makes
+        it fit) and materializes its sequence; False if it cannot start now."""
+        reuse = self.reuse and r.reuse
+        source = self.catalog.lookup(r.prompt.token_ids, r.session_key, r.cache_scope) \
+            if reuse else None
+
+        def ask(evictable=()):
+            return self.program.admission(r.prompt_tokens, r.sampling.max_new_tokens,
+                                          None if source is None else source.ckpt, evictable)
+
+        victims = {v.ckpt: v for v in self.catalog.eviction_order(keep=source)} \
+            if may_evict else {}
+        answer = ask(list(victims))
+        if not answer.fits and answer.evict:
+            # Inactive cache is what stands in the way: release what the Program named (least
+            # recently used first), then the plan it seals again fits.
+            for ckpt in answer.evict:
+                self._drop_checkpoint(victims[ckpt], evicted=True)
+            answer = ask()
+            if not answer.fits:
+                raise InvariantError(f"request {r.request_id}: releasing the checkpoints the "
+                                     "Program named did not make room")
+        if not answer.fits:
+            return False  # blocked by incumbents; they always finish (they hold reservations)
+        sealed = answer.plan
         r.seq = self.program.materialize(sealed, r.prompt.token_ids, r.sampling,
                                          self._stop_ids(r.sampling))
         r.cached_tokens = sealed.cached_tokens
         if reuse:
             self.catalog.record_use(source)
-        r.move(S.MATERIALIZING)
-        self._active.append(r)
+            # The publication slot (DESIGN §7): the slot its turn checkpoint will take, so its
+            # end does not evict another checkpoint to keep its own. Taken from free slots only
+            # (never by evicting); a request without one evicts at its end.
+            self.program.reserve_publication(r.seq)
         return True
 
     def _stop_ids(self, sampling: SamplingParams) -> tuple[int, ...]:
@@ -476,40 +516,43 @@ class EngineCore:
         return tuple(sorted(ending_ids(self.frontend.tokenizer, sampling.stop_token_ids,
                                        sampling.ignore_eos)))
 
-    def _reload(self, r: RequestRecord, source: CatalogEntry | None,
-                may_evict: bool) -> CatalogEntry | None:
-        """A checkpoint longer than the device's `source`, reloaded from the context store, or
-        None. Probes the store once per request, and only when the request could start (the
-        reload takes no capacity an active request was promised: it is planned like any
-        admission, from pages nobody reserved and inactive checkpoints)."""
+    def _start_reload(self, r: RequestRecord, may_evict: bool) -> Any:
+        """Starts reading a checkpoint longer than the device's best from the context store
+        (a Reload), or None. Probes the store once per request, and only when the request
+        could start (the reload takes no capacity an active request was promised: it is
+        planned like any admission, from pages nobody reserved and inactive checkpoints)."""
+        source = self.catalog.lookup(r.prompt.token_ids, r.session_key, r.cache_scope)
         above = 0 if source is None else source.frontier
         if r.prompt_tokens - 1 <= above:
             return None
         victims = self.catalog.eviction_order(keep=source) if may_evict else []
         need = self.program.pages_needed(r.prompt_tokens, r.sampling.max_new_tokens) + 2
-        if not (self.program.slots.num_free and self.program.pages.num_available
-                + self.program.reclaimable_pages([v.ckpt for v in victims]) >= need):
+        if self.program.release_to_fit(need, [v.ckpt for v in victims]) is None:
             return None
         r.store_probed = True
         start = time.perf_counter()
         found = self.tiers.find(r.prompt.token_ids, r.cache_scope, above)
-        if found is None:
-            return None
-        # Read the blocks before evicting on the device: a victim not yet in the store is
+        return None if found is None else self.tiers.start_reload(found, start)
+
+    def _conclude_reload(self, r: RequestRecord) -> None:
+        """Imports the checkpoint a finished read brought (when it checks out and fits)."""
+        reload, r.reload = r.reload, None
+        image = self.tiers.reload_result(reload)
+        found = reload.found
+        if image is None or self.catalog.get(found.tokens, r.cache_scope) is not None:
+            return
+        # The blocks are read before evicting on the device: a victim not yet in the store is
         # written there first, and that write may evict the blocks just found.
-        image = self.tiers.reload(found)
-        if image is None:
-            return None
+        source = self.catalog.lookup(r.prompt.token_ids, r.session_key, r.cache_scope)
+        victims = self.catalog.eviction_order(keep=source) if r.may_evict else []
         for victim in victims:
             if self.program.can_import(found.frontier):
                 break
             self._drop_checkpoint(victim, evicted=True)
         if not self.program.can_import(found.frontier):
-            return None
-        entry = self.catalog.add(self.program.import_checkpoint(image), found.tokens,
-                                 r.cache_scope)
-        self.tiers.record_reload(found, time.perf_counter() - start)
-        return entry
+            return
+        self.catalog.add(self.program.import_checkpoint(image), found.tokens, r.cache_scope)
+        self.tiers.record_reload(found, time.perf_counter() - reload.started)
 
     def _advance_offloads(self) -> bool:
         """Sends retained checkpoints to the context store and concludes finished writes."""
@@ -523,11 +566,13 @@ class EngineCore:
     def _offload(self, entry: CatalogEntry) -> None:
         self.tiers.offload(self.program, entry.ckpt, entry.tokens, entry.scope)
 
-    def _retain(self, r: RequestRecord, tokens=None) -> CatalogEntry | None:
+    def _retain(self, r: RequestRecord, tokens=None, publication: bool = False
+                ) -> CatalogEntry | None:
         """Checkpoints a sequence at its committed frontier unless that prefix is cataloged;
         evicts the least recently used checkpoint for a slot. None when nothing is kept.
         `tokens`: the frontier's tokens (default: all but the last, whose effect is not in the
-        state yet)."""
+        state yet). `publication`: the turn's checkpoint, into the slot reserved at
+        activation when the request holds one (an unused one is freed with the sequence)."""
         if not (self.reuse and r.reuse):
             return None
         if tokens is None:
@@ -538,13 +583,16 @@ class EngineCore:
                                  f"frontier {self.program.frontier(r.seq)}")
         existing = self.catalog.get(tokens, r.cache_scope)
         if existing is not None:
+            self.catalog.touch(existing)  # reached again: the last to evict
             return existing
-        if not self.program.can_capture():
+        reserved = publication and self.program.has_publication_slot(r.seq)
+        if not reserved and not self.program.can_capture():
             victim = self.catalog.least_recent()
             if victim is None:
                 return None
             self._drop_checkpoint(victim, evicted=True)
-        entry = self.catalog.add(self.program.capture(r.seq), tokens, r.cache_scope)
+        entry = self.catalog.add(self.program.capture(r.seq, publication=reserved), tokens,
+                                 r.cache_scope)
         if self.tiers is not None:  # written through once this iteration's output is out
             self._to_offload.append(entry)
         return entry
@@ -721,6 +769,11 @@ class EngineCore:
             _best_effort(self.program.abort_pending, pending)
         for handle in self.program.handles():
             _best_effort(self.program.release, handle)
+        for r in self._active:
+            r.seq = None  # released above: no terminal result is adopted any more
+            if r.reload is not None:
+                _best_effort(self.tiers.abort_reload, r.reload)
+                r.reload = None
         for entry in self.catalog.entries():  # a clean close still stores what it retained
             _best_effort(self._drop_checkpoint, entry, False, closing)
         self.resources.clear()

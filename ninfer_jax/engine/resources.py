@@ -1,14 +1,18 @@
-"""ResourceManager (DESIGN §2, §3): logical lanes and their adoption of Program results.
+"""ResourceManager (DESIGN §2, §3, §7): logical lanes, the checkpoint catalog (its prefix
+index and SessionIndex), and their adoption of Program results.
 
 Owns lanes: `Free -> Materializing -> Active -> TerminalPending -> Free`. A lane is a logical
-claim, not a slot, page or batch row; the Program owns those and is asked, never mirrored.
-(The checkpoint catalog and SessionIndex join this module with prefix reuse.)
+claim, not a slot, page or batch row; the Program owns those and is asked, never mirrored: it
+alone answers whether a sequence fits, which checkpoints to release for it and the backfill
+proof (`HostProgram.admission`, `release_to_fit`, `backfill_fits`). The catalog is the logical
+view of the checkpoints the Program holds (`catalog.py`).
 """
 
 from __future__ import annotations
 
 import enum
 
+from ninfer_jax.engine.catalog import CheckpointCatalog
 from ninfer_jax.engine.request import InvariantError
 
 
@@ -31,6 +35,7 @@ class ResourceManager:
     def __init__(self, num_lanes: int):
         self.lanes = [LaneState.FREE] * num_lanes
         self.owner: list[int | None] = [None] * num_lanes
+        self.catalog = CheckpointCatalog()
 
     def free_lane(self) -> int | None:
         return next((i for i, s in enumerate(self.lanes) if s is LaneState.FREE), None)

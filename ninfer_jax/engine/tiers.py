@@ -9,8 +9,10 @@ Owns the store topology the Engine was opened with and three transitions of a ch
   prefetch signal -> prefetch -> lookup): the run of full K/V blocks bounds the candidate
   frontiers, the first state block of each says which were checkpointed, and the longest one
   whose every block is stored wins;
-- reload: its blocks are read into host buffers, the state image's envelope is checked, and the
-  image is handed back for the Program to import.
+- reload: its blocks are read into host buffers on the store's transfer threads
+  (`start_reload`; `poll` notes the read's end, so decode rounds go on meanwhile), then the
+  state image's envelope is checked and the image handed back for the Program to import
+  (`reload_result`); `abort_reload` revokes a read whose request was cancelled.
 Any store failure, missing or corrupted block is a miss (counted, logged), never a wrong answer.
 Runs on the Engine's worker thread only; imports no jax.
 """
@@ -69,6 +71,19 @@ class StoredPrefix:
         return len(self.tokens)
 
 
+@dataclasses.dataclass(eq=False)
+class Reload:
+    """A read of a found checkpoint's blocks: in flight while `done` is None."""
+
+    found: StoredPrefix
+    rid: str
+    job: int
+    buffers: list[np.ndarray]
+    started: float  # perf_counter at the lookup's start
+    done: bool | None = None  # the read's success, once it ended
+    aborted: bool = False
+
+
 class ContextTiers:
     def __init__(self, node: StoreNode, layout: BlockLayout, tiers: list[Any],
                  ttl_ms: int | None = None):
@@ -80,6 +95,7 @@ class ContextTiers:
         self._jobs = itertools.count()
         self._puts: dict[int, tuple[str, int, int]] = {}  # job -> (request, blocks, bytes)
         self._payloads: dict[int, list[BlockPayload]] = {}  # kept alive until completion
+        self._gets: dict[int, Reload] = {}  # reads in flight or not yet concluded
         self._hits = {name: 0 for name in self._names}
         self._origins: dict[BlockId, int] = {}  # during a find: tier rank of prefetched ids
         self._stats = TierStats(self._names)
@@ -123,8 +139,8 @@ class ContextTiers:
         self._count(pending_writes=1)
 
     def poll(self) -> bool:
-        """Concludes the writes that completed; True if any did."""
-        if not self._puts:
+        """Concludes the writes that completed and notes the reads that ended; True if any."""
+        if not self._puts and not self._gets:
             return False
         try:
             results = self.node.get_finished()
@@ -132,7 +148,13 @@ class ContextTiers:
             self._error("poll", e)
             return False
         for result in results:
-            self._conclude(result.job_id, result.success)
+            reload = self._gets.get(result.job_id)
+            if reload is None:
+                self._conclude(result.job_id, result.success)
+                continue
+            reload.done = result.success
+            if reload.aborted:
+                self._end_get(reload)
         return bool(results)
 
     def _drain(self) -> None:
@@ -199,42 +221,78 @@ class ContextTiers:
         finally:
             self._finish(rid)
 
-    def reload(self, found: StoredPrefix) -> CheckpointImage | None:
-        """Reads a found checkpoint's blocks; None (a miss) if any read or check fails."""
+    def start_reload(self, found: StoredPrefix, started: float) -> Reload | None:
+        """Starts reading a found checkpoint's blocks; None (a miss) if the store refuses."""
         ids = found.kv + found.state
         buffers = [np.empty(self.layout.block_bytes, np.uint8) for _ in ids]
         rid = self._open("get")
-        ok = False
+        prepared = False
         try:
             token = self.node.prepare_get(rid, ids)
+            prepared = True
             job = next(self._jobs)
-            try:
-                self.node.submit_get(job, [BlockPayload([b]) for b in buffers], token)
-                ok = self.node.wait([job])[0].success
-            finally:
-                self.node.complete_get(rid)
+            self.node.submit_get(job, [BlockPayload([b]) for b in buffers], token)
         except StoreError as e:
             self._error("reload", e)
-            ok = False
-        finally:
+            if prepared:
+                self._complete_get(rid)
             self._finish(rid)
-        if ok:
-            kv = buffers[: len(found.kv)]
+            self._count(reload_failures=1)
+            return None
+        reload = Reload(found, rid, job, buffers, started)
+        self._gets[job] = reload
+        return reload
+
+    def reload_result(self, reload: Reload) -> CheckpointImage | None:
+        """The image of a read that ended (`reload.done` set by `poll`), checked; None (a miss,
+        counted) if the read failed or a block does not carry its tag."""
+        if not self.read_ended(reload) or reload.aborted:
+            raise ValueError(f"reload job {reload.job} is in flight or aborted")
+        self._end_get(reload)
+        found = reload.found
+        if reload.done:
+            kv = reload.buffers[: len(found.kv)]
             bad = [i for i, (b, block) in enumerate(zip(found.kv, kv))
                    if not self.layout.check(b.bytes, block)]
             try:
                 if bad:
                     raise ImageError(f"K/V block(s) {bad} of frontier {found.frontier} do not "
                                      "carry their own tags")
-                state = self.layout.open(np.stack(buffers[len(found.kv):]), found.frontier,
-                                         found.digest)
-                self._count(bytes_loaded=len(ids) * self.layout.block_bytes)
+                state = self.layout.open(np.stack(reload.buffers[len(found.kv):]),
+                                         found.frontier, found.digest)
+                self._count(bytes_loaded=len(reload.buffers) * self.layout.block_bytes)
                 pages = [[block[: self.layout.page_bytes]] for block in kv]
                 return CheckpointImage(found.tokens, pages, state)
             except ImageError as e:
                 log.warning("context store: %s", e)
         self._count(reload_failures=1)
         return None
+
+    def read_ended(self, reload: Reload) -> bool:
+        """Whether the read ended (as the last `poll` saw it); then `reload_result` answers."""
+        return reload.done is not None
+
+    def abort_reload(self, reload: Reload) -> None:
+        """Revokes a read (its request ended): its store request ends when the read does."""
+        reload.aborted = True
+        if reload.done is not None:
+            self._end_get(reload)
+
+    @property
+    def reads_in_flight(self) -> int:
+        return sum(r.done is None for r in self._gets.values())
+
+    def _end_get(self, reload: Reload) -> None:
+        if self._gets.pop(reload.job, None) is None:
+            return
+        self._complete_get(reload.rid)
+        self._finish(reload.rid)
+
+    def _complete_get(self, rid: str) -> None:
+        try:
+            self.node.complete_get(rid)
+        except StoreError as e:
+            self._error("complete_get", e)
 
     def record_reload(self, found: StoredPrefix, seconds: float) -> None:
         self._hits[found.tier] = self._hits.get(found.tier, 0) + 1
@@ -249,10 +307,12 @@ class ContextTiers:
         return dataclasses.replace(self._stats, evictions_by_tier=evictions)
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Waits for the writes in flight (so a clean shutdown leaves them stored), then closes
-        the topology."""
+        """Waits for the writes in flight (so a clean shutdown leaves them stored) and the reads
+        (revoked), then closes the topology."""
+        for reload in list(self._gets.values()):
+            self.abort_reload(reload)
         deadline = time.monotonic() + timeout_s
-        while self._puts and time.monotonic() < deadline:
+        while (self._puts or self._gets) and time.monotonic() < deadline:
             if not self.poll():
                 time.sleep(0.005)
         self.node.close()

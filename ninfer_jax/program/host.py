@@ -46,6 +46,18 @@ class CheckpointId:
 
 
 @dataclasses.dataclass(frozen=True)
+class Admission:
+    """The Program's answer to "may this sequence start?" (DESIGN §5): `plan` sealed at the
+    current revision; `fits` when it can start now; otherwise `evict`: the fewest checkpoints
+    of the evictable ones offered (a prefix, in the order offered) whose release makes it fit,
+    or None when no release would (it waits for active sequences to finish)."""
+
+    plan: ResourcePlan
+    fits: bool
+    evict: tuple[CheckpointId, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class ResourcePlan:
     """A sealed admission plan: valid only while resource_revision is unchanged."""
 
@@ -126,6 +138,7 @@ class SeqRecord:
     pages: list[int] = dataclasses.field(default_factory=list)
     frontier: int = 0  # positions whose K/V and GDN effect are committed
     state: SeqState = SeqState.PREFILL
+    publication_slot: int | None = None  # a checkpoint slot kept for its terminal capture
     # The allowed-token bitmask of the next sampled token ([mask_words] uint32, None: any
     # token): set by each prefill / decode / control call from its caller's masks.
     mask: np.ndarray | None = None
@@ -245,6 +258,42 @@ class HostProgram(abc.ABC):
         return ResourcePlan(self.resource_revision, prompt_len, max_new_tokens, need - shared,
                             source, ckpt.frontier)
 
+    def admission(self, prompt_len: int, max_new_tokens: int,
+                  source: CheckpointId | None = None,
+                  evictable: Sequence[CheckpointId] = ()) -> Admission:
+        """Plans a sequence (see plan_admission) and says whether it fits now, after releasing
+        some of the `evictable` checkpoints (never `source`), or not until capacity is freed."""
+        plan = self.plan_admission(prompt_len, max_new_tokens, source)
+        if self.can_start(plan):
+            return Admission(plan, True)
+        evict = self.release_to_fit(plan.num_pages, [c for c in evictable if c != source])
+        return Admission(plan, False, evict)
+
+    def release_to_fit(self, num_pages: int, evictable: Sequence[CheckpointId]
+                       ) -> tuple[CheckpointId, ...] | None:
+        """The fewest checkpoints, a prefix of `evictable`, whose release leaves a free slot
+        and `num_pages` unpromised pages (() when they are there already), or None."""
+        if not self.slots.num_free:
+            return None
+        short = num_pages - self.pages.num_available
+        if short <= 0:
+            return ()
+        refs: dict[int, int] = {}  # page -> references held by the checkpoints taken so far
+        for i, ckpt_id in enumerate(evictable):
+            for page in self._ckpt(ckpt_id).pages:
+                refs[page] = refs.get(page, 0) + 1
+                if refs[page] == self.pages.refcount(page):  # nothing else holds it: freed
+                    short -= 1
+            if short <= 0:
+                return tuple(evictable[: i + 1])
+        return None
+
+    def backfill_fits(self, sequences: Sequence[tuple[int, int]]) -> bool:
+        """The backfill proof (DESIGN §5): sequences of these (prompt_len, max_new_tokens) could
+        all hold their full reservations at once, from root, with every checkpoint released."""
+        pages = sum(self.pages_needed(p, m) for p, m in sequences)
+        return pages <= self.limits.total_pages and len(sequences) <= self.limits.total_slots
+
     def can_start(self, plan: ResourcePlan) -> bool:
         """Whether `plan` can be materialized now (fresh, a free slot, enough unpromised pages)."""
         return (plan.revision == self.resource_revision and self.slots.num_free > 0
@@ -303,22 +352,45 @@ class HostProgram(abc.ABC):
     def can_capture(self) -> bool:
         return self.limits.total_checkpoint_slots > 0 and self.ckpt_slots.num_free > 0
 
-    def capture(self, handle: SequenceHandle) -> CheckpointId:
+    def reserve_publication(self, handle: SequenceHandle) -> bool:
+        """Keeps a free checkpoint slot for the sequence's terminal checkpoint (DESIGN §7: the
+        publication slot, reserved at activation), so that its capture never needs a slot
+        freed at the end. Reservations hold at most half the checkpoint slots (the rest serve
+        the checkpoints being reused), so False when that half or every slot is taken.
+        Released with the sequence if unused."""
+        seq = self._seq(handle)
+        held = sum(s.publication_slot is not None for s in self._seqs.values())
+        if (seq.publication_slot is None and self.can_capture()
+                and held < self.limits.total_checkpoint_slots // 2):
+            seq.publication_slot = self.ckpt_slots.allocate()
+        return seq.publication_slot is not None
+
+    def has_publication_slot(self, handle: SequenceHandle) -> bool:
+        return self._seq(handle).publication_slot is not None
+
+    def capture(self, handle: SequenceHandle, *, publication: bool = False) -> CheckpointId:
         """Checkpoints a sequence at its committed frontier (its tokens minus the last one
-        sampled, whose effect is not yet in the state). Needs a free checkpoint slot."""
+        sampled, whose effect is not yet in the state). Needs a free checkpoint slot, or with
+        `publication` the one the sequence reserved."""
         seq = self._seq(handle)
         if self._pending is not None and handle in self._pending.handles:
             raise PendingBatchError(f"capture of {handle} while its PendingBatch is unconsumed")
         if seq.state not in (SeqState.ACTIVE, SeqState.PREFILL) or seq.frontier < 1:
             raise ResourceError(f"{handle} has no committed frontier to capture")
-        if not self.can_capture():
+        if publication and seq.publication_slot is None:
+            raise ResourceError(f"{handle} holds no publication slot")
+        if not publication and not self.can_capture():
             raise ResourceError("no free checkpoint slot")
         n = -(-seq.frontier // self.limits.page_size)
         pages = seq.pages[:n]
         for page in pages:
             self.pages.incref(page)
+        if publication:
+            slot, seq.publication_slot = seq.publication_slot, None
+        else:
+            slot = self.ckpt_slots.allocate()
         ckpt = CheckpointRecord(CheckpointId(next(self._ids)), tuple(seq.tokens[: seq.frontier]),
-                                self.ckpt_slots.allocate(), list(pages))
+                                slot, list(pages))
         self._run_capture(seq, ckpt.slot)
         self._ckpts[ckpt.ckpt.ckpt_id] = ckpt
         self._footprint = None
@@ -394,14 +466,6 @@ class HostProgram(abc.ABC):
         self._footprint = None
         self.resource_revision += 1
 
-    def reclaimable_pages(self, ckpt_ids: Sequence[CheckpointId]) -> int:
-        """Pages that releasing all of `ckpt_ids` would free (nothing else references them)."""
-        refs: dict[int, int] = {}
-        for ckpt_id in ckpt_ids:
-            for page in self._ckpt(ckpt_id).pages:
-                refs[page] = refs.get(page, 0) + 1
-        return sum(self.pages.refcount(p) == n for p, n in refs.items())
-
     def checkpoint_footprint(self) -> tuple[int, int]:
         """(distinct pages referenced by checkpoints, bytes they and their state images hold).
         Computed when the set of checkpoints changed, not on every call (stats read it every
@@ -433,6 +497,8 @@ class HostProgram(abc.ABC):
             self.pages.decref(page)
         self.pages.unreserve(seq.reserved)
         self.slots.release(seq.slot)
+        if seq.publication_slot is not None:
+            self.ckpt_slots.release(seq.publication_slot)
         del self._seqs[handle.seq_id]
         self.resource_revision += 1
 

@@ -40,3 +40,14 @@ def test_a_session_binding_never_beats_a_longer_prefix():
     catalog.bind_session("branch", catalog.add("branch20", STREAM[:19] + (0,)), 1)
     assert _found(catalog, STREAM, "branch") == "ckpt17"  # the binding is no prefix here
     assert _found(catalog, STREAM[:19] + (0, 5), "branch") == "branch20"
+
+
+def test_touch_moves_an_entry_to_the_end_of_the_eviction_order():
+    catalog = CheckpointCatalog()
+    a, b, c = (catalog.add(i, (i, i + 1)) for i in range(3))
+    assert catalog.eviction_order() == [a, b, c] and catalog.least_recent() is a
+    catalog.touch(a)
+    assert catalog.eviction_order() == [b, c, a] and catalog.least_recent() is b
+    catalog.record_use(b)
+    assert catalog.eviction_order() == [c, a, b]
+    assert catalog.eviction_order(keep=c) == [a, b]

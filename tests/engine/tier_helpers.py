@@ -83,13 +83,14 @@ class Tiered:
 @contextlib.contextmanager
 def tiered_engine(root: pathlib.Path, max_concurrency: int = 2, *, capacity: int = 64,
                   policy: str = "lru", lower: str = "posix", idle_wait_s: float = 0.005,
-                  program_kw=None, redis_url: str | None = None, **limit_kw):
+                  program_kw=None, redis_url: str | None = None,
+                  tiers_cls: type = RecordingTiers, **limit_kw):
     lim = tier_limits(max_concurrency, **limit_kw)
     program = FakeProgram(lim, eos_id=EOS, **(program_kw or {}))
     asm = StoreAssembler(topology(root, capacity, policy, lower, redis_url))
     layout = BlockLayout(IDENTITY, lim.page_size, lim.rewrites_below_frontier, PAGE_BYTES,
                          STATE_BYTES)
-    tiers = RecordingTiers(asm.get_scheduler(), layout, asm.root.tiers)
+    tiers = tiers_cls(asm.get_scheduler(), layout, asm.root.tiers)
     core = EngineCore(program, FRONTEND, EngineCoreConfig(max_queue=64, idle_wait_s=idle_wait_s),
                       tiers)
     try:

@@ -11,7 +11,6 @@ own task run (datasets, task loading: heavy) is in the slow tier."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 from lm_eval.api.instance import Instance
@@ -25,6 +24,7 @@ from ninfer_jax.program.host import ProgramLimits
 from ninfer_jax.testing.fake_program import FakeProgram
 from tests.gateway.conftest import MODEL, PAGE_SIZE, served
 from tests.scoring.conftest import model_dir  # noqa: F401  (the fixture)
+from tests.scoring.conftest import write_mc_task
 
 MAX_LEN = 64  # the server's context (its scorer's window) and the adapter's
 DOCS = [{"q": f"Q{i}: the cat", "choices": [" sat.", " ran away.", " slept."], "gold": i % 3}
@@ -74,24 +74,8 @@ def test_local_completions_loglikelihoods_equal_the_adapter(adapter, url, batch_
 @pytest.mark.slow  # the harness's task machinery (datasets, task loading) takes ~20 s
 def test_a_local_multiple_choice_task_through_the_server(adapter, url, tmp_path):
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
-    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in DOCS))
-    (tmp_path / "ninfer_server_local.yaml").write_text(f"""
-task: ninfer_server_local
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {tmp_path / 'docs.jsonl'}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{q}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: gold
-metric_list:
-  - metric: acc
-""")
-    manager = TaskManager(include_path=str(tmp_path))
+    manager = write_mc_task(tmp_path, "ninfer_server_local", DOCS)
     client = LocalCompletionsAPI(base_url=f"{url}/v1/completions", model=MODEL, batch_size=3,
                                  max_length=MAX_LEN)
     runs = [simple_evaluate(model=m, tasks=["ninfer_server_local"], task_manager=manager,

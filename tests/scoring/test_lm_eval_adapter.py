@@ -5,7 +5,6 @@ default tier; without it they fail at import, never skip."""
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ from lm_eval.api.instance import Instance
 
 from ninfer_jax.gateway.lm_eval_adapter import NinferLM
 from tests.program.conftest import reference_greedy
-from tests.scoring.conftest import WIDTH, scorer
+from tests.scoring.conftest import WIDTH, scorer, write_mc_task
 
 SHAPE = {"max_batch_tokens": 3 * WIDTH}  # the scoring tests' window executable
 
@@ -67,27 +66,11 @@ def test_generate_until_is_greedy_and_stops(lm):
 @pytest.mark.slow  # the harness's own start-up (datasets, task loading) takes ~20 s
 def test_a_local_multiple_choice_task_runs_through_the_harness(lm, tmp_path):
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
     docs = [{"q": f"Q{i}: the cat", "choices": [" sat.", " ran.", " slept."], "gold": i % 3}
             for i in range(6)]
-    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (tmp_path / "ninfer_local.yaml").write_text(f"""
-task: ninfer_local
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {tmp_path / 'docs.jsonl'}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{q}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: gold
-metric_list:
-  - metric: acc
-""")
-    out = simple_evaluate(model=lm, tasks=["ninfer_local"],
-                          task_manager=TaskManager(include_path=str(tmp_path)))
+    manager = write_mc_task(tmp_path, "ninfer_local", docs)
+    out = simple_evaluate(model=lm, tasks=["ninfer_local"], task_manager=manager)
     acc = out["results"]["ninfer_local"]["acc,none"]
     sc = scorer("dense")
     want = np.mean([int(np.argmax([sc.score(texts=[c], contexts=[d["q"]])[0].sum_logprob

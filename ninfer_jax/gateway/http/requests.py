@@ -183,25 +183,24 @@ def _n(body: Fields, num_prompts: int = 1) -> int:
     return n
 
 
+def copy_fields(body: Fields, sampling: dict[str, Any], read, keys) -> None:
+    """sampling[key] = read(body, key) for each of `keys` the body sets (`read`: a Fields
+    reader such as Fields.number, which checks the type and names the field)."""
+    for key in keys:
+        value = read(body, key)
+        if value is not None:
+            sampling[key] = value
+
+
 def _openai_sampling(body: Fields) -> dict[str, Any]:
     sampling: dict[str, Any] = {}
-    for key in _FLOAT_FIELDS:
-        value = body.number(key)
-        if value is not None:
-            sampling[key] = value
-    for key in ("top_k", "seed", "max_thinking_tokens"):
-        value = body.integer(key)
-        if value is not None:
-            sampling[key] = 0 if key == "top_k" and value == -1 else value  # -1 = off, as vLLM
+    copy_fields(body, sampling, Fields.number, _FLOAT_FIELDS)
+    copy_fields(body, sampling, Fields.integer, ("top_k", "seed", "max_thinking_tokens",
+                                                 "min_tokens"))
+    if sampling.get("top_k") == -1:
+        sampling["top_k"] = 0  # -1 = off, as vLLM
     sampling["stop"] = body.stop("stop")
-    for key in ("min_tokens",):
-        value = body.integer(key)
-        if value is not None:
-            sampling[key] = value
-    for key in ("ignore_eos", "skip_special_tokens"):
-        value = body.boolean(key)
-        if value is not None:
-            sampling[key] = value
+    copy_fields(body, sampling, Fields.boolean, ("ignore_eos", "skip_special_tokens"))
     ids = body.array("stop_token_ids")
     if ids is not None:
         for i, t in enumerate(ids):
@@ -398,13 +397,8 @@ def parse_messages(obj: Any, session_header: str | None, *,
     tools = anthropic_tools(body)
     choice = anthropic_tool_choice(body, tools)
     sampling: dict[str, Any] = {}
-    for key in ("temperature", "top_p"):
-        value = body.number(key)
-        if value is not None:
-            sampling[key] = value
-    top_k = body.integer("top_k")
-    if top_k is not None:
-        sampling["top_k"] = top_k
+    copy_fields(body, sampling, Fields.number, ("temperature", "top_p"))
+    copy_fields(body, sampling, Fields.integer, ("top_k",))
     sampling["stop"] = body.stop("stop_sequences")
     max_tokens = body.integer("max_tokens", required=not count_only)
     thinking = False  # Anthropic's default: no thinking unless the request enables it

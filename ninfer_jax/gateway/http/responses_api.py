@@ -35,6 +35,7 @@ from ninfer_jax.gateway.http.generation import EventStream, start, until_disconn
 from ninfer_jax.gateway.http.requests import (
     GenerationRequest,
     constrain,
+    copy_fields,
     isolation,
     reasoning_effort,
     reject_unknown,
@@ -157,14 +158,8 @@ def parse_responses(obj: Any, session_header: str | None) -> GenerationRequest:
                                        "generated (the reasoning item carries the whole "
                                        "reasoning text)", code="unsupported_parameter")
         thinking = reasoning_effort(reasoning, "effort", sampling, None) is not False
-    for key in ("temperature", "top_p"):
-        value = body.number(key)
-        if value is not None:
-            sampling[key] = value
-    for key in ("seed", "top_k"):
-        value = body.integer(key)
-        if value is not None:
-            sampling[key] = value
+    copy_fields(body, sampling, Fields.number, ("temperature", "top_p"))
+    copy_fields(body, sampling, Fields.integer, ("seed", "top_k"))
     names = {"max_new_tokens": "max_output_tokens", "prompt_token_ids": "input"}
     thinking = constrain(structured, choice, thinking, sampling, names, "reasoning")
     return GenerationRequest(
