@@ -79,43 +79,32 @@ class ExecutableTable:
         if self._queue is None:
             self._queue = queue.SimpleQueue()
             # A daemon, so a process that ends need not wait for compiles it will never use;
-            # at exit the one in progress is waited for (see _close_at_exit).
-            self._thread = threading.Thread(target=self._compile_loop, args=(self._queue,),
-                                            daemon=True, name="ninfer-compile")
+            # at exit the one in progress is waited for (see _close_at_exit). It holds the
+            # table weakly: a table dropped without close() (its Program garbage) stops
+            # compiling what nobody can call.
+            self._thread = threading.Thread(
+                target=_compile_loop, args=(weakref.ref(self), self._queue), daemon=True,
+                name="ninfer-compile")
             self._thread.start()
+            _THREADS.add(self._thread)
             _LIVE.add(self)
+            weakref.finalize(self, _drop_queued, self._queue, self._pending, self._lock)
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._pending[key] = future
         self._queue.put((key, fn, abstract, future))
 
-    def _compile_loop(self, jobs: queue.SimpleQueue) -> None:
-        _lower_priority()
-        while (job := jobs.get()) is not None:
-            key, fn, abstract, future = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(self._build(key, fn, abstract))
-            except BaseException as e:  # delivered to whoever calls the key
-                future.set_exception(e)
-
     def close(self, wait: bool = False) -> None:
         """Drops the compiles not started yet (a call of such a key then raises); `wait` also
         waits for the one in progress."""
-        with self._lock:
-            for future in self._pending.values():
-                future.cancel()
-        if self._queue is not None:
-            self._queue.put(None)
-            if wait:
-                self._thread.join()
+        if self._queue is None:
+            return
+        _drop_queued(self._queue, self._pending, self._lock)
+        if wait:
+            self._thread.join()
 
     def _build(self, key: StepKey, fn: Callable, abstract: tuple) -> Callable:
-        start = time.perf_counter()
-        jitted = jax.jit(fn, donate_argnames=("pools",))
-        executable = jitted.lower(*abstract).compile()
-        self.compile_seconds[key] = time.perf_counter() - start
+        executable, self.compile_seconds[key] = _build(fn, abstract)
         return executable
 
     def _get(self, key: StepKey) -> Callable:
@@ -156,15 +145,57 @@ class ExecutableTable:
             return list(self._table) + list(self._pending)
 
 
+def _build(fn: Callable, abstract: tuple) -> tuple[Callable, float]:
+    """(the executable of fn for those shapes with `pools` donated, compile seconds)."""
+    start = time.perf_counter()
+    executable = jax.jit(fn, donate_argnames=("pools",)).lower(*abstract).compile()
+    return executable, time.perf_counter() - start
+
+
+def _compile_loop(table_ref: weakref.ref, jobs: queue.SimpleQueue) -> None:
+    """The background compile thread: builds queued jobs in order until told to stop or its
+    table is gone (no strong reference to the table is held while compiling)."""
+    _lower_priority()
+    while (job := jobs.get()) is not None:
+        key, fn, abstract, future = job
+        if table_ref() is None:
+            break
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            executable, seconds = _build(fn, abstract)
+        except BaseException as e:  # delivered to whoever calls the key
+            future.set_exception(e)
+            continue
+        table = table_ref()
+        if table is not None:
+            table.compile_seconds[key] = seconds
+        del table
+        future.set_result(executable)
+
+
+def _drop_queued(jobs: queue.SimpleQueue, pending: dict, lock: threading.Lock) -> None:
+    """Cancels the compiles not started yet and stops the table's thread after the running one
+    (close(), or the table garbage-collected)."""
+    with lock:
+        for future in pending.values():
+            future.cancel()
+    jobs.put(None)
+
+
 _LIVE: weakref.WeakSet[ExecutableTable] = weakref.WeakSet()
+_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
 
 @atexit.register
 def _close_at_exit() -> None:
     """Interpreter exit: a compile still running in a daemon thread would abort the process
-    when finalization stops it, so drop the queued ones and let the running one finish."""
+    when finalization stops it, so drop the queued ones and let the running one finish (a
+    dropped table's thread too: it ends after its running compile)."""
     for table in list(_LIVE):
-        table.close(wait=True)
+        table.close()
+    for thread in list(_THREADS):
+        thread.join()
 
 
 def bind(fn: Callable, **static: Any) -> Callable:

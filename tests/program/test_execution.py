@@ -97,3 +97,36 @@ def test_background_compiles_follow_need_and_close_drops_the_rest():
     with pytest.raises(MissingExecutableError, match="dropped"):
         table(StepKey(StepKind.CAPTURE, 2), jnp.zeros(2))
     assert float(table(StepKey(StepKind.CAPTURE, 1), jnp.ones(2))[0]) == 1.0  # it was running
+
+
+def test_a_table_dropped_without_close_stops_compiling():
+    """A Program that is garbage (its table unreferenced, never closed) compiles nothing more
+    than the job in progress, and its thread ends: dropped Programs must not keep the cores
+    busy, nor compile in the background while the process goes on."""
+    import gc
+
+    table = ExecutableTable()
+    entered, gate = threading.Event(), threading.Event()
+    traced = []
+
+    def held(pools):
+        entered.set()
+        gate.wait(10)
+        return pools
+
+    def counted(pools):
+        traced.append(1)
+        return pools + 1
+
+    table.compile(StepKey(StepKind.CAPTURE, 1), held, np.zeros(2, np.float32), background=True)
+    for b in range(2, 6):
+        table.compile(StepKey(StepKind.CAPTURE, b), counted, np.zeros(b, np.float32),
+                      background=True)
+    assert entered.wait(10)
+    thread = table._thread
+    del table
+    gc.collect()
+    gate.set()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert traced == []
