@@ -698,6 +698,8 @@ class EngineCore:
                 self._terminal(r, reason)
             elif preview.control:
                 self._ask_control(r, preview.control)
+            elif forced := _grammar_forced(r, self.limits.prefill_chunk - 1):
+                self._ask_control(r, forced)
             else:
                 r.move(S.DECODE_READY)
 
@@ -808,6 +810,17 @@ class EngineCore:
             prefix=self.catalog.stats(*self.program.checkpoint_footprint()),
             speculative=self._speculative.snapshot(),
             tiers=self.tiers.stats() if self.tiers is not None else TierStats(()))
+
+
+def _grammar_forced(r: RequestRecord, most: int) -> tuple[int, ...]:
+    """A grammar row's fast-forward (`GrammarMatcher.forced`): at most `most` tokens (one
+    control step's; the rest follows the next sampled token) and one short of the budget, so
+    a sampled token follows them. None for a request with stop strings or stop ids: forced
+    text is never matched against them, and the grammar's text could hold one."""
+    if r.grammar is None or r.sampling.stop or r.sampling.stop_token_ids:
+        return ()
+    room = r.sampling.max_new_tokens - r.completion_tokens - 1
+    return r.grammar.forced()[:max(min(room, most), 0)]
 
 
 def _mask(r: RequestRecord) -> Any:

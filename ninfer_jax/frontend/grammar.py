@@ -133,6 +133,15 @@ class GrammarMatcher:
             self._mask = self._fill()
         return self._mask
 
+    def forced(self) -> tuple[int, ...]:
+        """The tokens the grammar allows next and nothing else, in the tokenizer's canonical
+        split (llguidance's fast-forward tokens, e.g. `{"name": "` after a schema's start or
+        a named tool's call prefix); empty where more than one continuation is allowed. The
+        Engine commits them as forced control: one step, no sampling, no RNG draw."""
+        if self._matcher.is_stopped() or self._matcher.is_error():
+            return ()
+        return tuple(self._matcher.compute_ff_tokens())
+
     def mask_after(self, forced: tuple[int, ...] | list[int]) -> np.ndarray:
         """The mask after `forced` tokens, leaving the matcher where it is (forced control
         computes the token after tokens not yet committed). A forced token the grammar does

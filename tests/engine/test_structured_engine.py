@@ -133,3 +133,58 @@ def test_program_masks_prefill_control_and_decode_tokens():
             assert program.tokens(handle)[len(ids):] == [777, 11, 12, 901, 5, 2048, 4095]
         finally:
             program.release(handle)
+
+
+def _request_rows(rows, prompt: tuple[int, ...]) -> list:
+    return [r for r in rows if r.tokens[: len(prompt)] == prompt]
+
+
+@pytest.mark.parametrize("k", [0, K])
+def test_text_the_grammar_forces_goes_in_as_forced_control(k):
+    """Where the grammar allows one continuation only (a schema's keys and punctuation, a named
+    tool's call prefix), the Engine commits it as forced control (its canonical tokens in one
+    step, no sampling), then samples on under the mask; a request with stop strings samples
+    every token (forced text is not matched against them)."""
+    schema = {"type": "object", "properties": {"story": {"type": "string", "maxLength": 12},
+                                               "n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 99}},
+              "required": ["story", "n"], "additionalProperties": False}
+    spec = StructuredOutput("json_schema", json.dumps(schema))
+    prompt = tuple(_ids(PROMPT["prompt"]))
+    with engine(k) as (e, rows):
+        r = e.submit(**PROMPT, sampling=SamplingParams(temperature=0.0, max_new_tokens=48,
+                                                       structured=spec)).result(120)
+        assert r.finish_reason is FinishReason.STOP, r.text
+        value = json.loads(r.text)
+        jsonschema.validate(value, schema)
+        mine = _request_rows(rows, prompt)
+        control = [row for row in mine if row.kind is BatchKind.CONTROL]
+        # `"story": "` after the sampled `{`, and `", "n": ` after the string closes
+        assert len(control) >= 2, mine
+        assert len(mine) < len(r.token_ids)  # fewer steps than tokens
+        rows.clear()
+        stopped = e.submit(**PROMPT, sampling=SamplingParams(
+            temperature=0.0, max_new_tokens=48, structured=spec, stop=("qqq",))).result(120)
+        jsonschema.validate(json.loads(stopped.text), schema)
+        assert not [row for row in _request_rows(rows, prompt) if row.kind is BatchKind.CONTROL]
+
+
+def test_a_named_tool_choice_forces_the_call_prefix():
+    """tool_choice naming a function: the call's markup and name are forced control."""
+    from ninfer_jax.frontend.tool_calls import call_grammar
+
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}},
+            "required": ["city"]}}}]
+    program, frontend, _ = _opened(0)
+    grammar = call_grammar(tools, "get_weather", frontend.tokenizer.special_tokens)
+    prompt = tuple(_ids(PROMPT["prompt"]))
+    with engine(0) as (e, rows):
+        r = e.submit(**PROMPT, sampling=SamplingParams(
+            temperature=0.0, max_new_tokens=40,
+            structured=StructuredOutput("grammar", grammar))).result(120)
+        assert r.text.startswith("<tool_call>\n<function=get_weather>\n<parameter=city"), \
+            r.text
+        control = [row for row in _request_rows(rows, prompt) if row.kind is BatchKind.CONTROL]
+        assert control and len(control[0].tokens) == len(prompt) + 1  # right after `<tool_call>`
