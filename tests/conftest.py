@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import pathlib
 
@@ -24,3 +25,14 @@ def shared_data() -> pathlib.Path:
     if not SHARED_DATA.is_dir():
         pytest.fail(f"../shared/data not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collect_after_module():
+    """Frees each module's closed Engines and Programs before the next module starts. Their
+    compiled executables hold thousands of memory mappings (about 2,700 for a demo Engine at
+    max_concurrency 4), and Python's full collections are rare in a long run: a whole
+    single-process run of the suite passed the kernel's limit (vm.max_map_count, 65,530) in
+    the gateway tests and XLA aborted the process while loading an executable."""
+    yield
+    gc.collect()
