@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import pathlib
+import sys
 
 import pytest
 
@@ -28,11 +29,20 @@ def shared_data() -> pathlib.Path:
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _collect_after_module():
-    """Frees each module's closed Engines and Programs before the next module starts. Their
-    compiled executables hold thousands of memory mappings (about 2,700 for a demo Engine at
-    max_concurrency 4), and Python's full collections are rare in a long run: a whole
-    single-process run of the suite passed the kernel's limit (vm.max_map_count, 65,530) in
-    the gateway tests and XLA aborted the process while loading an executable."""
+def _release_after_module():
+    """Frees what a test module built before the next one starts: the `functools` caches of
+    every test module (the Programs, Engines and scoring cores they keep; a later module that
+    wants one builds it again, from the persistent compilation cache) and the garbage. A
+    loaded XLA:CPU executable holds about 3 memory mappings per kernel (a demo Engine at
+    max_concurrency 4 about 2,700): with every cached Program of a run alive, and their
+    background compiles finishing during the gateway tests, a whole single-process run
+    passed the kernel's limit (vm.max_map_count, 65,530) and XLA aborted the process while
+    loading an executable."""
     yield
+    for name, module in list(sys.modules.items()):
+        if name == "tests" or name.startswith("tests."):
+            for value in list(vars(module).values()):
+                if callable(getattr(value, "cache_clear", None)) and \
+                        hasattr(value, "cache_info"):
+                    value.cache_clear()
     gc.collect()
