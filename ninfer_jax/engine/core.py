@@ -36,6 +36,7 @@ from ninfer_jax.engine.resources import LaneState, ResourceManager
 from ninfer_jax.engine.scheduler import ControlUnit, DecodeUnit, PrefillUnit, Scheduler
 from ninfer_jax.engine.spec_stats import SpeculativeCounter, SpeculativeStats
 from ninfer_jax.engine.tiers import ContextTiers, TierStats
+from ninfer_jax.engine.transactions import TransactionStats, Transition
 from ninfer_jax.errors import ConfigError
 from ninfer_jax.frontend.output_session import FinishReason as TextFinish
 from ninfer_jax.frontend.output_session import ending_ids
@@ -94,6 +95,7 @@ class EngineStats:
     backfilled: int  # requests admitted ahead of a blocked head by the backfill proof
     prefix: CatalogStats
     speculative: SpeculativeStats
+    transactions: TransactionStats  # resource transitions (`transactions.py`)
     tiers: TierStats  # the context store (tiers=() when the Engine has none)
 
 
@@ -341,39 +343,56 @@ class EngineCore:
     def _advance_transitions(self, now: float) -> bool:
         changed = False
         materializing = [r for r in self._active if r.state is S.MATERIALIZING]
-        if self.tiers is not None and any(r.reload is not None for r in materializing):
+        if self.tiers is not None and any(r.txn.reload is not None for r in materializing):
             self.tiers.poll()  # notes the reads that ended
         for r in materializing:
             expired = r.deadline is not None and now >= r.deadline
             if r.cancel_requested.is_set() or expired:
-                # abort the transition; adopt its complete end state
-                if r.reload is not None:  # the read is revoked: nothing was imported
-                    self.tiers.abort_reload(r.reload)
-                    r.reload = None
-                if r.seq is not None:
-                    self.program.release(r.seq)
-                    r.seq = None
-                self.resources.move(r.lane, LaneState.FREE, r.request_id)
+                reason = FinishReason.DEADLINE if expired and not r.cancel_requested.is_set() \
+                    else FinishReason.CANCELLED
+                self._abort_materialization(r, reason.value)
                 self._active.remove(r)
-                self._finish(r, FinishReason.DEADLINE if expired and not
-                             r.cancel_requested.is_set() else FinishReason.CANCELLED)
+                self._finish(r, reason)
                 changed = True
                 continue
-            if r.reload is not None:
-                if not self.tiers.read_ended(r.reload):
+            if r.txn.reload is not None:
+                if not self.tiers.read_ended(r.txn.reload):
                     continue  # still reading; decode rounds go on meanwhile
                 self._conclude_reload(r)
                 changed = True
             # Capacity frees as active requests finish (the gate holds others back); with none
             # left to finish, inactive checkpoints may be evicted for it even as a borrower.
-            alone = not any(x.seq is not None for x in self._active if x is not r)
-            if r.seq is None and not self._materialize(r, r.may_evict or alone):
+            alone = not any(x.seq is not None or x.materialized is not None
+                            for x in self._active if x is not r)
+            if r.materialized is None and not self._materialize(r, r.may_evict or alone):
                 continue
+            self._adopt_materialized(r)
             r.move(S.PREFILL)
-            self.resources.move(r.lane, LaneState.ACTIVE, r.request_id)
             self._publish(r, GenerationStart(r.request_id, r.prompt_tokens, r.cached_tokens))
             changed = True
         return changed
+
+    def _adopt_materialized(self, r: RequestRecord) -> None:
+        """Adopts a committed materialization (its lane goes Active): the Engine owns the
+        sequence from here."""
+        result, r.materialized, r.txn = r.materialized, None, None
+        self.resources.adopt(result, r.lane)
+        r.seq, r.cached_tokens = result.sequence, result.cached_tokens
+
+    def _abort_materialization(self, r: RequestRecord, reason: str) -> None:
+        """A cancel or deadline while Materializing (DESIGN §3): a running transaction is
+        aborted (a context-store read in flight is revoked: nothing was imported) and its lane
+        freed; one committed but not yet adopted is adopted, then its sequence released."""
+        if r.materialized is not None:
+            self._adopt_materialized(r)
+            self.resources.move(r.lane, LaneState.TERMINAL_PENDING, r.request_id)
+            self._release(r)
+            return
+        txn, r.txn = r.txn, None
+        if txn.reload is not None:
+            self.tiers.abort_reload(txn.reload)
+            txn.reload = None
+        self.resources.adopt(txn.abort(reason), r.lane)
 
     def _settle_terminal(self) -> bool:
         settled = [r for r in self._active if r.state is S.TERMINAL_PENDING]
@@ -393,9 +412,14 @@ class EngineCore:
             entry = self._retain(r, publication=True)  # the turn's frontier
             if entry is not None and r.session_key is not None:
                 self.catalog.bind_session(r.session_key, entry, r.publication_order)
+        self._release(r)
+
+    def _release(self, r: RequestRecord) -> None:
+        """The RELEASE transaction of a terminal request's sequence; its lane goes Free."""
+        txn = self.resources.begin(Transition.RELEASE, r.request_id)
         self.program.release(r.seq)
+        self.resources.adopt(txn.commit(sequence=r.seq), r.lane)
         r.seq = None
-        self.resources.move(r.lane, LaneState.FREE, r.request_id)
 
     def _freeze_cancellations(self, now: float) -> bool:
         changed = False
@@ -459,9 +483,13 @@ class EngineCore:
         lane = self.resources.free_lane()
         if lane is None:
             return False
+        reload = None
         if self.reuse and r.reuse and self.tiers is not None and not r.store_probed:
-            r.reload = self._start_reload(r, may_evict)
-        if r.reload is None and not self._materialize(r, may_evict):
+            reload = self._start_reload(r, may_evict)
+        if reload is not None:  # a revocable claim until the read ends
+            r.txn = self.resources.begin(Transition.MATERIALIZE, r.request_id)
+            r.txn.reload = reload
+        elif not self._materialize(r, may_evict):
             return False
         self.scheduler.remove(r)
         self.resources.move(lane, LaneState.MATERIALIZING, r.request_id)
@@ -473,7 +501,9 @@ class EngineCore:
 
     def _materialize(self, r: RequestRecord, may_evict: bool) -> bool:
         """Plans `r` from its longest device checkpoint (evicting inactive ones if that makes
-        it fit) and materializes its sequence; False if it cannot start now."""
+        it fit) and materializes its sequence: its MATERIALIZE transaction (the one waiting on
+        a read, or a new one) commits, and the result waits in `r.materialized` to be adopted.
+        False if it cannot start now (no transaction is started for that)."""
         reuse = self.reuse and r.reuse
         source = self.catalog.lookup(r.prompt.token_ids, r.session_key, r.cache_scope) \
             if reuse else None
@@ -497,15 +527,17 @@ class EngineCore:
         if not answer.fits:
             return False  # blocked by incumbents; they always finish (they hold reservations)
         sealed = answer.plan
-        r.seq = self.program.materialize(sealed, r.prompt.token_ids, r.sampling,
-                                         self._stop_ids(r.sampling))
-        r.cached_tokens = sealed.cached_tokens
+        if r.txn is None:
+            r.txn = self.resources.begin(Transition.MATERIALIZE, r.request_id)
+        seq = self.program.materialize(sealed, r.prompt.token_ids, r.sampling,
+                                       self._stop_ids(r.sampling))
         if reuse:
             self.catalog.record_use(source)
             # The publication slot (DESIGN §7): the slot its turn checkpoint will take, so its
             # end does not evict another checkpoint to keep its own. Taken from free slots only
             # (never by evicting); a request without one evicts at its end.
-            self.program.reserve_publication(r.seq)
+            self.program.reserve_publication(seq)
+        r.materialized = r.txn.commit(sequence=seq, cached_tokens=sealed.cached_tokens)
         return True
 
     def _stop_ids(self, sampling: SamplingParams) -> tuple[int, ...]:
@@ -536,7 +568,7 @@ class EngineCore:
 
     def _conclude_reload(self, r: RequestRecord) -> None:
         """Imports the checkpoint a finished read brought (when it checks out and fits)."""
-        reload, r.reload = r.reload, None
+        reload, r.txn.reload = r.txn.reload, None
         image = self.tiers.reload_result(reload)
         found = reload.found
         if image is None or self.catalog.get(found.tokens, r.cache_scope) is not None:
@@ -551,7 +583,10 @@ class EngineCore:
             self._drop_checkpoint(victim, evicted=True)
         if not self.program.can_import(found.frontier):
             return
-        self.catalog.add(self.program.import_checkpoint(image), found.tokens, r.cache_scope)
+        place = self.resources.begin(Transition.PLACE, r.request_id)
+        ckpt = self.program.import_checkpoint(image)
+        self.resources.adopt(place.commit(checkpoint=ckpt, tokens=found.tokens,
+                                          scope=r.cache_scope))
         self.tiers.record_reload(found, time.perf_counter() - reload.started)
 
     def _advance_offloads(self) -> bool:
@@ -591,8 +626,10 @@ class EngineCore:
             if victim is None:
                 return None
             self._drop_checkpoint(victim, evicted=True)
-        entry = self.catalog.add(self.program.capture(r.seq, publication=reserved), tokens,
-                                 r.cache_scope)
+        txn = self.resources.begin(Transition.CAPTURE, r.request_id)
+        ckpt = self.program.capture(r.seq, publication=reserved)
+        entry = self.resources.adopt(txn.commit(checkpoint=ckpt, tokens=tokens,
+                                                scope=r.cache_scope))
         if self.tiers is not None:  # written through once this iteration's output is out
             self._to_offload.append(entry)
         return entry
@@ -604,8 +641,10 @@ class EngineCore:
             self._to_offload.remove(entry)
             if keep:
                 self._offload(entry)
+        txn = self.resources.begin(Transition.DELETE)
         self.program.release_checkpoint(entry.ckpt)
-        self.catalog.remove(entry, evicted)
+        self.resources.adopt(txn.commit(checkpoint=entry.ckpt, tokens=entry.tokens,
+                                        scope=entry.scope, evicted=evicted))
 
     def _run_unit(self, unit: ControlUnit | PrefillUnit | DecodeUnit) -> None:
         if isinstance(unit, PrefillUnit):
@@ -772,10 +811,11 @@ class EngineCore:
         for handle in self.program.handles():
             _best_effort(self.program.release, handle)
         for r in self._active:
-            r.seq = None  # released above: no terminal result is adopted any more
-            if r.reload is not None:
-                _best_effort(self.tiers.abort_reload, r.reload)
-                r.reload = None
+            r.seq = r.materialized = None  # released above: no result is adopted any more
+            if r.txn is not None and r.txn.reload is not None:
+                _best_effort(self.tiers.abort_reload, r.txn.reload)
+                r.txn.reload = None
+            r.txn = None  # the ResourceManager's clear ends it
         for entry in self.catalog.entries():  # a clean close still stores what it retained
             _best_effort(self._drop_checkpoint, entry, False, closing)
         self.resources.clear()
@@ -809,6 +849,7 @@ class EngineCore:
             finished_requests=self._finished, backfilled=self._backfilled,
             prefix=self.catalog.stats(*self.program.checkpoint_footprint()),
             speculative=self._speculative.snapshot(),
+            transactions=self.resources.transactions.stats(),
             tiers=self.tiers.stats() if self.tiers is not None else TierStats(()))
 
 

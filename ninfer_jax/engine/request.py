@@ -62,7 +62,9 @@ class RequestRecord:
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from a checkpoint
     store_probed: bool = False  # the context store was searched for its prefix (once)
-    reload: Any = None  # the context-store read in flight while Materializing (tiers.Reload)
+    txn: Any = None  # its MATERIALIZE RunningTransaction while it runs (a read in flight,
+    #   or waiting for capacity after one)
+    materialized: Any = None  # that transaction's committed ResourceResult, not yet adopted
     may_evict: bool = True  # admitted as the head (may evict inactive checkpoints)
     finish_reason: FinishReason | None = None
     error: str | None = None

@@ -13,6 +13,7 @@ from ninfer_jax.engine import EngineCore, EngineCoreConfig, FinishReason
 from ninfer_jax.sampling_params import SamplingParams
 from ninfer_jax.testing.fake_program import FakeProgram, expected_tokens
 from tests.engine.conftest import FRONTEND, TOKENIZER, limits, settle
+from tests.engine.invariants import assert_transactions_settled
 
 
 @contextlib.contextmanager
@@ -81,9 +82,11 @@ def test_multi_turn_outputs_equal_reuse_off(data, concurrency):
                 histories[conv] = ids + got
         assert settle(core).outstanding == 0
         assert refs_explained(program)
+        assert_transactions_settled(core.stats(), program.stats().num_checkpoints)
         core.clear_prefix_cache()
         s = program.stats()
         assert s.free_pages == s.total_pages and s.num_checkpoints == 0 and s.num_sequences == 0
+        assert_transactions_settled(settle(core), 0)
 
 
 def test_follow_up_turns_report_the_whole_history_as_cached():

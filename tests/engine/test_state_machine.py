@@ -23,6 +23,7 @@ from ninfer_jax.engine import EngineCore, EngineCoreConfig, Finished, FinishReas
 from ninfer_jax.sampling_params import SamplingParams
 from ninfer_jax.testing.fake_program import HOOK_POINTS, FakeProgram, expected_tokens
 from tests.engine.conftest import EOS, FRONTEND, TOKENIZER, limits, settle
+from tests.engine.invariants import assert_transactions_settled
 
 WORDS = st.text(alphabet="abcdefgh xyz", min_size=1, max_size=30)
 
@@ -178,6 +179,7 @@ class EngineMachine(RuleBasedStateMachine):
             assert s.free_lanes == s.total_lanes
             assert p.free_pages == p.total_pages and p.reserved_pages == 0
             assert p.free_slots == p.total_slots and p.num_sequences == 0
+            assert_transactions_settled(s, p.num_checkpoints)
         finally:
             self.core.close()
 

@@ -30,6 +30,7 @@ from ninfer_jax.engine import Finished, FinishReason, GenerationStart
 from ninfer_jax.testing.fake_program import HOOK_POINTS
 from ninfer_jax.testing.redis_server import RedisServer
 from tests.engine.conftest import EOS, settle
+from tests.engine.invariants import assert_transactions_settled
 from tests.engine.tier_helpers import (
     BLOCK_BYTES,
     assert_program_explained,
@@ -123,6 +124,7 @@ def _quiet(t, clear: bool, forged: frozenset[bytes]) -> None:
         t.core.clear_prefix_cache()
     wait_writes(t.core)
     assert_program_explained(t)
+    assert_transactions_settled(settle(t.core), t.program.stats().num_checkpoints)
     if clear:
         p = t.program.stats()
         assert p.free_pages == p.total_pages and p.num_checkpoints == 0, p
