@@ -30,15 +30,16 @@ def shared_data() -> pathlib.Path:
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_after_module():
-    """Frees what a test module built before the next one starts: the `functools` caches of
-    every test module (the Programs, Engines and scoring cores they keep; a later module that
-    wants one builds it again, from the persistent compilation cache) and the garbage. A
-    loaded XLA:CPU executable holds about 3 memory mappings per kernel (a demo Engine at
-    max_concurrency 4 about 2,700): with every cached Program of a run alive, and their
-    background compiles finishing during the gateway tests, a whole single-process run
-    passed the kernel's limit (vm.max_map_count, 65,530) and XLA aborted the process while
-    loading an executable."""
+    """Frees what a test module built before the next one starts: jax's jit caches, the
+    `functools` caches of every test module (the Programs, Engines and scoring cores they
+    keep; a later module that wants one builds it again, from the persistent compilation
+    cache) and the garbage. A loaded XLA:CPU executable holds about 3 memory mappings per
+    kernel (a demo Engine at max_concurrency 4 about 2,700), and a whole single-process run
+    that kept them all passed the kernel's limit (vm.max_map_count, 65,530): XLA aborted the
+    process while loading an executable in the scoring tests."""
     yield
+    if "jax" in sys.modules:  # the executables of every jit cache (models, kernels, sampling)
+        sys.modules["jax"].clear_caches()
     for name, module in list(sys.modules.items()):
         if name == "tests" or name.startswith("tests."):
             for value in list(vars(module).values()):
