@@ -145,6 +145,12 @@ class SamplingParams:
         if isinstance(self.max_new_tokens, (int, np.integer)) and m > self.max_new_tokens:
             raise SamplingParamsError(f"min_tokens must be <= max_new_tokens "
                                       f"({self.max_new_tokens}), got {m}")
+        if self.structured is not None:  # the grammar alone decides where the output may end
+            for name in ("min_tokens", "ignore_eos"):
+                if getattr(self, name):
+                    raise SamplingParamsError(
+                        f"{name} cannot be combined with structured output: the grammar "
+                        f"allows EOS exactly where its text is complete")
 
 
 def _in_float32_range(name: str, value: float) -> bool:

@@ -728,7 +728,7 @@ class EngineCore:
                     zip(preview.token_ids[len(forced):], batch.row_logprobs(row)))
             self._unpublished.append((r, preview, logprobs))  # after the next round starts
             if r.grammar is not None and not r.grammar.advance(preview.token_ids) \
-                    and preview.finish_reason is None:  # e.g. ignore_eos past the match
+                    and preview.finish_reason is None:  # a token the grammar refuses
                 self._terminal(r, FinishReason.ERROR, f"structured output: {r.grammar.error}")
             elif preview.finish_reason is not None:
                 reason = FinishReason.STOP if preview.finish_reason is TextFinish.STOP \

@@ -9,7 +9,11 @@ import math
 import pytest
 
 from ninfer_jax.engine import RejectedError
-from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError
+from ninfer_jax.sampling_params import (
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutput,
+)
 from tests.engine.conftest import FRONTEND, fake_engine, prompt
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=4)
@@ -117,3 +121,13 @@ def test_prefix_reuse_never_crosses_cache_scopes():
         # Within the default scope its own prefix does hit (else this test would be vacuous).
         hit = submit(core, follow_up + [94], 3).result(timeout=10)
         assert hit.usage.cached_tokens == len(follow_up)
+
+
+def test_structured_output_refuses_min_tokens_and_ignore_eos():
+    """The grammar allows EOS exactly where its text is complete: a floor on the output's
+    length or ignoring EOS would contradict it, so both are refused naming the field."""
+    spec = StructuredOutput("regex", "a+")
+    for field in ({"min_tokens": 2}, {"ignore_eos": True}):
+        with pytest.raises(SamplingParamsError, match=f"^{next(iter(field))} cannot"):
+            SamplingParams(max_new_tokens=8, structured=spec, **field)
+    SamplingParams(max_new_tokens=8, structured=spec, stop=("b",))  # other fields still work

@@ -116,6 +116,8 @@ def test_responses_text_format(client):
     ({"guided_regex": "a", "enable_thinking": True}, "enable_thinking"),
     ({"guided_regex": "a", "reasoning_effort": "low"}, "reasoning_effort"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"guided_regex": "a+", "min_tokens": 3}, "min_tokens"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
 ])
 def test_bad_specs_name_their_field(server, body, param):
     r = httpx.post(f"{server.url}/v1/chat/completions", json={
