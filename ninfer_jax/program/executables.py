@@ -37,12 +37,14 @@ class StepKind(enum.Enum):
     IMPORT_PAGES = "import_pages"
     EXPORT_STATE = "export_state"
     IMPORT_STATE = "import_state"
+    SCORE_WINDOW = "score_window"  # the CausalScoring purpose: batch windows of `length` tokens
 
 
 @dataclasses.dataclass(frozen=True)
 class StepKey:
     kind: StepKind
     batch: int
+    length: int = 0  # tokens per row, where the kind's shape is not fixed by the ProgramConfig
 
 
 def _abstract(tree: Any) -> Any:
@@ -58,7 +60,7 @@ def _lower_priority() -> None:
 
 
 class ExecutableTable:
-    """StepKey -> compiled executable. Pools are always donated (argument `pools`)."""
+    """StepKey -> compiled executable. Pools are donated (argument `pools`, by default)."""
 
     def __init__(self):
         self._table: dict[StepKey, Callable] = {}
@@ -69,12 +71,13 @@ class ExecutableTable:
         self.compile_seconds: dict[StepKey, float] = {}
 
     def compile(self, key: StepKey, fn: Callable, *example_args: Any,
-                background: bool = False) -> None:
-        """Lowers `fn(*example_args)` for those shapes with `pools` donated and stores it; with
-        `background`, on the table's compile thread (keys compile in the order given)."""
+                background: bool = False, donate: tuple[str, ...] = ("pools",)) -> None:
+        """Lowers `fn(*example_args)` for those shapes with the `donate` arguments donated and
+        stores it; with `background`, on the table's compile thread (keys compile in the order
+        given)."""
         abstract = tuple(map(_abstract, example_args))  # shapes only: no buffer is kept
         if not background:
-            self._table[key] = self._build(key, fn, abstract)
+            self._table[key] = self._build(key, fn, abstract, donate)
             return
         if self._queue is None:
             self._queue = queue.SimpleQueue()
@@ -92,7 +95,7 @@ class ExecutableTable:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._pending[key] = future
-        self._queue.put((key, fn, abstract, future))
+        self._queue.put((key, fn, abstract, donate, future))
 
     def close(self, wait: bool = False) -> None:
         """Drops the compiles not started yet (a call of such a key then raises); `wait` also
@@ -103,8 +106,9 @@ class ExecutableTable:
         if wait:
             self._thread.join()
 
-    def _build(self, key: StepKey, fn: Callable, abstract: tuple) -> Callable:
-        executable, self.compile_seconds[key] = _build(fn, abstract)
+    def _build(self, key: StepKey, fn: Callable, abstract: tuple,
+               donate: tuple[str, ...]) -> Callable:
+        executable, self.compile_seconds[key] = _build(fn, abstract, donate)
         return executable
 
     def _get(self, key: StepKey) -> Callable:
@@ -145,10 +149,10 @@ class ExecutableTable:
             return list(self._table) + list(self._pending)
 
 
-def _build(fn: Callable, abstract: tuple) -> tuple[Callable, float]:
-    """(the executable of fn for those shapes with `pools` donated, compile seconds)."""
+def _build(fn: Callable, abstract: tuple, donate: tuple[str, ...]) -> tuple[Callable, float]:
+    """(the executable of fn for those shapes with `donate` donated, compile seconds)."""
     start = time.perf_counter()
-    executable = jax.jit(fn, donate_argnames=("pools",)).lower(*abstract).compile()
+    executable = jax.jit(fn, donate_argnames=donate).lower(*abstract).compile()
     return executable, time.perf_counter() - start
 
 
@@ -157,13 +161,13 @@ def _compile_loop(table_ref: weakref.ref, jobs: queue.SimpleQueue) -> None:
     table is gone (no strong reference to the table is held while compiling)."""
     _lower_priority()
     while (job := jobs.get()) is not None:
-        key, fn, abstract, future = job
+        key, fn, abstract, donate, future = job
         if table_ref() is None:
             break
         if not future.set_running_or_notify_cancel():
             continue
         try:
-            executable, seconds = _build(fn, abstract)
+            executable, seconds = _build(fn, abstract, donate)
         except BaseException as e:  # delivered to whoever calls the key
             future.set_exception(e)
             continue

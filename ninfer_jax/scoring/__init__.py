@@ -1,6 +1,7 @@
 """The CausalScoring purpose (DESIGN §9): per-token log-probs, sums, greedy flags, perplexity.
 
-`Scorer` is the notebook API; `CausalScoreCore` runs the compiled scoring windows;
+`Scorer` is the notebook API; `CausalScoreCore` plans windows and runs them on its
+`ScoringProgram` (`program/scoring.py`), one call after another;
 `rolling_windows` is the window plan (lm-evaluation-harness `loglikelihood_rolling` semantics).
 """
 

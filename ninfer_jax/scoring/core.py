@@ -1,35 +1,34 @@
 """CausalScoreCore: the CausalScoring purpose's executor (DESIGN §9, §10).
 
-Owns the scoring-window executables and the order in which windows run. At start-up it compiles
-one executable per window shape `WindowKey(rows, length)`: a few window lengths (doubling from
-`min_len` up to the longest window) with `rows = max_batch_tokens // length` windows per call.
-A window runs in the shortest compiled length that holds it; windows of one length are packed
-`rows` at a time and the last call of a length is filled with empty rows, so every call has an
-exact compiled shape and nothing compiles after start-up.
+Owns the window plan and the order in which windows run; execution belongs to its
+`ScoringProgram`, which it calls serially. At start-up the program compiles one executable per
+window shape `WindowKey(rows, length)`: a few window lengths (doubling from `min_len` up to the
+longest window) with `rows = max_batch_tokens // length` windows per call. A window runs in the
+shortest compiled length that holds it; windows of one length are packed `rows` at a time and
+the last call of a length is filled with empty rows, so every call has an exact compiled shape
+and nothing compiles after start-up.
 
-It calls its executables serially and keeps no state between calls: each window starts from
-empty GDN state and KV (see `steps.py`). There are no requests, checkpoints, Scheduler or
-ResourceManager, and no generation pools. It knows token ids only; text belongs to `Scorer`.
+There are no requests, checkpoints, Scheduler or ResourceManager, and no generation pools: each
+window starts from empty GDN state and KV inside its call. It knows token ids only; text belongs
+to `Scorer`.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
-import time
 from collections.abc import Sequence
-from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ninfer_jax.errors import ConfigError, NinferError
 from ninfer_jax.models.qwen3_6 import ModelConfig
-from ninfer_jax.program.errors import MissingExecutableError
-from ninfer_jax.scoring.steps import WindowInputs, WindowScores, score_window_step
+from ninfer_jax.program.scoring import ScoringProgram, WindowKey
+from ninfer_jax.program.scoring_steps import WindowInputs
 from ninfer_jax.scoring.windows import Window, check_window_stride, rolling_windows
+
+__all__ = ["CausalScoreCore", "ScoreInputError", "ScoreRequest", "ScoringConfig", "TokenScores",
+           "WindowKey"]
 
 DEFAULT_MAX_LEN = 2048
 
@@ -106,12 +105,6 @@ class ScoringConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class WindowKey:
-    rows: int  # windows per call
-    length: int  # tokens per window row
-
-
-@dataclasses.dataclass(frozen=True)
 class ScoreRequest:
     """Score s[first_target:] of the token sequence s = token_ids ([M] int)."""
 
@@ -128,28 +121,26 @@ class TokenScores:
 
 
 class CausalScoreCore:
-    """Compiled scoring windows for one model package; `score` runs a list of requests."""
+    """Scoring requests for one model package, run on its ScoringProgram; `score` runs a list
+    of requests."""
 
     def __init__(self, cfg: ModelConfig, params: dict, scfg: ScoringConfig = ScoringConfig()):
         scfg.validate(cfg)
         self.cfg, self.scfg = cfg, scfg
-        self.params = jax.tree.map(lambda a: jnp.asarray(a, scfg.dtype), params)
         self.window = scfg.longest(cfg)
         self.stride = scfg.stride if scfg.window is not None else None
         self.lengths = scfg.window_lens(cfg)
-        self.compile_seconds: dict[WindowKey, float] = {}
-        self._table: dict[WindowKey, Any] = {}
-        fn = jax.jit(functools.partial(score_window_step, cfg=cfg, top_n=scfg.top_logprobs))
-        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.params)
-        for length in self.lengths:
-            key = WindowKey(max(1, scfg.max_batch_tokens // length), length)
-            start = time.perf_counter()
-            self._table[key] = fn.lower(abstract, _example(key)).compile()
-            self.compile_seconds[key] = time.perf_counter() - start
-        self._rows = {k.length: k.rows for k in self._table}
+        self._rows = {n: max(1, scfg.max_batch_tokens // n) for n in self.lengths}
+        self.program = ScoringProgram(cfg, params,
+                                      [WindowKey(rows, n) for n, rows in self._rows.items()],
+                                      dtype=scfg.dtype, top_n=scfg.top_logprobs)
 
     def keys(self) -> list[WindowKey]:
-        return list(self._table)
+        return self.program.keys()
+
+    @property
+    def compile_seconds(self) -> dict[WindowKey, float]:
+        return self.program.compile_seconds
 
     def plan(self, request: ScoreRequest, *, roll: bool = False) -> list[Window]:
         """The request's windows; raises ScoreInputError when it cannot be scored. With no
@@ -171,13 +162,6 @@ class CausalScoreCore:
                                   f"{self.window} one window holds (set a window to roll)")
         return windows
 
-    def _call(self, key: WindowKey, inputs: WindowInputs) -> WindowScores:
-        try:
-            executable = self._table[key]
-        except KeyError:
-            raise MissingExecutableError(f"no scoring executable for {key}") from None
-        return executable(self.params, inputs)
-
     def score(self, requests: Sequence[ScoreRequest], *, roll: bool = False
               ) -> list[TokenScores]:
         """Per-token scores of every request, in order. Every request must pass `plan`."""
@@ -195,7 +179,8 @@ class CausalScoreCore:
             for k in range(0, len(jobs), rows):
                 batch = jobs[k : k + rows]
                 inputs = _inputs([(requests[i].token_ids, w) for i, _, w in batch], rows, length)
-                dispatched.append((batch, self._call(WindowKey(rows, length), inputs)))
+                dispatched.append(
+                    (batch, self.program.score_windows(WindowKey(rows, length), inputs)))
         pieces: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
         for batch, out in dispatched:
             arrays = [np.asarray(a) for a in (out.logprobs, out.is_greedy, out.top_ids,
@@ -223,11 +208,3 @@ def _inputs(windows: list[tuple[np.ndarray, Window]], rows: int, length: int) ->
     return WindowInputs(token_ids=token_ids, target_ids=target_ids, target_mask=mask,
                         num_valid=num_valid)
 
-
-def _example(key: WindowKey) -> WindowInputs:
-    shape = (key.rows, key.length)
-    return WindowInputs(
-        token_ids=jax.ShapeDtypeStruct(shape, jnp.int32),
-        target_ids=jax.ShapeDtypeStruct(shape, jnp.int32),
-        target_mask=jax.ShapeDtypeStruct(shape, jnp.bool_),
-        num_valid=jax.ShapeDtypeStruct((key.rows,), jnp.int32))
