@@ -16,6 +16,7 @@ from typing import Any
 
 from ninfer_jax.engine import (
     AsyncRequestHandle,
+    AsyncTextStream,
     EngineCore,
     EngineCoreConfig,
     EngineStats,
@@ -23,6 +24,7 @@ from ninfer_jax.engine import (
     GenerationResult,
     RejectedError,
     RequestHandle,
+    TextStream,
 )
 from ninfer_jax.errors import CheckpointError, ConfigError
 from ninfer_jax.frontend import Frontend, PromptError
@@ -54,40 +56,52 @@ class Engine:
     @classmethod
     def open(cls, model: str | pathlib.Path | None = None, *, purpose: str = "generation",
              max_concurrency: int | None = None, verify_weights: bool = True,
-             **config: Any) -> "Engine":
+             progress: bool | None = None, **config: Any) -> "Engine":
         """Loads `model` (artifact or HF checkpoint directory; None = the embedded default).
 
         purpose="causal_scoring": an Engine that scores texts (`score`, `rolling`,
         `perplexity`, the same results as `Scorer`); its settings are ScoringConfig's
         (window, stride, max_len, min_len, max_batch_tokens, dtype) and its scoring windows
-        compile before this returns.
+        compile before this returns (progress: a bar over them; None = in a notebook only).
 
         purpose="generation" (default): compiles the prefill step before returning; the other
         steps compile on a background thread in the order they are first needed (a request
-        waits only for what it uses). max_concurrency: requests decoding together (default 4).
+        waits only for what it uses; `wait_compiled()` waits for all of them, with a progress
+        bar in a notebook). max_concurrency: requests decoding together (default 4).
         Settings: max_seq_len, page_size, num_pages, prefill_chunk, attention_impl, dtype,
         num_checkpoint_slots, speculative ("off" or "mtp": draft num_speculative_tokens tokens
         per round with the model's MTP head, default 1; a model without MTP weights refuses
         it) (Program); max_queue, queue_timeout_s, prefix_reuse (Engine; on by default);
         verify_weights (check digests and finiteness while loading, see `load_model`'s
-        `verify`). Context store (prefix checkpoints beyond the device, `context_store.py`):
+        `verify`). Compiled executables go to the persistent compilation cache that the CLI
+        uses (`compile_cache.ensure_persistent_cache`: unless jax already has one configured
+        or NINFER_JAX_CACHE_DIR=off), so the next process loads them instead of compiling.
+        Context store (prefix checkpoints beyond the device, `context_store.py`):
         context_store (a topology dict or JSON file, or "off"; default: a host-memory tier of
         1 GiB), or the shortcuts host_cache_gb, disk_cache_dir, redis_url."""
+        from ninfer_jax.compile_cache import ensure_persistent_cache
         from ninfer_jax.loader import load_model
         from ninfer_jax.program.config import ProgramConfig
         from ninfer_jax.program.program import Program
 
         if not isinstance(verify_weights, bool):
             raise ConfigError(f"verify_weights must be a bool, got {verify_weights!r:.40}")
+        if progress is not None and not isinstance(progress, bool):
+            raise ConfigError(f"progress must be True, False or None, got {progress!r:.40}")
+        if progress is not None and purpose == "generation":
+            raise ConfigError("progress is a causal_scoring setting; a generation Engine shows "
+                              "its compiles with wait_compiled(progress=True)")
         if purpose not in PURPOSES:
             raise ConfigError(f"purpose must be one of {list(PURPOSES)}, got {purpose!r:.40}")
+        ensure_persistent_cache()
         if purpose == "causal_scoring":
             from ninfer_jax.scoring.scorer import Scorer
 
             if max_concurrency is not None:
                 raise ConfigError("max_concurrency is a generation setting; an Engine with "
                                   "purpose='causal_scoring' batches by max_batch_tokens")
-            scorer = Scorer.open(model, verify_weights=verify_weights, **config)
+            scorer = Scorer.open(model, verify_weights=verify_weights, progress=progress,
+                                 **config)
             return cls(None, None, scorer.model_path, scorer=scorer)
         max_concurrency = 4 if max_concurrency is None else max_concurrency
         from ninfer_jax import context_store
@@ -133,23 +147,23 @@ class Engine:
     # CausalScoring ------------------------------------------------------------------------
     def score(self, texts: Sequence[str] | None = None,
               token_ids: Sequence[Sequence[int]] | None = None,
-              contexts: Sequence[Any] | None = None) -> list:
+              contexts: Sequence[Any] | None = None, *, progress: bool | None = None) -> list:
         """One ScoreResult per item, in order (see `Scorer.score`); purpose='causal_scoring'."""
         scorer = self._scoring("score")
         with self._score_lock:
-            return scorer.score(texts, token_ids, contexts)
+            return scorer.score(texts, token_ids, contexts, progress=progress)
 
-    def rolling(self, texts: Sequence[str]) -> list:
+    def rolling(self, texts: Sequence[str], *, progress: bool | None = None) -> list:
         """Each text scored in rolling windows (see `Scorer.rolling`)."""
         scorer = self._scoring("rolling")
         with self._score_lock:
-            return scorer.rolling(texts)
+            return scorer.rolling(texts, progress=progress)
 
-    def perplexity(self, text: str | Sequence[str]) -> float:
+    def perplexity(self, text: str | Sequence[str], *, progress: bool | None = None) -> float:
         """exp(-mean log-prob) of a text or a corpus (see `Scorer.perplexity`)."""
         scorer = self._scoring("perplexity")
         with self._score_lock:
-            return scorer.perplexity(text)
+            return scorer.perplexity(text, progress=progress)
 
     def _scoring(self, call: str) -> Any:
         if self.scorer is None:
@@ -227,8 +241,35 @@ class Engine:
             handle.release()
 
     def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerationResult:
-        """Blocking one-liner: submit and wait for the result."""
-        return self.submit(prompt, **kwargs).result()
+        """Blocking one-liner: submit and wait for the result. Interrupted (a KeyboardInterrupt
+        in a notebook cell), it cancels the request and waits for the Engine to free it before
+        the exception goes on."""
+        handle = self.submit(prompt, **kwargs)
+        try:
+            return handle.result()
+        except BaseException:
+            handle.close()
+            raise
+
+    def stream(self, prompt: str | None = None, **kwargs: Any) -> TextStream:
+        """`for delta in engine.stream(prompt, ...)`: the answer's Deltas as they are committed
+        (arguments as `submit`); see TextStream for how leaving early ends the request."""
+        return TextStream(self.submit(prompt, **kwargs))
+
+    def astream(self, prompt: str | None = None, **kwargs: Any) -> AsyncTextStream:
+        """`async for delta in engine.astream(prompt, ...)`: `stream` for asyncio code, called
+        on a running event loop (a coroutine, or a Jupyter cell: its loop is already running)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError("astream() needs a running event loop (call it from async "
+                               "code); use stream() in synchronous code") from None
+        return AsyncTextStream(self.submit(prompt, _loop=loop, **kwargs))
+
+    def wait_compiled(self, progress: bool | None = None) -> None:
+        """Waits until every step executable is compiled (they compile in the background after
+        `open`), with a progress bar (None: in a notebook only)."""
+        self._generation("wait_compiled").program.wait_compiled(progress)
 
     def warm_up(self) -> float:
         """Serves one short request through the Engine (prefill, then decode rounds at B=1)

@@ -8,6 +8,7 @@ import tempfile
 import jax
 
 _DEFAULT_DIR = os.path.join(tempfile.gettempdir(), "ninfer_jax_xla_cache")
+OFF = "off"  # NINFER_JAX_CACHE_DIR=off: the public API leaves jax's cache settings alone
 
 
 def enable_persistent_cache(path: str | None = None) -> str:
@@ -22,3 +23,16 @@ def enable_persistent_cache(path: str | None = None) -> str:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+def ensure_persistent_cache() -> str | None:
+    """What `Engine.open` and `Scorer.open` call: the persistent cache as the CLI has it, unless
+    jax already has a cache directory (the caller configured its own; that one is kept) or
+    $NINFER_JAX_CACHE_DIR is "off". So a notebook's second session, or a second script, loads
+    its executables instead of compiling them. Returns the directory in use (None: none)."""
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        return current
+    if os.environ.get("NINFER_JAX_CACHE_DIR") == OFF:
+        return None
+    return enable_persistent_cache()

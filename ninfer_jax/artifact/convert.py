@@ -13,16 +13,34 @@ from ninfer_jax.artifact.hf import SafetensorsSource, checkpoint_dir, read_confi
 from ninfer_jax.errors import CheckpointError
 from ninfer_jax.models.qwen3_6 import ModelConfig
 from ninfer_jax.models.qwen3_6.weights import params_from_hf
+from ninfer_jax.progress import bar
 
 SOURCE_DTYPES = {"float32", "bfloat16"}
 
 
+class _Counted:
+    """A tensor source that advances a progress bar for every tensor read."""
+
+    def __init__(self, source: SafetensorsSource, bar):
+        self.source, self.bar = source, bar
+
+    def keys(self):
+        return self.source.keys()
+
+    def get(self, name: str) -> np.ndarray:
+        tensor = self.source.get(name)
+        self.bar.update(1)
+        return tensor
+
+
 def convert(hf_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str = "float32",
-            overwrite: bool = False) -> tuple[pathlib.Path, list[str]]:
+            overwrite: bool = False, progress: bool | None = None
+            ) -> tuple[pathlib.Path, list[str]]:
     """Writes the artifact of the HF checkpoint at `hf_dir` to `out`; returns (out, notes).
 
     `out` is refused before anything is read unless it is new, empty, or (with `overwrite`)
-    exactly an artifact written before; see `staging`.
+    exactly an artifact written before; see `staging`. progress: a bar over the tensors read
+    (None: in a notebook only; see `ninfer_jax.progress`).
     """
     if dtype not in SOURCE_DTYPES:
         raise CheckpointError(f"dtype must be one of {sorted(SOURCE_DTYPES)}, got {dtype!r}")
@@ -32,7 +50,9 @@ def convert(hf_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str = "f
     cfg = ModelConfig.from_hf_dict(read_config(root))
     source = SafetensorsSource(root)
     target = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
-    params, notes = params_from_hf(cfg, source, cast=lambda a: a.astype(target))
+    with bar(progress, sum(1 for _ in source.keys()), "reading tensors", "tensor") as b:
+        params, notes = params_from_hf(cfg, _Counted(source, b), cast=lambda a: a.astype(target))
+        b.update(b.total - b.n)  # tensors the model does not use (e.g. a vision tower)
     sources = {f.name: artifact_format.sha256_file(f) for f in [root / "config.json", *source.files]}
     path = artifact_format.write_artifact(out, cfg, params, dtype=dtype, sources=sources,
                                           frontend_dir=root, notes=notes, overwrite=overwrite)

@@ -18,10 +18,11 @@ from ninfer_jax.engine.events import (
     TokenLogprob,
     Usage,
 )
-from ninfer_jax.engine.handle import AsyncRequestHandle, RequestHandle
+from ninfer_jax.engine.handle import AsyncRequestHandle, AsyncTextStream, RequestHandle, TextStream
 
 __all__ = [
-    "AsyncRequestHandle", "Channel", "Delta", "EngineCore", "EngineCoreConfig", "EngineError",
+    "AsyncRequestHandle", "AsyncTextStream", "Channel", "Delta", "EngineCore", "EngineCoreConfig", "EngineError",
     "EngineFailedError", "EngineStats", "Finished", "FinishReason", "GenerationResult",
-    "GenerationStart", "RejectedError", "RequestHandle", "TokenLogprob", "Usage",
+    "GenerationStart", "RejectedError", "RequestHandle", "TextStream", "TokenLogprob",
+    "Usage",
 ]

@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any
 
+from ninfer_jax import display
 from ninfer_jax.engine.catalog import CatalogEntry, CatalogStats, CheckpointCatalog
 from ninfer_jax.engine.events import (
     Channel,
@@ -97,6 +98,11 @@ class EngineStats:
     speculative: SpeculativeStats
     transactions: TransactionStats  # resource transitions (`transactions.py`)
     tiers: TierStats  # the context store (tiers=() when the Engine has none)
+
+    def _repr_html_(self) -> str:
+        return display.stats_html(self)
+
+    _repr_pretty_ = display.pretty(display.stats_line)
 
 
 class EngineCore:
@@ -199,7 +205,8 @@ class EngineCore:
             self._inbox.put(record)
         cls = AsyncRequestHandle if loop is not None else RequestHandle
         handle = cls(record.request_id, sink, record.cancel_requested, capacity, self.wake,
-                     sampling.seed)
+                     sampling.seed, getattr(getattr(self.frontend, "tokenizer", None), "decode",
+                                            None))
         self.wake()
         return handle
 

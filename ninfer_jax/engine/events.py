@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable, Sequence
 
+from ninfer_jax import display
 from ninfer_jax.errors import NinferError
 
 
@@ -88,6 +90,14 @@ class GenerationResult:
     error: str | None = None
     stop_string: str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token_ids entry, when asked
+    # The model's detokenizer, for showing each token's text (notebook display only).
+    decode: Callable[[Sequence[int]], str] | None = dataclasses.field(
+        default=None, repr=False, compare=False)
+
+    def _repr_html_(self) -> str:
+        return display.generation_html(self)
+
+    _repr_pretty_ = display.pretty(display.generation_line)
 
 
 class EngineError(NinferError):

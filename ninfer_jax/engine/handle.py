@@ -85,6 +85,9 @@ class EventSink:
         return await self._async.get()
 
 
+SETTLE_S = 10.0  # how long closing a running request waits for the Engine to end it
+
+
 def _drop(cancel: threading.Event, capacity: CapacityToken, wake: Callable[[], None]) -> None:
     cancel.set()
     capacity.consumer_released()
@@ -94,8 +97,8 @@ def _drop(cancel: threading.Event, capacity: CapacityToken, wake: Callable[[], N
 class _Collector:
     """Folds events into the final result."""
 
-    def __init__(self, request_id: int, seed: int | None):
-        self.request_id, self.seed = request_id, seed
+    def __init__(self, request_id: int, seed: int | None, decode: Callable | None):
+        self.request_id, self.seed, self.decode = request_id, seed, decode
         self.text: list[str] = []
         self.reasoning: list[str] = []
         self.token_ids: list[int] = []
@@ -121,7 +124,7 @@ class _Collector:
             reasoning_text="".join(self.reasoning), token_ids=tuple(self.token_ids),
             finish_reason=f.finish_reason, usage=f.usage, seed=self.seed, error=f.error,
             stop_string=f.stop_string,
-            logprobs=None if self.logprobs is None else tuple(self.logprobs))
+            logprobs=None if self.logprobs is None else tuple(self.logprobs), decode=self.decode)
 
 
 class RequestHandle:
@@ -129,13 +132,14 @@ class RequestHandle:
     `.cancel()` to stop it. Use it from one consumer thread (or one asyncio task)."""
 
     def __init__(self, request_id: int, sink: EventSink, cancel: threading.Event,
-                 capacity: CapacityToken, wake: Callable[[], None], seed: int | None):
+                 capacity: CapacityToken, wake: Callable[[], None], seed: int | None,
+                 decode: Callable | None = None):
         self.request_id = request_id
         self._sink = sink
         self._cancel_flag = cancel
         self._capacity = capacity
         self._wake = wake
-        self._collector = _Collector(request_id, seed)
+        self._collector = _Collector(request_id, seed, decode)
         self._finalizer = weakref.finalize(self, _drop, cancel, capacity, wake)
 
     def cancel(self) -> None:
@@ -181,6 +185,21 @@ class RequestHandle:
         if self._finalizer.detach() is not None:
             _drop(self._cancel_flag, self._capacity, self._wake)
 
+    def close(self, timeout: float | None = SETTLE_S) -> GenerationResult | None:
+        """Ends the request for good: cancels it if still running, waits up to `timeout`
+        seconds for the Engine to finish it (its sequence and capacity are then back), and
+        releases the handle. Returns the result, or None if it did not end in time (the
+        Engine then frees it when it does). Safe to call again, and after the end."""
+        if self.done:
+            return self._collector.result()
+        self.cancel()
+        try:
+            return self.result(timeout)
+        except queue.Empty:
+            return None
+        finally:
+            self.release()
+
 
 class AsyncRequestHandle(RequestHandle):
     """The asyncio flavour: `async for event in handle`, `await handle.aresult()`."""
@@ -193,4 +212,96 @@ class AsyncRequestHandle(RequestHandle):
         while not self.done:
             self._take(await self._sink.aget())
         return self._collector.result()
+
+    async def aclose(self, timeout: float | None = SETTLE_S) -> GenerationResult | None:
+        """`close` for asyncio code (waits on the event loop, not a thread)."""
+        if self.done:
+            return self._collector.result()
+        self.cancel()
+        try:
+            return await asyncio.wait_for(self.aresult(), timeout)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            return None
+        finally:
+            self.release()
+
+
+class TextStream:
+    """`for delta in engine.stream(...)`: one request's Deltas as they are committed (text in
+    `delta.text`, its channel in `delta.channel`); `.result` holds the GenerationResult once
+    it ended. Leaving early ends the request: any exception inside the iteration (a
+    KeyboardInterrupt from an interrupted notebook cell included) cancels it and waits for the
+    Engine to free it before the exception goes on; so does `close()`, or leaving a
+    `with engine.stream(...) as stream:` block, which also covers an exception raised in the
+    loop's body."""
+
+    def __init__(self, handle: RequestHandle):
+        self.handle = handle
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> TextStream:
+        return self
+
+    def __next__(self) -> Delta:
+        try:
+            while self.result is None:
+                event = self.handle.next_event()
+                if isinstance(event, Delta):
+                    return event
+                if isinstance(event, Finished):
+                    self.result = self.handle.result()
+        except StopIteration:
+            self.result = self.handle.result()
+        except BaseException:
+            self.close()
+            raise
+        raise StopIteration
+
+    def close(self) -> GenerationResult | None:
+        """Cancels the request if it is still running and waits for its end (see
+        `RequestHandle.close`)."""
+        if self.result is None:
+            self.result = self.handle.close()
+        return self.result
+
+    def __enter__(self) -> TextStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncTextStream:
+    """`async for delta in engine.astream(...)`: TextStream for asyncio code (Jupyter's running
+    loop included); `async with` ends the request on leaving the block."""
+
+    def __init__(self, handle: AsyncRequestHandle):
+        self.handle = handle
+        self.result: GenerationResult | None = None
+
+    def __aiter__(self) -> AsyncTextStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        try:
+            while not self.handle.done:
+                event = self.handle._take(await self.handle._sink.aget())
+                if isinstance(event, Delta):
+                    return event
+        except BaseException:
+            await self.aclose()
+            raise
+        self.result = await self.handle.aresult()
+        raise StopAsyncIteration
+
+    async def aclose(self) -> GenerationResult | None:
+        if self.result is None:
+            self.result = await self.handle.aclose()
+        return self.result
+
+    async def __aenter__(self) -> AsyncTextStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
 

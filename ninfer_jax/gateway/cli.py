@@ -80,7 +80,8 @@ def _convert() -> int:
     if not FLAGS.hf_dir or not FLAGS.out:
         raise app.UsageError("convert needs --hf_dir=DIR and --out=DIR")
     start = time.perf_counter()
-    path, notes = convert(FLAGS.hf_dir, FLAGS.out, dtype=FLAGS.dtype, overwrite=FLAGS.overwrite)
+    path, notes = convert(FLAGS.hf_dir, FLAGS.out, dtype=FLAGS.dtype, overwrite=FLAGS.overwrite,
+                          progress=sys.stderr.isatty())
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     print(f"wrote {path} in {time.perf_counter() - start:.1f}s", file=sys.stderr)

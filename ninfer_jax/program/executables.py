@@ -134,10 +134,18 @@ class ExecutableTable:
     def __call__(self, key: StepKey, *args: Any) -> Any:
         return self._get(key)(*args)
 
-    def wait(self) -> None:
-        """Returns once every queued compile is done (raises the first compile error)."""
-        for key in list(self._pending):
+    def pending(self) -> list[StepKey]:
+        """Queued keys not yet called or waited for (their compile may have finished)."""
+        with self._lock:
+            return list(self._pending)
+
+    def wait(self, on_ready: Callable[[StepKey], None] | None = None) -> None:
+        """Returns once every queued compile is done (raises the first compile error), calling
+        `on_ready(key)` for each key of `pending()` as it is ready (in compile order)."""
+        for key in self.pending():
             self._get(key)
+            if on_ready is not None:
+                on_ready(key)
 
     @property
     def ready(self) -> bool:

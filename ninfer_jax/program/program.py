@@ -54,6 +54,7 @@ from ninfer_jax.program.steps import (
     restore_step,
     verify_step,
 )
+from ninfer_jax.progress import bar
 
 PAGE_GROUP = 16  # pages per export/import call (a fixed shape: one executable each)
 
@@ -98,9 +99,13 @@ class Program(HostProgram):
         self._flush()
         return self._pools
 
-    def wait_compiled(self) -> None:
-        """Returns once every executable is compiled (they compile in the background)."""
-        self.executables.wait()
+    def wait_compiled(self, progress: bool | None = False) -> None:
+        """Returns once every executable is compiled (they compile in the background); with
+        `progress`, a bar counts them (None: in a notebook only, see `ninfer_jax.progress`)."""
+        keys = self.executables.keys()
+        with bar(progress, len(keys), "compiling executables", "exe") as b:
+            b.update(len(keys) - len(self.executables.pending()))
+            self.executables.wait(on_ready=lambda key: b.update(1))
 
     def close(self) -> None:
         """Drops the background compiles not started yet; the Program serves no more steps."""

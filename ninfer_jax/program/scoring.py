@@ -22,6 +22,7 @@ from ninfer_jax.errors import ConfigError
 from ninfer_jax.models.qwen3_6 import ModelConfig
 from ninfer_jax.program.executables import ExecutableTable, StepKey, StepKind, bind
 from ninfer_jax.program.scoring_steps import WindowInputs, WindowScores, score_window_step
+from ninfer_jax.progress import bar
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +40,9 @@ class ScoringProgram:
     """Compiled scoring windows over one model's device weights (see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig, params: dict, keys: Sequence[WindowKey], *,
-                 dtype: str = "float32", top_n: int = 0):
+                 dtype: str = "float32", top_n: int = 0, progress: bool | None = False):
+        """Compiles every key's executable before returning; `progress`: a bar over them
+        (None: in a notebook only, see `ninfer_jax.progress`)."""
         if not keys:
             raise ConfigError("a ScoringProgram needs at least one window shape")
         self.cfg, self.top_n = cfg, top_n
@@ -47,8 +50,11 @@ class ScoringProgram:
         self.executables = ExecutableTable()
         step = bind(score_window_step, cfg=cfg, top_n=top_n)
         self._keys = tuple(dict.fromkeys(keys))
-        for key in self._keys:
-            self.executables.compile(key.step_key(), step, self.params, _example(key), donate=())
+        with bar(progress, len(self._keys), "compiling scoring windows", "exe") as b:
+            for key in self._keys:
+                self.executables.compile(key.step_key(), step, self.params, _example(key),
+                                         donate=())
+                b.update(1)
 
     def keys(self) -> list[WindowKey]:
         return list(self._keys)

@@ -25,6 +25,7 @@ from ninfer_jax.errors import ConfigError, NinferError
 from ninfer_jax.models.qwen3_6 import ModelConfig
 from ninfer_jax.program.scoring import ScoringProgram, WindowKey
 from ninfer_jax.program.scoring_steps import WindowInputs
+from ninfer_jax.progress import bar
 from ninfer_jax.scoring.windows import Window, check_window_stride, rolling_windows
 
 __all__ = ["CausalScoreCore", "ScoreInputError", "ScoreRequest", "ScoringConfig", "TokenScores",
@@ -124,7 +125,8 @@ class CausalScoreCore:
     """Scoring requests for one model package, run on its ScoringProgram; `score` runs a list
     of requests."""
 
-    def __init__(self, cfg: ModelConfig, params: dict, scfg: ScoringConfig = ScoringConfig()):
+    def __init__(self, cfg: ModelConfig, params: dict, scfg: ScoringConfig = ScoringConfig(),
+                 *, progress: bool | None = False):
         scfg.validate(cfg)
         self.cfg, self.scfg = cfg, scfg
         self.window = scfg.longest(cfg)
@@ -133,7 +135,8 @@ class CausalScoreCore:
         self._rows = {n: max(1, scfg.max_batch_tokens // n) for n in self.lengths}
         self.program = ScoringProgram(cfg, params,
                                       [WindowKey(rows, n) for n, rows in self._rows.items()],
-                                      dtype=scfg.dtype, top_n=scfg.top_logprobs)
+                                      dtype=scfg.dtype, top_n=scfg.top_logprobs,
+                                      progress=progress)
 
     def keys(self) -> list[WindowKey]:
         return self.program.keys()
@@ -162,9 +165,10 @@ class CausalScoreCore:
                                   f"{self.window} one window holds (set a window to roll)")
         return windows
 
-    def score(self, requests: Sequence[ScoreRequest], *, roll: bool = False
-              ) -> list[TokenScores]:
-        """Per-token scores of every request, in order. Every request must pass `plan`."""
+    def score(self, requests: Sequence[ScoreRequest], *, roll: bool = False,
+              progress: bool | None = False) -> list[TokenScores]:
+        """Per-token scores of every request, in order. Every request must pass `plan`.
+        progress: a bar over the windows (None: in a notebook only; see `ninfer_jax.progress`)."""
         by_len: dict[int, list[tuple[int, int, Window]]] = collections.defaultdict(list)
         num_windows = []
         for i, request in enumerate(requests):
@@ -182,12 +186,14 @@ class CausalScoreCore:
                 dispatched.append(
                     (batch, self.program.score_windows(WindowKey(rows, length), inputs)))
         pieces: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
-        for batch, out in dispatched:
-            arrays = [np.asarray(a) for a in (out.logprobs, out.is_greedy, out.top_ids,
-                                              out.top_logprobs)]
-            for row, (i, j, w) in enumerate(batch):
-                lo = w.length - w.num_targets
-                pieces[i, j] = tuple(a[row, lo : w.length] for a in arrays)
+        with bar(progress, sum(num_windows), "scoring", "window") as b:
+            for batch, out in dispatched:
+                arrays = [np.asarray(a) for a in (out.logprobs, out.is_greedy, out.top_ids,
+                                                  out.top_logprobs)]
+                for row, (i, j, w) in enumerate(batch):
+                    lo = w.length - w.num_targets
+                    pieces[i, j] = tuple(a[row, lo : w.length] for a in arrays)
+                b.update(len(batch))
         return [TokenScores(*(np.concatenate([pieces[i, j][f] for j in range(n)])
                               for f in range(4)))
                 for i, n in enumerate(num_windows)]

@@ -17,11 +17,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from ninfer_jax import display
 from ninfer_jax.errors import ConfigError
 from ninfer_jax.frontend.tokenizer import Tokenizer
 from ninfer_jax.scoring.core import (
@@ -42,6 +43,19 @@ class ScoreResult:
     token_ids: np.ndarray  # [K] int32, the scored tokens
     token_logprobs: np.ndarray  # [K] float32, log p(token | everything before it in its window)
     greedy_flags: np.ndarray  # [K] bool, the token is the argmax of its prediction
+    # The tokenizer's decode, for showing each token's text (notebook display only).
+    decode: Callable[[Sequence[int]], str] | None = dataclasses.field(
+        default=None, repr=False, compare=False)
+
+    def _repr_html_(self) -> str:
+        return display.score_html(self)
+
+    _repr_pretty_ = display.pretty(display.score_line)
+
+    @property
+    def token_texts(self) -> list[str]:
+        """Each scored token's own text (its ids in brackets without a tokenizer)."""
+        return display.token_pieces(self.decode, self.token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -80,12 +94,13 @@ class Scorer:
 
     @classmethod
     def open(cls, model: str | pathlib.Path | None = None, *, verify_weights: bool = True,
-             **config: Any) -> Scorer:
+             progress: bool | None = None, **config: Any) -> Scorer:
         """Loads `model` (artifact or HF checkpoint directory; None = the embedded demo model)
         and compiles its scoring windows. Settings: window, stride, max_len, min_len,
         max_batch_tokens, dtype (see `ScoringConfig`); verify_weights (see `load_model`'s
-        `verify`). Texts need the model's tokenizer; a directory without one scores token ids
-        only."""
+        `verify`); progress (a bar over the compiles; None: in a notebook only). Texts need
+        the model's tokenizer; a directory without one scores token ids only."""
+        from ninfer_jax.compile_cache import ensure_persistent_cache
         from ninfer_jax.frontend import load_tokenizer
         from ninfer_jax.loader import load_model
 
@@ -94,12 +109,14 @@ class Scorer:
         if unknown:
             raise ConfigError(f"unknown Scorer setting(s) {unknown}; known: {sorted(known)}")
         scfg = ScoringConfig(**config)
+        ensure_persistent_cache()  # see Engine.open
         loaded = load_model(model, dtype=scfg.dtype, verify=verify_weights)
         try:
             tokenizer = load_tokenizer(loaded.path)
         except FileNotFoundError:
             tokenizer = None
-        return cls(CausalScoreCore(loaded.config, loaded.params, scfg), tokenizer, loaded.path)
+        return cls(CausalScoreCore(loaded.config, loaded.params, scfg, progress=progress),
+                   tokenizer, loaded.path)
 
     def request(self, text: str | None = None, token_ids: Sequence[int] | None = None,
                 context: Context = None) -> ScoreRequest:
@@ -127,16 +144,21 @@ class Scorer:
         self.core.plan(request)
         return request
 
-    def score_requests(self, requests: Sequence[ScoreRequest], *, roll: bool = False
-                       ) -> list[ScoreResult]:
-        """Scores checked requests; roll=True rolls long items even without a configured window."""
-        return [_result(r, s) for r, s in zip(requests, self.core.score(requests, roll=roll))]
+    def score_requests(self, requests: Sequence[ScoreRequest], *, roll: bool = False,
+                       progress: bool | None = None) -> list[ScoreResult]:
+        """Scores checked requests; roll=True rolls long items even without a configured window.
+        progress: a bar over the windows (None: in a notebook only)."""
+        decode = None if self.tokenizer is None else self.tokenizer.decode
+        scores = self.core.score(requests, roll=roll, progress=progress)
+        return [_result(r, s, decode) for r, s in zip(requests, scores)]
 
     def score(self, texts: Sequence[str] | None = None,
               token_ids: Sequence[Sequence[int]] | None = None,
-              contexts: Sequence[Context] | None = None) -> list[ScoreResult]:
+              contexts: Sequence[Context] | None = None, *,
+              progress: bool | None = None) -> list[ScoreResult]:
         """One ScoreResult per item, in order. Give texts or token_ids; contexts (optional) are
-        strings for texts and token id lists for token_ids, one per item (empty = none)."""
+        strings for texts and token id lists for token_ids, one per item (empty = none).
+        progress: a bar over the scoring windows (None: in a notebook only)."""
         if (texts is None) == (token_ids is None):
             raise ValueError("give exactly one of texts or token_ids")
         if isinstance(texts, str):
@@ -152,19 +174,20 @@ class Scorer:
                 requests.append(self.request(**{kind: item}, context=ctx))
             except ScoreInputError as e:
                 raise ScoreInputError(f"item {i}: {e}") from None
-        return self.score_requests(requests)
+        return self.score_requests(requests, progress=progress)
 
-    def rolling(self, texts: Sequence[str]) -> list[ScoreResult]:
+    def rolling(self, texts: Sequence[str], *, progress: bool | None = None
+                ) -> list[ScoreResult]:
         """Each text's tokens after its first, in rolling windows even with no configured window
         (then windows of the longest compiled length)."""
         requests = [ScoreRequest(np.asarray(self._tokenizer().encode(t), np.int64), 1)
                     for t in texts]
-        return self.score_requests(requests, roll=True)
+        return self.score_requests(requests, roll=True, progress=progress)
 
-    def perplexity(self, text: str | Sequence[str]) -> float:
+    def perplexity(self, text: str | Sequence[str], *, progress: bool | None = None) -> float:
         """exp(-mean log-prob) over a text's tokens after its first (over all texts' tokens, for
         a list), scored with `rolling`."""
-        results = self.rolling([text] if isinstance(text, str) else text)
+        results = self.rolling([text] if isinstance(text, str) else text, progress=progress)
         total = sum(r.sum_logprob for r in results)
         return math.exp(-total / sum(r.num_tokens for r in results))
 
@@ -182,6 +205,7 @@ def _id_list(value: Any, name: str) -> list[int]:
     return [int(t) for t in value]
 
 
-def _result(request: ScoreRequest, scores: TokenScores) -> ScoreResult:
+def _result(request: ScoreRequest, scores: TokenScores, decode: Callable | None) -> ScoreResult:
     return ScoreResult(token_ids=request.token_ids[request.first_target:].astype(np.int32),
-                       token_logprobs=scores.logprobs, greedy_flags=scores.is_greedy)
+                       token_logprobs=scores.logprobs, greedy_flags=scores.is_greedy,
+                       decode=decode)

@@ -73,6 +73,7 @@ def test_a_local_multiple_choice_task_runs_through_the_harness(lm, tmp_path):
     out = simple_evaluate(model=lm, tasks=["ninfer_local"], task_manager=manager)
     acc = out["results"]["ninfer_local"]["acc,none"]
     sc = scorer("dense")
-    want = np.mean([int(np.argmax([sc.score(texts=[c], contexts=[d["q"]])[0].sum_logprob
+    # the harness scores target_delimiter (" ") + choice after the question
+    want = np.mean([int(np.argmax([sc.score(texts=[" " + c], contexts=[d["q"]])[0].sum_logprob
                                    for c in d["choices"]]) == d["gold"]) for d in docs])
     assert acc == pytest.approx(want)
