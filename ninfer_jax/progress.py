@@ -2,8 +2,9 @@
 
 Owns the one rule for when a bar shows: `progress=True` always, `False` never, `None` (the
 default of every API that takes it) only inside a Jupyter kernel and only for an operation that
-lasts more than a second, so scripts, servers and tests stay quiet unless asked. In a notebook the bar is tqdm's widget (`tqdm.auto`); where ipywidgets
-is missing it falls back to tqdm's text bar instead of failing.
+lasts more than a second, so scripts, servers and tests stay quiet unless asked. In a notebook
+the bar is tqdm's widget (`tqdm.auto`); where ipywidgets is missing it falls back to tqdm's text
+bar instead of failing.
 """
 
 from __future__ import annotations

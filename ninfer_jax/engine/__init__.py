@@ -21,8 +21,8 @@ from ninfer_jax.engine.events import (
 from ninfer_jax.engine.handle import AsyncRequestHandle, AsyncTextStream, RequestHandle, TextStream
 
 __all__ = [
-    "AsyncRequestHandle", "AsyncTextStream", "Channel", "Delta", "EngineCore", "EngineCoreConfig", "EngineError",
-    "EngineFailedError", "EngineStats", "Finished", "FinishReason", "GenerationResult",
-    "GenerationStart", "RejectedError", "RequestHandle", "TextStream", "TokenLogprob",
-    "Usage",
+    "AsyncRequestHandle", "AsyncTextStream", "Channel", "Delta", "EngineCore",
+    "EngineCoreConfig", "EngineError", "EngineFailedError", "EngineStats", "Finished",
+    "FinishReason", "GenerationResult", "GenerationStart", "RejectedError", "RequestHandle",
+    "TextStream", "TokenLogprob", "Usage",
 ]

@@ -208,6 +208,12 @@ class AsyncRequestHandle(RequestHandle):
         while not self.done:
             yield self._take(await self._sink.aget())
 
+    async def anext_event(self) -> Event:
+        """The next event; raises StopAsyncIteration when done."""
+        if self.done:
+            raise StopAsyncIteration
+        return self._take(await self._sink.aget())
+
     async def aresult(self) -> GenerationResult:
         while not self.done:
             self._take(await self._sink.aget())
@@ -285,7 +291,7 @@ class AsyncTextStream:
     async def __anext__(self) -> Delta:
         try:
             while not self.handle.done:
-                event = self.handle._take(await self.handle._sink.aget())
+                event = await self.handle.anext_event()
                 if isinstance(event, Delta):
                     return event
         except BaseException:
@@ -304,4 +310,3 @@ class AsyncTextStream:
 
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
-

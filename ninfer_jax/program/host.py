@@ -219,6 +219,9 @@ class HostProgram(abc.ABC):
     def close(self) -> None:
         """Releases what the execution side holds beyond its pools (nothing by default)."""
 
+    def wait_compiled(self, progress: bool | None = False) -> None:
+        """Returns once every step executable is compiled (the host side compiles none)."""
+
     # Feasibility and admission -------------------------------------------------------------
     def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         return -(-(prompt_len + max_new_tokens) // self.limits.page_size)

@@ -72,10 +72,12 @@ def test_layer_loops_agree():
     assert outs["unrolled"] == outs["scan"]
 
 
-def test_background_compiles_follow_need_and_close_drops_the_rest():
+def test_background_compiles_follow_need_and_close_drops_the_rest(capsys):
     prog = program()  # compiled in the background, then waited for by the fixture
     assert prog.pcfg.background_compile
     keys = set(prog.executables.keys())
+    prog.wait_compiled(progress=True)  # all done: the bar counts every one of them
+    assert "compiling executables: 100%|" in capsys.readouterr().err
     assert {StepKey(StepKind.PREFILL, 1), StepKey(StepKind.CAPTURE, 1),
             StepKey(StepKind.RESTORE, 1), StepKey(StepKind.COMMIT, 8)} <= keys
     assert {StepKey(StepKind.DECODE, b) for b in range(1, 9)} <= keys
