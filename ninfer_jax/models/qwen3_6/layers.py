@@ -100,35 +100,71 @@ def moe(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Sparse MoE with a shared expert. x [..., H].
 
     Router: softmax over all experts in fp32, top-k, renormalised. Experts are SwiGLU. The
-    shared expert is SwiGLU times
-    sigmoid(shared_gate(x)). Weights are [out, in]: router [E, H], experts gate/up [E, I, H],
-    down [E, H, I]. With few tokens the selected experts' weights are gathered per
-    token (decode reads only k experts); with many, every expert runs densely and a [N, E]
-    combine matrix with zeros for unselected experts mixes them (same sums, no gather).
+    shared expert is SwiGLU times sigmoid(shared_gate(x)). Weights are [out, in]: router
+    [E, H], experts gate/up [E, I, H], down [E, H, I]. How the routed experts run is decided by
+    the platform the step is lowered for (`jax.lax.platform_dependent`): on CPU
+    `experts_on_cpu`, on accelerators `experts_grouped` (same sums).
     """
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
-    n, k, e = xt.shape[0], cfg.num_experts_per_tok, cfg.num_experts
     logits = einsum32("nh,eh->ne", xt, p["router"])
     probs = jax.nn.softmax(logits, axis=-1)
-    top_w, top_i = jax.lax.top_k(probs, k)
+    top_w, top_i = jax.lax.top_k(probs, cfg.num_experts_per_tok)
     top_w = (top_w / jnp.sum(top_w, axis=-1, keepdims=True)).astype(x.dtype)
-    ex = p["experts"]
+    routed = jax.lax.platform_dependent(p["experts"], xt, top_i, top_w, cpu=experts_on_cpu,
+                                        default=experts_grouped)
+    shared = swiglu(p["shared"], xt) * jax.nn.sigmoid(dense(xt, p["shared_gate"]))
+    return (routed + shared).reshape(shape)
+
+
+def experts_on_cpu(ex: dict, xt: jax.Array, top_i: jax.Array, top_w: jax.Array) -> jax.Array:
+    """The routed experts as XLA:CPU runs them fastest (it expands `ragged_dot` densely). With
+    few tokens (N * k < E) the selected experts' weights are gathered per token (decode reads
+    only k experts); with more, every expert runs densely on every token and a [N, E] combine
+    matrix with zeros for the unselected experts mixes them."""
+    n, k = top_i.shape
+    e = ex["gate"].shape[0]
     if n * k < e:
         gate = einsum32("nh,nkih->nki", xt, ex["gate"][top_i])
         up = einsum32("nh,nkih->nki", xt, ex["up"][top_i])
-        act = (jax.nn.silu(gate) * up).astype(x.dtype)
+        act = (jax.nn.silu(gate) * up).astype(xt.dtype)
         out = einsum32("nki,nkhi->nkh", act, ex["down"][top_i])
-        routed = einsum32("nkh,nk->nh", out.astype(x.dtype), top_w).astype(x.dtype)
-    else:
-        gate = einsum32("nh,eih->nei", xt, ex["gate"])
-        up = einsum32("nh,eih->nei", xt, ex["up"])
-        act = (jax.nn.silu(gate) * up).astype(x.dtype)
-        out = einsum32("nei,ehi->neh", act, ex["down"])
-        combine = jnp.zeros((n, e), x.dtype).at[jnp.arange(n)[:, None], top_i].set(top_w)
-        routed = einsum32("neh,ne->nh", out.astype(x.dtype), combine).astype(x.dtype)
-    shared = swiglu(p["shared"], xt) * jax.nn.sigmoid(dense(xt, p["shared_gate"]))
-    return (routed + shared).reshape(shape)
+        return einsum32("nkh,nk->nh", out.astype(xt.dtype), top_w).astype(xt.dtype)
+    gate = einsum32("nh,eih->nei", xt, ex["gate"])
+    up = einsum32("nh,eih->nei", xt, ex["up"])
+    act = (jax.nn.silu(gate) * up).astype(xt.dtype)
+    out = einsum32("nei,ehi->neh", act, ex["down"])
+    combine = jnp.zeros((n, e), xt.dtype).at[jnp.arange(n)[:, None], top_i].set(top_w)
+    return einsum32("neh,ne->nh", out.astype(xt.dtype), combine).astype(xt.dtype)
+
+
+# lhs [M, in] rows grouped by expert x rhs [E, out, in] -> [M, out]: each row meets its expert
+_GROUPED = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=(0,),
+    rhs_group_dimensions=(0,))
+
+
+def experts_grouped(ex: dict, xt: jax.Array, top_i: jax.Array, top_w: jax.Array) -> jax.Array:
+    """The routed experts as grouped GEMMs: the N * k (token, expert) pairs sorted by expert,
+    one `ragged_dot` per projection over the experts' row groups, then each pair's output
+    weighted and added back to its token. Work and weight reads scale with k, not with E; no
+    per-token weight copies."""
+    n, k = top_i.shape
+    e = ex["gate"].shape[0]
+    flat = top_i.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k  # the token of each sorted pair
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    rows = xt[token]
+
+    def grouped(lhs, rhs):
+        return jax.lax.ragged_dot_general(lhs, rhs, sizes, _GROUPED,
+                                          preferred_element_type=jnp.float32)
+
+    act = (jax.nn.silu(grouped(rows, ex["gate"])) * grouped(rows, ex["up"])).astype(xt.dtype)
+    out = grouped(act, ex["down"]).astype(xt.dtype)
+    weighted = out.astype(jnp.float32) * top_w.reshape(-1)[order][:, None].astype(jnp.float32)
+    return jnp.zeros((n, xt.shape[1]), jnp.float32).at[token].add(weighted).astype(xt.dtype)
 
 
 def mlp(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
