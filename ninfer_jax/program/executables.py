@@ -157,6 +157,23 @@ class ExecutableTable:
             return list(self._table) + list(self._pending)
 
 
+class LoweringTable:
+    """Stands in for an ExecutableTable when a Program is built only to be lowered
+    (`program.lower_all`): each `compile` lowers the step for `platform` and keeps its text;
+    nothing is compiled and nothing can run."""
+
+    def __init__(self, platform: str):
+        self.platform = platform
+        self.texts: dict[StepKey, str] = {}
+
+    def compile(self, key: StepKey, fn: Callable, *example_args: Any,
+                background: bool = False, donate: tuple[str, ...] = ("pools",)) -> None:
+        abstract = tuple(map(_abstract, example_args))
+        lowered = jax.jit(fn, donate_argnames=donate).trace(*abstract).lower(
+            lowering_platforms=(self.platform,))
+        self.texts[key] = lowered.as_text()
+
+
 def _build(fn: Callable, abstract: tuple, donate: tuple[str, ...]) -> tuple[Callable, float]:
     """(the executable of fn for those shapes with `donate` donated, compile seconds)."""
     start = time.perf_counter()

@@ -22,7 +22,13 @@ from ninfer_jax.models.qwen3_6 import ModelConfig
 from ninfer_jax.models.qwen3_6.model import unstack_layers
 from ninfer_jax.program.config import ProgramConfig
 from ninfer_jax.program.errors import InfeasibleError
-from ninfer_jax.program.executables import ExecutableTable, StepKey, StepKind, bind
+from ninfer_jax.program.executables import (
+    ExecutableTable,
+    LoweringTable,
+    StepKey,
+    StepKind,
+    bind,
+)
 from ninfer_jax.program.host import (
     GREEDY,
     CheckpointImage,
@@ -59,10 +65,34 @@ from ninfer_jax.progress import bar
 PAGE_GROUP = 16  # pages per export/import call (a fixed shape: one executable each)
 
 
+def lower_all(cfg: ModelConfig, pcfg: ProgramConfig, platform: str = "cuda",
+              params: dict | None = None) -> dict[StepKey, str]:
+    """The lowered (StableHLO) text of every executable a Program of `cfg` and `pcfg` compiles,
+    lowered for `platform` ("cuda", "rocm", "tpu", "cpu") on any host: a CPU machine checks
+    the GPU build (the Pallas kernels' custom calls, MoE's grouped GEMMs). Kernels choose
+    their form by the lowering platform, so nothing is in interpret mode off CPU. `params`:
+    the weights (default zeros of the config's shapes; values do not shape a lowering). The
+    Program is built for real (its pools and weights are allocated on the host), so this is
+    for configs that fit in host memory."""
+    from ninfer_jax.models.qwen3_6.weights import param_shapes
+
+    if params is None:
+        mtp = cfg.mtp_num_layers if pcfg.speculative == "mtp" else 0
+        params = jax.tree.map(lambda shape: np.zeros(shape, np.float32),
+                              param_shapes(cfg, num_mtp_layers=mtp),
+                              is_leaf=lambda x: isinstance(x, tuple))
+    table = LoweringTable(platform)
+    Program(cfg, params, pcfg, executables=table)
+    return dict(table.texts)
+
+
 class Program(HostProgram):
     """Pools, allocators, sequences and the compiled steps of one model package."""
 
-    def __init__(self, cfg: ModelConfig, params: dict, pcfg: ProgramConfig):
+    def __init__(self, cfg: ModelConfig, params: dict, pcfg: ProgramConfig, *,
+                 executables: ExecutableTable | LoweringTable | None = None):
+        """`executables`: where the steps compile (default a new ExecutableTable; `lower_all`
+        passes a LoweringTable)."""
         if pcfg.max_seq_len > cfg.max_position_embeddings:
             raise InfeasibleError(
                 f"max_seq_len {pcfg.max_seq_len} exceeds the model's max_position_embeddings "
@@ -90,7 +120,7 @@ class Program(HostProgram):
             else params
         self._pools = pools
         self._deferred: CommitInputs | None = None  # the last commit, applied by the next step
-        self.executables = ExecutableTable()
+        self.executables = ExecutableTable() if executables is None else executables
         self._compile_all()
 
     @property

@@ -7,6 +7,7 @@ plus the current chunk has only the jnp reference, `paged_prefill_attention_refe
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import jax
@@ -47,24 +48,19 @@ def paged_attention_decode(
     Args:
       q, k_pages, v_pages, page_tables, lengths, scale: as in `paged_attention_reference`.
       impl: "reference" (pure jnp) or "pallas" (the Triton-style kernel).
-      interpret: for impl="pallas" only; None means interpret mode exactly when jax's default
-        backend is CPU, where the kernel cannot run compiled. Pass False to lower for GPU from a
-        CPU host.
+      interpret: for impl="pallas" only; None (the default) decides by the platform the step
+        is lowered for (`jax.lax.platform_dependent`): the interpreter on CPU, where the kernel
+        cannot run compiled, the compiled kernel elsewhere; so a CPU host lowering for CUDA gets
+        the real kernel.
       pages_per_block: for impl="pallas" only; see `paged_attention`.
     """
     if impl == "reference":
         return paged_attention_reference(q, k_pages, v_pages, page_tables, lengths, scale=scale)
     if impl == "pallas":
-        if interpret is None:
-            interpret = jax.default_backend() == "cpu"
-        return paged_attention(
-            q,
-            k_pages,
-            v_pages,
-            page_tables,
-            lengths,
-            scale=scale,
-            pages_per_block=pages_per_block,
-            interpret=interpret,
-        )
+        run = functools.partial(paged_attention, scale=scale, pages_per_block=pages_per_block)
+        args = (q, k_pages, v_pages, page_tables, lengths)
+        if interpret is not None:
+            return run(*args, interpret=interpret)
+        return jax.lax.platform_dependent(*args, cpu=functools.partial(run, interpret=True),
+                                          default=functools.partial(run, interpret=False))
     raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")

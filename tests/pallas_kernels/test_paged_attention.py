@@ -266,13 +266,17 @@ def _lowering_args(dtype=jnp.bfloat16) -> tuple[jax.ShapeDtypeStruct, ...]:
     )
 
 
+@pytest.mark.parametrize("interpret", [False, None])  # None: the lowering platform decides
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_kernel_lowers_to_triton_for_cuda(dtype):
-    decode = functools.partial(paged_attention_decode, impl="pallas", interpret=False)
+def test_kernel_lowers_to_triton_for_cuda(dtype, interpret):
+    decode = functools.partial(paged_attention_decode, impl="pallas", interpret=interpret)
     lowered = jax.jit(decode).trace(*_lowering_args(dtype)).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert f"custom_call @{_triton_custom_call_target()}" in text
     assert "mosaic_gpu" not in text
+    if interpret is None:  # the same call lowered for CPU runs the interpreter
+        cpu = jax.jit(decode).trace(*_lowering_args(dtype)).lower(lowering_platforms=("cpu",))
+        assert _triton_custom_call_target() not in cpu.as_text()
 
 
 def _decode_shapes(**overrides) -> dict[str, jax.ShapeDtypeStruct]:

@@ -1,0 +1,57 @@
+"""`lower_all`: every executable a Program compiles, lowered for CUDA on this CPU host. Decode
+holds the Pallas attention kernel's Triton call (not the interpreter), a MoE Program's prefill
+and decode hold grouped GEMMs and no dense all-expert contraction, and the same Program lowered
+for CPU holds neither."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from ninfer_jax.program.config import ProgramConfig
+from ninfer_jax.program.executables import StepKey, StepKind
+from ninfer_jax.program.program import PAGE_GROUP, lower_all
+from ninfer_jax.testing import tiny_dense, tiny_moe
+from tests.pallas_kernels.test_paged_attention import _triton_custom_call_target
+
+B = 2
+PCFG = ProgramConfig(max_concurrency=B, max_seq_len=64, num_pages=16, page_size=8,
+                     prefill_chunk=16, attention_impl="pallas", num_checkpoint_slots=2)
+CONFIGS = {"dense": tiny_dense, "moe": tiny_moe}
+
+
+@functools.lru_cache(maxsize=None)
+def lowered(variant: str, platform: str) -> dict[StepKey, str]:
+    return lower_all(CONFIGS[variant](), PCFG, platform)
+
+
+@pytest.mark.parametrize("variant", sorted(CONFIGS))
+def test_every_executable_is_lowered_for_cuda_with_the_attention_kernel(variant):
+    texts = lowered(variant, "cuda")
+    expected = {StepKey(StepKind.PREFILL, 1), StepKey(StepKind.COMMIT, B),
+                StepKey(StepKind.CAPTURE, 1), StepKey(StepKind.RESTORE, 1),
+                StepKey(StepKind.EXPORT_PAGES, PAGE_GROUP), StepKey(StepKind.EXPORT_STATE, 1),
+                StepKey(StepKind.IMPORT_PAGES, PAGE_GROUP), StepKey(StepKind.IMPORT_STATE, 1),
+                *(StepKey(StepKind.DECODE, b) for b in range(1, B + 1))}
+    assert set(texts) == expected
+    triton = f"custom_call @{_triton_custom_call_target()}"
+    for b in range(1, B + 1):
+        assert triton in texts[StepKey(StepKind.DECODE, b)]
+    cpu = lowered(variant, "cpu")
+    assert set(cpu) == expected
+    assert not any(_triton_custom_call_target() in t for t in cpu.values())
+
+
+def test_a_moe_program_lowers_grouped_gemms_for_cuda_and_dense_ones_for_cpu():
+    cfg = tiny_moe()
+    moe_layers = len(cfg.layer_types)
+    prefill_rows = PCFG.prefill_chunk
+    dense = f"x{cfg.num_experts}x{cfg.moe_intermediate_size}xf32>"  # an [N, E, I] tensor
+    cuda, cpu = lowered("moe", "cuda"), lowered("moe", "cpu")
+    for key in (StepKey(StepKind.PREFILL, 1), StepKey(StepKind.DECODE, 1),
+                StepKey(StepKind.DECODE, B)):
+        assert cuda[key].count('"chlo.ragged_dot"(') == 3 * moe_layers, key  # gate, up, down
+        assert dense not in cuda[key], key
+        assert "ragged_dot" not in cpu[key], key
+    assert f"tensor<{prefill_rows}{dense}" in cpu[StepKey(StepKind.PREFILL, 1)]
