@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import pathlib
 import threading
 import time
@@ -38,6 +39,13 @@ _STORE_KEYS = ("context_store", "host_cache_gb", "disk_cache_dir", "redis_url")
 
 
 PURPOSES = ("generation", "causal_scoring")
+_LOG = logging.getLogger("ninfer_jax")
+
+
+def jax_backend() -> str:
+    import jax
+
+    return jax.default_backend()
 
 
 class Engine:
@@ -68,7 +76,10 @@ class Engine:
         steps compile on a background thread in the order they are first needed (a request
         waits only for what it uses; `wait_compiled()` waits for all of them, with a progress
         bar in a notebook). max_concurrency: requests decoding together (default 4).
-        Settings: max_seq_len, page_size, num_pages, prefill_chunk, attention_impl, dtype,
+        Settings: max_seq_len, page_size, num_pages, prefill_chunk, attention_impl, dtype
+        (both "auto" by default: bf16 and the Pallas kernel on GPU, fp32 and the jnp reference
+        on CPU, see `program.config.platform_defaults`; the choice is logged and in
+        `program_config`),
         num_checkpoint_slots, speculative ("off" or "mtp": draft num_speculative_tokens tokens
         per round with the model's MTP head, default 1; a model without MTP weights refuses
         it) (Program); max_queue, queue_timeout_s, prefix_reuse (Engine; on by default);
@@ -131,6 +142,8 @@ class Engine:
                                                     program.limits, pcfg.dtype)
             tiers = context_store.open_tiers(store, program, identity)
         core = EngineCore(program, frontend, core_config, tiers)
+        _LOG.info("Engine on %s: dtype %s, attention %s, max_concurrency %d",
+                  jax_backend(), pcfg.dtype, pcfg.attention_impl, pcfg.max_concurrency)
         return cls(core, frontend, loaded.path)
 
     def __enter__(self) -> "Engine":
@@ -290,6 +303,21 @@ class Engine:
     def available(self) -> bool:
         """False once the Engine failed or was closed (it then rejects every submit)."""
         return not self._closed if self.core is None else self.core.available
+
+    @property
+    def program_config(self) -> Any:
+        """The Program's resolved ProgramConfig (dtype, attention_impl, pool sizes, ...); None
+        for a Program without one (a test double)."""
+        return getattr(self._generation("program_config").program, "pcfg", None)
+
+    def describe(self) -> str:
+        """One line: the backend and the settings chosen for it."""
+        pcfg = self.program_config
+        if pcfg is None:
+            return f"{type(self.core.program).__name__}, max_concurrency " \
+                   f"{self.core.limits.max_concurrency}"
+        return (f"{jax_backend()}: dtype {pcfg.dtype}, attention {pcfg.attention_impl}, "
+                f"max_concurrency {pcfg.max_concurrency}")
 
     @property
     def max_seq_len(self) -> int:

@@ -44,7 +44,9 @@ flags.DEFINE_bool("verify_weights", True, "every command that loads a model: che
                   "and finiteness while loading; --noverify_weights skips it")
 flags.DEFINE_string("model", None,
                     "artifact or HF checkpoint directory (default: the embedded demo model)")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights/activations dtype")
+flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"],
+                  "weights/activations dtype; auto: bf16 on GPU, fp32 on CPU (convert and "
+                  "export-hf: fp32)")
 flags.DEFINE_list("prompt_ids", None, "logits: comma-separated prompt token ids")
 flags.DEFINE_integer("top", 5, "logits: how many top next tokens to print", lower_bound=1)
 flags.DEFINE_string("host", "127.0.0.1", "serve: the address to listen on")
@@ -80,7 +82,8 @@ def _convert() -> int:
     if not FLAGS.hf_dir or not FLAGS.out:
         raise app.UsageError("convert needs --hf_dir=DIR and --out=DIR")
     start = time.perf_counter()
-    path, notes = convert(FLAGS.hf_dir, FLAGS.out, dtype=FLAGS.dtype, overwrite=FLAGS.overwrite,
+    dtype = "float32" if FLAGS.dtype == "auto" else FLAGS.dtype  # a lossless artifact
+    path, notes = convert(FLAGS.hf_dir, FLAGS.out, dtype=dtype, overwrite=FLAGS.overwrite,
                           progress=sys.stderr.isatty())
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
@@ -93,6 +96,7 @@ def _logits() -> int:
     import numpy as np
 
     from ninfer_jax import load_model
+    from ninfer_jax.program.config import resolve_dtype
 
     if not FLAGS.prompt_ids:
         raise app.UsageError("logits needs --prompt_ids=1,2,3 (and --model=DIR, default: demo)")
@@ -101,7 +105,8 @@ def _logits() -> int:
     except (ValueError, OverflowError) as e:
         raise app.UsageError(f"--prompt_ids must be integers: {e}") from e
     start = time.perf_counter()
-    model = load_model(FLAGS.model, dtype=FLAGS.dtype, verify=FLAGS.verify_weights)
+    model = load_model(FLAGS.model, dtype=resolve_dtype(FLAGS.dtype),
+                       verify=FLAGS.verify_weights)
     vocab = model.config.vocab_size
     if ids.min() < 0 or ids.max() >= vocab:
         raise app.UsageError(f"--prompt_ids must be token ids in [0, {vocab}), got "
@@ -169,7 +174,8 @@ def _export_hf() -> int:
         raise app.UsageError("export-hf needs --out=DIR (--model=DIR defaults to the demo model)")
     start = time.perf_counter()
     check_out(FLAGS.out, FLAGS.overwrite)
-    model = load_model(FLAGS.model, dtype=FLAGS.dtype, verify=FLAGS.verify_weights)
+    dtype = "float32" if FLAGS.dtype == "auto" else FLAGS.dtype
+    model = load_model(FLAGS.model, dtype=dtype, verify=FLAGS.verify_weights)
     path = export_hf(model.config, model.params, FLAGS.out, frontend_dir=model.path,
                      overwrite=FLAGS.overwrite)
     print(f"wrote {path} in {time.perf_counter() - start:.1f}s", file=sys.stderr)

@@ -126,7 +126,7 @@ def _open_engine():
                          prefix_reuse=FLAGS.prefix_reuse, verify_weights=FLAGS.verify_weights,
                          **speculative_settings(), **store_settings())
     print(f"[ninfer] model {engine.model_path} ready in {time.perf_counter() - start:.1f}s "
-          f"(max_concurrency={FLAGS.max_concurrency})", file=sys.stderr)
+          f"({engine.describe()})", file=sys.stderr)
     return engine
 
 

@@ -41,6 +41,7 @@ from ninfer_jax.gateway.files import (
     parse_record,
     read_text,
 )
+from ninfer_jax.program.config import resolve_dtype
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("input", None, "score: JSONL file of records to score")
@@ -71,7 +72,8 @@ def _open_scorer():
 
     start = time.perf_counter()
     config = {"window": FLAGS.window, "stride": FLAGS.stride, "max_len": FLAGS.max_len,
-              "max_batch_tokens": FLAGS.max_batch_tokens, "dtype": FLAGS.dtype}
+              "max_batch_tokens": FLAGS.max_batch_tokens,
+              "dtype": resolve_dtype(FLAGS.dtype)}
     scorer = Scorer.open(FLAGS.model, verify_weights=FLAGS.verify_weights, **config)
     print(f"[ninfer] scoring {scorer.model_path}: windows {scorer.core.keys()} compiled in "
           f"{time.perf_counter() - start:.1f}s", file=sys.stderr)
@@ -148,7 +150,9 @@ def _identity():
     from ninfer_jax.loader import DEFAULT_MODEL
 
     model_dir = checkpoint_dir(DEFAULT_MODEL if FLAGS.model is None else FLAGS.model)
-    return job_identity(FLAGS.input, model_dir, {f: FLAGS[f].value for f in RESULT_FLAGS})
+    settings = {f: FLAGS[f].value for f in RESULT_FLAGS}
+    settings["dtype"] = resolve_dtype(settings["dtype"])  # what ran, not "auto"
+    return job_identity(FLAGS.input, model_dir, settings)
 
 
 def run_score() -> int:

@@ -372,7 +372,7 @@ def run_serve(*, model: str | None, host: str, port: int, api_key: str | Sequenc
     try:
         warm = engine.warm_up()  # before the port opens: /ready then means ready
         print(f"[ninfer] model {engine.model_path} ready in {time.perf_counter() - start:.1f}s "
-              f"(max_concurrency={max_concurrency}; warm-up request {warm:.1f}s)",
+              f"({engine.describe()}; warm-up request {warm:.1f}s)",
               file=sys.stderr)
         serve(engine, host=host, port=port, api_key=api_key, header_timeout_s=header_timeout_s,
               body_timeout_s=body_timeout_s, keepalive_timeout_s=keepalive_timeout_s,

@@ -8,6 +8,27 @@ from ninfer_jax.errors import ConfigError
 
 ATTENTION_IMPLS = ("reference", "pallas")
 DTYPES = ("float32", "bfloat16")
+AUTO = "auto"  # dtype / attention_impl: what `platform_defaults` gives the running backend
+
+
+def platform_defaults(platform: str) -> dict[str, str]:
+    """The one place that decides the defaults per platform (jax's backend name: "cpu",
+    "gpu", "tpu"). GPU: bf16 weights, activations and K/V (matmuls accumulate in fp32, GDN state
+    stays fp32) and the Pallas (Triton) attention kernel. CPU: fp32, since XLA:CPU has no bf16
+    dot (bf16 operands are upcast every step) and the jnp attention reference. TPU: bf16 with
+    the jnp reference (the kernel is Triton-only)."""
+    if platform == "cpu":
+        return {"dtype": "float32", "attention_impl": "reference"}
+    return {"dtype": "bfloat16", "attention_impl": "pallas" if platform == "gpu" else "reference"}
+
+
+def resolve_dtype(dtype: str) -> str:
+    """`dtype`, with "auto" replaced by the running backend's default."""
+    if dtype != AUTO:
+        return dtype
+    import jax
+
+    return platform_defaults(jax.default_backend())["dtype"]
 LAYER_LOOPS = ("auto", "unrolled", "scan")
 SPECULATIVE = ("off", "mtp")
 MAX_SPECULATIVE_TOKENS = 5
@@ -22,8 +43,10 @@ class ProgramConfig:
     num_pages: int = 256  # KV pages in the pool (shared by all attention layers' stacks)
     max_seq_len: int = 2048  # prompt + generated tokens of one sequence
     prefill_chunk: int = 64  # tokens per staged-prefill step (the last chunk padded, masked)
-    attention_impl: str = "reference"  # "reference" (jnp) or "pallas"
-    dtype: str = "float32"  # weights, activations and KV pages
+    # "reference" (jnp) or "pallas"; "auto": `platform_defaults` for the running backend,
+    # resolved when the config is made (the field then holds the choice)
+    attention_impl: str = AUTO
+    dtype: str = AUTO  # weights, activations and KV pages; "auto" as attention_impl
     num_checkpoint_slots: int = 0  # GDN state images of prefix checkpoints (0 = no reuse)
     # "unrolled": one weight array per layer, a Python loop (fastest steps on XLA:CPU, slower
     # compiles); "scan": lax.scan over stacked weights; "auto": unrolled on CPU, scan elsewhere.
@@ -35,6 +58,14 @@ class ProgramConfig:
     num_speculative_tokens: int = 0  # K: 1..5 with "mtp", 0 with "off"
 
     def __post_init__(self):
+        auto = [name for name in ("dtype", "attention_impl") if getattr(self, name) == AUTO]
+        if auto:
+            import jax  # the backend the Program will run on
+
+            defaults = platform_defaults(jax.default_backend())
+            for name in auto:
+                object.__setattr__(self, name, defaults[name])
+
         def is_int(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
@@ -56,8 +87,9 @@ class ProgramConfig:
         limits = {
             "max_concurrency": "an integer in 1..64", "page_size": "a power-of-two integer",
             "num_pages": "an integer >= 1", "max_seq_len": "an integer >= 2",
-            "prefill_chunk": "an integer >= 1", "attention_impl": f"one of {ATTENTION_IMPLS}",
-            "dtype": f"one of {DTYPES}", "num_checkpoint_slots": "an integer >= 0",
+            "prefill_chunk": "an integer >= 1",
+            "attention_impl": f"one of {ATTENTION_IMPLS} or {AUTO!r}",
+            "dtype": f"one of {DTYPES} or {AUTO!r}", "num_checkpoint_slots": "an integer >= 0",
             "layer_loop": f"one of {LAYER_LOOPS}", "background_compile": "a bool",
             "speculative": f"one of {SPECULATIVE}",
             "num_speculative_tokens": "0 when speculative is 'off'" if self.speculative == "off"

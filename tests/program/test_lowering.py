@@ -55,3 +55,19 @@ def test_a_moe_program_lowers_grouped_gemms_for_cuda_and_dense_ones_for_cpu():
         assert dense not in cuda[key], key
         assert "ragged_dot" not in cpu[key], key
     assert f"tensor<{prefill_rows}{dense}" in cpu[StepKey(StepKind.PREFILL, 1)]
+
+
+def test_platform_defaults_decide_dtype_and_attention_in_one_place():
+    from ninfer_jax.errors import ConfigError
+    from ninfer_jax.program.config import platform_defaults, resolve_dtype
+
+    assert platform_defaults("gpu") == {"dtype": "bfloat16", "attention_impl": "pallas"}
+    assert platform_defaults("cpu") == {"dtype": "float32", "attention_impl": "reference"}
+    assert platform_defaults("tpu") == {"dtype": "bfloat16", "attention_impl": "reference"}
+    default = ProgramConfig()  # "auto", resolved for this CPU host when made
+    assert (default.dtype, default.attention_impl) == ("float32", "reference")
+    assert resolve_dtype("auto") == "float32" and resolve_dtype("bfloat16") == "bfloat16"
+    chosen = ProgramConfig(dtype="bfloat16", attention_impl="pallas")
+    assert (chosen.dtype, chosen.attention_impl) == ("bfloat16", "pallas")
+    with pytest.raises(ConfigError, match=r"dtype must be one of .* or 'auto', got 'fp8'"):
+        ProgramConfig(dtype="fp8")
