@@ -9,6 +9,9 @@ from ninfer_jax.errors import ConfigError
 ATTENTION_IMPLS = ("reference", "pallas")
 DTYPES = ("float32", "bfloat16")
 AUTO = "auto"  # dtype / attention_impl: what `platform_defaults` gives the running backend
+LAYER_LOOPS = ("auto", "unrolled", "scan")
+SPECULATIVE = ("off", "mtp")
+MAX_SPECULATIVE_TOKENS = 5
 
 
 def platform_defaults(platform: str) -> dict[str, str]:
@@ -29,9 +32,6 @@ def resolve_dtype(dtype: str) -> str:
     import jax
 
     return platform_defaults(jax.default_backend())["dtype"]
-LAYER_LOOPS = ("auto", "unrolled", "scan")
-SPECULATIVE = ("off", "mtp")
-MAX_SPECULATIVE_TOKENS = 5
 
 
 @dataclasses.dataclass(frozen=True)
