@@ -314,8 +314,8 @@ class Engine:
         """One line: the backend and the settings chosen for it."""
         pcfg = self.program_config
         if pcfg is None:
-            return f"{type(self.core.program).__name__}, max_concurrency " \
-                   f"{self.core.limits.max_concurrency}"
+            return (f"{type(self.core.program).__name__}, max_concurrency "
+                    f"{self.core.limits.max_concurrency}")
         return (f"{jax_backend()}: dtype {pcfg.dtype}, attention {pcfg.attention_impl}, "
                 f"max_concurrency {pcfg.max_concurrency}")
 

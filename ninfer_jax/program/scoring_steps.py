@@ -11,7 +11,6 @@ ever leaves the device.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,14 +18,10 @@ import jax.numpy as jnp
 from ninfer_jax.models.qwen3_6 import CausalKV, GDNState, ModelConfig
 from ninfer_jax.models.qwen3_6.layers import rms_norm
 from ninfer_jax.models.qwen3_6.model import lm_head, run_layers
+from ninfer_jax.program.steps import _register
 
 # Tokens per lm_head chunk are chosen so that one chunk's fp32 logits stay near this size.
 LOGITS_CHUNK_BYTES = 64 << 20
-
-
-def _register(data, meta=()):
-    return functools.partial(jax.tree_util.register_dataclass, data_fields=list(data),
-                             meta_fields=list(meta))
 
 
 @_register(["token_ids", "target_ids", "target_mask", "num_valid"])
