@@ -18,7 +18,6 @@ import math
 import pathlib
 import sys
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -79,22 +78,6 @@ def demo_config(hidden: int, groups: int, vocab_size: int, eos_ids: tuple[int, .
 
 
 # Data ----------------------------------------------------------------------------------------
-def documents(stories: list[str], chat_share: float, seed: int) -> list[str]:
-    """Each story as plain text or (a `chat_share` of them) as a chat exchange, then EOS."""
-    rng = np.random.default_rng(seed)
-    chat = rng.random(len(stories)) < chat_share
-    choice = rng.integers(0, 1 << 30, len(stories))
-    return [(train_tokenizer.as_chat(s, int(c)) if is_chat else s) + "<|endoftext|>"
-            for s, is_chat, c in zip(stories, chat, choice)]
-
-
-def windows(token_ids: np.ndarray, seq_len: int) -> np.ndarray:
-    """Non-overlapping [N, seq_len + 1] windows (inputs and shifted targets) of a token stream."""
-    n = (len(token_ids) - 1) // seq_len
-    idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
-    return token_ids[idx].astype(np.int32)
-
-
 def batches(data: np.ndarray, batch: int, seed: int):
     """Endless shuffled batches [batch, seq_len + 1]; epoch e uses permutation seed (seed, e)."""
     epoch = 0
@@ -233,32 +216,18 @@ def sample(argv: list[str]) -> None:
             print(json.dumps({"mode": mode, "prompt": prompt, "text": tok.decode(ids)}))
 
 
-class Log:
-    def __init__(self, path: str | None):
-        self.file = open(path, "a") if path else None
-        self.start = time.perf_counter()
-
-    def __call__(self, **record):
-        record["t"] = round(time.perf_counter() - self.start, 1)
-        line = json.dumps(record)
-        print(line, flush=True)
-        if self.file:
-            self.file.write(line + "\n")
-            self.file.flush()
-
-
 def train(argv: list[str]) -> None:
     del argv
-    log = Log(FLAGS.log)
+    log = train_tokenizer.Log(FLAGS.log)
     frontend = pathlib.Path(tempfile.mkdtemp(prefix="demo_frontend_"))
     stories = train_tokenizer.train_stories()
     train_tokenizer.train_tokenizer(stories, frontend)
     tok = load_tokenizer(frontend)
     cfg = demo_config(FLAGS.hidden, FLAGS.groups, tok.vocab_size, tuple(sorted(tok.eos_ids)))
-    stream = np.concatenate([tok.encode(d) for d in documents(stories, FLAGS.chat_share,
+    stream = np.concatenate([tok.encode(d) for d in train_tokenizer.documents(stories, FLAGS.chat_share,
                                                                FLAGS.seed)])
-    train_data = windows(stream, FLAGS.seq_len)
-    valid_data = windows(np.asarray(tok.encode(train_tokenizer.valid_text())), FLAGS.seq_len)
+    train_data = train_tokenizer.windows(stream, FLAGS.seq_len)
+    valid_data = train_tokenizer.windows(np.asarray(tok.encode(train_tokenizer.valid_text())), FLAGS.seq_len)
     key_model, key_mtp = jax.random.split(jax.random.key(FLAGS.seed))
     params = init_params(cfg, key_model)
     num_params = sum(a.size for a in jax.tree.leaves(params))

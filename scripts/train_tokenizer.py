@@ -15,6 +15,9 @@ import collections
 import json
 import pathlib
 import re
+import time
+
+import numpy as np
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories"
 CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
@@ -138,6 +141,37 @@ def train_tokenizer(stories: list[str], out: pathlib.Path) -> pathlib.Path:
     return out / "tokenizer.model"
 
 
+
+def documents(stories: list[str], chat_share: float, seed: int) -> list[str]:
+    """Each story as plain text or (a `chat_share` of them) as a chat exchange, then EOS."""
+    rng = np.random.default_rng(seed)
+    chat = rng.random(len(stories)) < chat_share
+    choice = rng.integers(0, 1 << 30, len(stories))
+    return [(as_chat(s, int(c)) if is_chat else s) + "<|endoftext|>"
+            for s, is_chat, c in zip(stories, chat, choice)]
+
+
+def windows(token_ids: np.ndarray, seq_len: int) -> np.ndarray:
+    """Non-overlapping [N, seq_len + 1] windows (inputs and shifted targets) of a token stream."""
+    n = (len(token_ids) - 1) // seq_len
+    idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+    return token_ids[idx].astype(np.int32)
+
+
+class Log:
+    def __init__(self, path: str | None):
+        self.file = open(path, "a") if path else None
+        self.start = time.perf_counter()
+
+    def __call__(self, **record):
+        record["t"] = round(time.perf_counter() - self.start, 1)
+        line = json.dumps(record)
+        print(line, flush=True)
+        if self.file:
+            self.file.write(line + "\n")
+            self.file.flush()
+
+
 def main() -> None:
     import argparse
 
@@ -151,3 +185,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
