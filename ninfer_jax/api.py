@@ -36,6 +36,7 @@ _PROGRAM_KEYS = ("page_size", "num_pages", "max_seq_len", "prefill_chunk", "atte
 DEFAULT_SPECULATIVE_TOKENS = 1  # drafts per round with speculative="mtp" (see WORKSPACE.md)
 _CORE_KEYS = ("max_queue", "queue_timeout_s", "prefix_reuse")
 _STORE_KEYS = ("context_store", "host_cache_gb", "disk_cache_dir", "redis_url")
+DEFAULT_DFLASH_TOKENS = 7  # drafts per round with speculative="dflash" (see WORKSPACE.md)
 
 
 PURPOSES = ("generation", "causal_scoring")
@@ -64,7 +65,8 @@ class Engine:
     @classmethod
     def open(cls, model: str | pathlib.Path | None = None, *, purpose: str = "generation",
              max_concurrency: int | None = None, verify_weights: bool = True,
-             progress: bool | None = None, **config: Any) -> "Engine":
+             progress: bool | None = None, drafter: str | pathlib.Path | None = None,
+             **config: Any) -> "Engine":
         """Loads `model` (artifact or HF checkpoint directory; None = the embedded default).
 
         purpose="causal_scoring": an Engine that scores texts (`score`, `rolling`,
@@ -80,9 +82,12 @@ class Engine:
         (both "auto" by default: bf16 and the Pallas kernel on GPU, fp32 and the jnp reference
         on CPU, see `program.config.platform_defaults`; the choice is logged and in
         `program_config`),
-        num_checkpoint_slots, speculative ("off" or "mtp": draft num_speculative_tokens tokens
-        per round with the model's MTP head, default 1; a model without MTP weights refuses
-        it) (Program); max_queue, queue_timeout_s, prefix_reuse (Engine; on by default);
+        num_checkpoint_slots, speculative ("off"; "mtp": draft num_speculative_tokens tokens
+        per round with the model's MTP head, default 1, a model without MTP weights refuses
+        it; "dflash": a DFlash block drafter proposes them in one pass, default 7, 1..15; the
+        drafter is `drafter` (a DFlash checkpoint directory), else the model's `drafter/`
+        directory, else for the embedded model the shipped demo drafter) (Program);
+        max_queue, queue_timeout_s, prefix_reuse (Engine; on by default);
         verify_weights (check digests and finiteness while loading, see `load_model`'s
         `verify`). Compiled executables go to the persistent compilation cache that the CLI
         uses (`compile_cache.ensure_persistent_cache`: unless jax already has one configured
@@ -126,6 +131,10 @@ class Engine:
         given = {k: config[k] for k in _PROGRAM_KEYS if k in config}
         if given.get("speculative") == "mtp":
             given.setdefault("num_speculative_tokens", DEFAULT_SPECULATIVE_TOKENS)
+        if given.get("speculative") == "dflash":
+            given.setdefault("num_speculative_tokens", DEFAULT_DFLASH_TOKENS)
+        if drafter is not None and given.get("speculative") != "dflash":
+            raise ConfigError("drafter is for speculative='dflash'")
         pcfg = ProgramConfig(max_concurrency=max_concurrency, **given)  # validates every value
         defaults = {"num_pages": 2 * max_concurrency * pcfg.max_pages_per_seq,
                     "num_checkpoint_slots": 4 * max_concurrency if core_config.prefix_reuse else 0}
@@ -135,11 +144,20 @@ class Engine:
             frontend = Frontend.load(loaded.path)
         except FileNotFoundError as e:
             raise CheckpointError(f"cannot serve {loaded.path}: {e}") from None
-        program = Program(loaded.config, loaded.params, pcfg)
+        params, draft_cfg = loaded.params, None
+        if pcfg.speculative == "dflash":
+            from ninfer_jax.loader import drafter_path, load_drafter
+
+            draft = load_drafter(drafter_path(loaded.path, drafter), pcfg.dtype,
+                                 verify=verify_weights)
+            params, draft_cfg = {**params, "dflash": draft.params}, draft.config
+        program = Program(loaded.config, params, pcfg, drafter=draft_cfg)
         tiers = None
         if core_config.prefix_reuse and pcfg.num_checkpoint_slots:
-            identity = context_store.model_identity(loaded.params, loaded.config,
-                                                    program.limits, pcfg.dtype)
+            # The drafter's weights and config shape its context window in every StateImage.
+            identity = context_store.model_identity(
+                params, loaded.config if draft_cfg is None else (loaded.config, draft_cfg),
+                program.limits, pcfg.dtype)
             tiers = context_store.open_tiers(store, program, identity)
         core = EngineCore(program, frontend, core_config, tiers)
         _LOG.info("Engine on %s: dtype %s, attention %s, max_concurrency %d",
@@ -316,8 +334,11 @@ class Engine:
         if pcfg is None:
             return (f"{type(self.core.program).__name__}, max_concurrency "
                     f"{self.core.limits.max_concurrency}")
-        return (f"{jax_backend()}: dtype {pcfg.dtype}, attention {pcfg.attention_impl}, "
+        line = (f"{jax_backend()}: dtype {pcfg.dtype}, attention {pcfg.attention_impl}, "
                 f"max_concurrency {pcfg.max_concurrency}")
+        if pcfg.speculative != "off":
+            line += f", speculative {pcfg.speculative} K={pcfg.num_speculative_tokens}"
+        return line
 
     @property
     def max_seq_len(self) -> int:

@@ -110,7 +110,7 @@ def stats_html(s: Any) -> str:
     sp = s.speculative
     if sp.num_speculative_tokens:
         by_pos = ", ".join(f"{a:.2f}" for a in sp.acceptance_by_position)
-        rows.append(("speculative", f"K={sp.num_speculative_tokens}: "
+        rows.append(("speculative", f"{sp.method} K={sp.num_speculative_tokens}: "
                                     f"{sp.mean_accepted_tokens:.2f} tokens per row-round, "
                                     f"acceptance by position [{by_pos}]"))
     t = s.tiers

@@ -25,6 +25,9 @@ from ninfer_jax.models.qwen3_6.weights import params_from_hf
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # The embedded default: the demo model shipped as package data (scripts/train_demo.py).
 DEFAULT_MODEL = pathlib.Path(__file__).resolve().parent / "assets" / "demo"
+# Its DFlash2 drafter, in the public checkpoint layout (scripts/train_dflash.py).
+DEFAULT_DRAFTER = pathlib.Path(__file__).resolve().parent / "assets" / "demo_dflash"
+DRAFTER_DIR = "drafter"  # where a model directory carries its drafter
 
 
 def _dtype(dtype: str):
@@ -93,3 +96,44 @@ def load_model(path: str | pathlib.Path | None = None, dtype: str = "float32",
             "(config.json + *.safetensors)"
         )
     return LoadedModel(config=cfg, params=params, path=root, notes=tuple(notes))
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedDrafter:
+    """A DFlash drafter in memory: `.config` (DFlashConfig), `.params` (device arrays)."""
+
+    config: object
+    params: dict
+    path: pathlib.Path
+
+
+def drafter_path(model_path: pathlib.Path, drafter: str | pathlib.Path | None) -> pathlib.Path:
+    """Where a model's drafter is: `drafter` when given, else `<model>/drafter/`, else (for the
+    embedded default model) the shipped demo drafter; a ConfigError says how to give one."""
+    if drafter is not None:
+        return pathlib.Path(drafter)
+    if (model_path / DRAFTER_DIR / "config.json").is_file():
+        return model_path / DRAFTER_DIR
+    if model_path.resolve() == DEFAULT_MODEL:
+        return DEFAULT_DRAFTER
+    raise ConfigError(f"speculative='dflash' needs a DFlash drafter: {str(model_path)!r} has no "
+                      f"{DRAFTER_DIR}/ directory; pass drafter=PATH (--drafter), a DFlash "
+                      "checkpoint directory (config.json with dflash_config + *.safetensors)")
+
+
+def load_drafter(path: str | pathlib.Path, dtype: str = "float32",
+                 verify: bool = True) -> LoadedDrafter:
+    """A DFlash / DFlash2 drafter from a checkpoint directory in the public layout, in `dtype`;
+    `verify` refuses a tensor holding NaN or inf."""
+    from ninfer_jax.models.dflash import DFlashConfig
+    from ninfer_jax.models.dflash.weights import params_from_hf as drafter_params
+
+    root = checkpoint_dir(path)
+    if not is_hf_checkpoint(root):
+        raise CheckpointError(f"drafter {str(root)!r} is not a checkpoint directory "
+                              "(config.json + *.safetensors)")
+    cfg = DFlashConfig.from_hf_dict(read_config(root))
+    params = drafter_params(cfg, SafetensorsSource(root, check_finite=verify))
+    jdtype = _dtype(dtype)
+    return LoadedDrafter(config=cfg, params=jax.tree.map(lambda a: jnp.asarray(a, jdtype),
+                                                         params), path=root)

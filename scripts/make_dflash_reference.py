@@ -1,6 +1,7 @@
 """Writes tests/fixtures/dflash2/: a tiny random DFlash2 drafter in the public checkpoint layout
-(config.json + model.safetensors) and the public reference implementation's outputs on it
-(reference.npz), which `tests/models/test_dflash_reference.py` compares with ours.
+(config.json + model.safetensors; its dimensions fit `tests/fixtures/dense` as a target) and the
+public reference implementation's outputs on it (reference.npz), which
+`tests/models/test_dflash_reference.py` compares with ours.
 
 The reference is z-lab/dflash's `dflash/model.py` (commit 10129599dffb338ff38cfd235a53ca6d3667b4dd,
 the first with `DFlash2DraftModel`), loaded from the path given by --reference; it is not part of
@@ -59,7 +60,7 @@ CONFIG = {
     "sliding_window": 12,
     "tie_word_embeddings": False,
     "use_sliding_window": True,
-    "vocab_size": 96,
+    "vocab_size": 384,
 }
 CONTEXT_LENGTHS = (5, 20)
 TEMPERATURE = 0.8

@@ -36,6 +36,7 @@ def test_tally_counts_each_draft_position_only_where_the_limit_let_it_be_verifie
     ("BENCH_SPEC_MEDIUM", "yes", "BENCH_SPEC_MEDIUM must be an integer, got 'yes'"),
     ("BENCH_SPEC_MEDIUM", "2", "BENCH_SPEC_MEDIUM must be >= 0 and <= 1, got 2"),
     ("BENCH_SPEC_MEDIUM_K", "0", "BENCH_SPEC_MEDIUM_K must be >= 1 and <= 5, got 0"),
+    ("BENCH_SPEC_DFLASH_KS", "4,16", "BENCH_SPEC_DFLASH_KS must be >= 1 and <= 15, got 16"),
 ])
 def test_bad_settings_are_errors_naming_the_variable(monkeypatch, var, value, message):
     monkeypatch.setenv(var, value)
@@ -50,6 +51,10 @@ def test_settings_from_the_environment(monkeypatch):
     monkeypatch.setenv("BENCH_SPEC_MEDIUM", "0")
     s = spec.Settings.from_env()
     assert (s.ks, s.medium, s.batches) == ((0, 2), False, (1, 2, 4, 8))
+    monkeypatch.setenv("BENCH_SPEC_DFLASH_KS", "")
+    assert spec.Settings.from_env().dflash_ks == ()
+    monkeypatch.setenv("BENCH_SPEC_DFLASH_KS", "15,4")
+    assert spec.Settings.from_env().dflash_ks == (4, 15)
 
 
 @pytest.mark.slow
@@ -62,15 +67,17 @@ def test_both_parts_on_real_programs():
     from ninfer_jax.testing import tiny_dense
     from scripts.benchmarks._engine_vs_program import PROMPTS
 
-    s = spec.Settings(ks=(0, 2), batches=(1,), new_tokens=12, reps=2, warmup=1, medium_k=2,
+    s = spec.Settings(ks=(0, 2), dflash_ks=(4,), batches=(1,), new_tokens=12, reps=2, warmup=1, medium_k=2,
                       medium_batches=(1,), medium_rounds=3, medium_reps=2)
     loaded = load_model(None, verify=False)
     frontend = Frontend.load(loaded.path)
     prompts = [list(frontend.prepare(prompt=p).token_ids) for p in PROMPTS[:1]]
     demo = spec.measure_demo(loaded.config, loaded.params, prompts, s)
     b1 = demo["batches"][1]
-    assert b1["order"] == ["K=0", "K=2"] * 2
-    plain, drafted = b1["ks"][0], b1["ks"][2]
+    assert b1["order"] == ["K=0", "K=2", "dflash K=4"] * 2
+    plain, drafted, block = b1["ks"]["K=0"], b1["ks"]["K=2"], b1["ks"]["dflash K=4"]
+    assert block["same_tokens_as_k0"] and block["tally"]["row_rounds"] < block["tally"][
+        "committed"]
     assert plain["work"] == drafted["work"] == s.new_tokens - 1  # the timed rounds' tokens
     assert plain["same_tokens_as_k0"] and drafted["same_tokens_as_k0"]
     assert plain["tally"]["mean_committed_per_row_round"] == 1.0
@@ -79,7 +86,8 @@ def test_both_parts_on_real_programs():
     ratios = sorted(x / y for x, y in zip(drafted["rates"], plain["rates"]))
     assert (drafted["ratio_to_k0"]["min"], drafted["ratio_to_k0"]["max"]) == (ratios[0],
                                                                              ratios[-1])
-    assert demo["best"]["b1"]["k"] == 2
+    assert demo["best"]["mtp"]["b1"]["k"] == 2 and demo["best"]["dflash"]["b1"]["k"] == 4
+    assert "dflash_over_mtp_b1" in demo["best"]
 
     cfg = tiny_dense(mtp_num_layers=1)
     params = init_params(cfg, jax.random.key(0), num_mtp_layers=1)

@@ -34,9 +34,11 @@ class _Counted:
 
 
 def convert(hf_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str = "float32",
-            overwrite: bool = False, progress: bool | None = None
-            ) -> tuple[pathlib.Path, list[str]]:
+            overwrite: bool = False, progress: bool | None = None,
+            drafter: str | pathlib.Path | None = None) -> tuple[pathlib.Path, list[str]]:
     """Writes the artifact of the HF checkpoint at `hf_dir` to `out`; returns (out, notes).
+    `drafter`: a DFlash drafter checkpoint directory (public layout) the artifact carries
+    under `drafter/`, where `Engine.open(..., speculative="dflash")` finds it.
 
     `out` is refused before anything is read unless it is new, empty, or (with `overwrite`)
     exactly an artifact written before; see `staging`. progress: a bar over the tensors read
@@ -55,5 +57,7 @@ def convert(hf_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str = "f
         b.update(b.total - b.n)  # tensors the model does not use (e.g. a vision tower)
     sources = {f.name: artifact_format.sha256_file(f) for f in [root / "config.json", *source.files]}
     path = artifact_format.write_artifact(out, cfg, params, dtype=dtype, sources=sources,
-                                          frontend_dir=root, notes=notes, overwrite=overwrite)
+                                          frontend_dir=root, notes=notes, overwrite=overwrite,
+                                          drafter_dir=None if drafter is None
+                                          else checkpoint_dir(drafter))
     return path, notes

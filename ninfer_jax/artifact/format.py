@@ -45,6 +45,7 @@ MANIFEST = "manifest.json"
 WEIGHTS = "weights"
 DTYPES = ("float32", "bfloat16")
 HOLDS = "a ninfer artifact"
+DRAFTER = "drafter"  # the subdirectory holding a DFlash drafter checkpoint, when there is one
 FRONTEND_FILES = (
     "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model",
     "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
@@ -132,8 +133,11 @@ def _num_mtp_layers(params: dict) -> int:
 
 def write_artifact(out: str | pathlib.Path, cfg: ModelConfig, params: dict, *, dtype: str,
                    sources: dict[str, str], frontend_dir: pathlib.Path | None,
-                   notes: list[str], overwrite: bool = False) -> pathlib.Path:
-    """Writes an artifact directory at `out` (see `staging` for what may be replaced)."""
+                   notes: list[str], overwrite: bool = False,
+                   drafter_dir: pathlib.Path | None = None) -> pathlib.Path:
+    """Writes an artifact directory at `out` (see `staging` for what may be replaced).
+    `drafter_dir`: a DFlash drafter checkpoint (public layout) to carry under `drafter/`; it is
+    read and checked against `cfg` first, then its files are copied as they are."""
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     staging.check_target(out, overwrite=overwrite, foreign=foreign, holds=HOLDS)
@@ -142,7 +146,12 @@ def write_artifact(out: str | pathlib.Path, cfg: ModelConfig, params: dict, *, d
                  expected_tensors(cfg, _num_mtp_layers(params), dtype), "the params")
     digests.check_finite(tensors, "the params")
     sums, _ = digests.scan(tensors)
+    drafter_files = _drafter_files(drafter_dir, cfg) if drafter_dir is not None else []
     with staging.staged_dir(out, overwrite=overwrite, foreign=foreign, holds=HOLDS) as tmp:
+        if drafter_files:
+            (tmp / DRAFTER).mkdir()
+            for f in drafter_files:
+                shutil.copy2(f, tmp / DRAFTER / f.name)
         frontend = []
         if frontend_dir is not None:
             for name in FRONTEND_FILES:
@@ -159,13 +168,30 @@ def write_artifact(out: str | pathlib.Path, cfg: ModelConfig, params: dict, *, d
             "config": cfg.to_dict(),
             "num_mtp_layers": _num_mtp_layers(params),
             "frontend_files": frontend,
-            "sources": sources,
+            "drafter_files": [f"{DRAFTER}/{f.name}" for f in drafter_files],
+            "sources": {**sources, **{f"{DRAFTER}/{f.name}": sha256_file(f)
+                                      for f in drafter_files}},
             "notes": notes,
             "tensor_digest": digests.ALGORITHM,
             "tensors": tensor_records(tensors, sums),
             "files": sorted(f.relative_to(tmp).as_posix() for f in tmp.rglob("*") if f.is_file()),
         })
     return pathlib.Path(out).absolute()
+
+
+def _drafter_files(drafter_dir: pathlib.Path, cfg: ModelConfig) -> list[pathlib.Path]:
+    """The files of a DFlash drafter checkpoint for `cfg`'s target, after loading it whole
+    (a config or tensor the layout refuses, a NaN or a target mismatch is a CheckpointError)."""
+    from ninfer_jax.artifact.hf import SafetensorsSource, read_config
+    from ninfer_jax.models.dflash import DFlashConfig
+    from ninfer_jax.models.dflash.weights import params_from_hf as drafter_params
+
+    root = pathlib.Path(drafter_dir)
+    dcfg = DFlashConfig.from_hf_dict(read_config(root))
+    dcfg.check_target(cfg.num_layers, cfg.hidden_size, cfg.vocab_size)
+    source = SafetensorsSource(root)
+    drafter_params(dcfg, source)  # reads (and scans) every tensor
+    return [root / "config.json", *source.files]
 
 
 def read_manifest(path: str | pathlib.Path) -> dict[str, Any]:

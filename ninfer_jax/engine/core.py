@@ -133,7 +133,8 @@ class EngineCore:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._generated = 0
-        self._speculative = SpeculativeCounter(self.limits.verify_width - 1)
+        self._speculative = SpeculativeCounter(self.limits.verify_width - 1,
+                                               self.limits.speculative)
         self._finished = 0
         self._backfilled = 0
         # Committed round output (record, Frontend preview) not yet published: it goes out

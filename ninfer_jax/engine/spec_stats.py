@@ -14,6 +14,7 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeStats:
+    method: str  # what drafted: "mtp", "dflash" ("off": speculation off)
     num_speculative_tokens: int  # K drafts per round (0: speculation off)
     verify_rows: int  # rows of speculative rounds that committed tokens
     committed_tokens: int  # tokens those rows committed
@@ -24,8 +25,8 @@ class SpeculativeStats:
 class SpeculativeCounter:
     """Counts verify rows; only the Engine's worker thread touches it."""
 
-    def __init__(self, num_speculative_tokens: int):
-        self.k = num_speculative_tokens
+    def __init__(self, num_speculative_tokens: int, method: str = "off"):
+        self.k, self.method = num_speculative_tokens, method
         self.rows = 0
         self.tokens = 0
         self.attempted = [0] * self.k
@@ -42,7 +43,7 @@ class SpeculativeCounter:
 
     def snapshot(self) -> SpeculativeStats:
         return SpeculativeStats(
-            num_speculative_tokens=self.k, verify_rows=self.rows, committed_tokens=self.tokens,
+            method=self.method, num_speculative_tokens=self.k, verify_rows=self.rows, committed_tokens=self.tokens,
             mean_accepted_tokens=self.tokens / self.rows if self.rows else 0.0,
             acceptance_by_position=tuple(a / n if n else 0.0
                                          for a, n in zip(self.accepted, self.attempted)))

@@ -84,7 +84,7 @@ def _convert() -> int:
     start = time.perf_counter()
     dtype = "float32" if FLAGS.dtype == "auto" else FLAGS.dtype  # a lossless artifact
     path, notes = convert(FLAGS.hf_dir, FLAGS.out, dtype=dtype, overwrite=FLAGS.overwrite,
-                          progress=sys.stderr.isatty())
+                          progress=sys.stderr.isatty(), drafter=FLAGS.drafter)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     print(f"wrote {path} in {time.perf_counter() - start:.1f}s", file=sys.stderr)

@@ -30,6 +30,7 @@ from ninfer_jax.gateway.files import (
     parse_record,
     read_json,
 )
+from ninfer_jax.program.config import MAX_SPECULATIVE_TOKENS
 from ninfer_jax.sampling_params import MAX_SEED, MAX_TOP_K, SamplingParams, SamplingParamsError
 
 FLAGS = flags.FLAGS
@@ -57,11 +58,16 @@ flags.DEFINE_enum("enable_thinking", None, ["true", "false"], "chat template thi
 flags.DEFINE_integer("max_thinking_tokens", None, "thinking budget: after this many thinking "
                      "tokens the block is closed and the answer follows", lower_bound=1)
 flags.DEFINE_bool("prefix_reuse", True, "reuse prefix checkpoints (--noprefix_reuse: recompute)")
-flags.DEFINE_enum("speculative", "off", ["off", "mtp"],
-                  "generate, chat, serve: speculative decoding with the model's MTP head")
+flags.DEFINE_enum("speculative", "off", ["off", "mtp", "dflash"],
+                  "generate, chat, serve: speculative decoding with the model's MTP head "
+                  "(mtp) or a DFlash block drafter (dflash)")
 flags.DEFINE_integer("num_speculative_tokens", None,
-                     "generate, chat, serve: drafts per round with --speculative=mtp (1..5, "
-                     "default 1)", lower_bound=1, upper_bound=5)
+                     "generate, chat, serve: drafts per round (mtp: 1..5, default 1; dflash: "
+                     "1..15, default 7)", lower_bound=1, upper_bound=15)
+flags.DEFINE_string("drafter", None, "generate, chat, serve: the DFlash drafter with "
+                    "--speculative=dflash (a checkpoint directory; default: the model's "
+                    "drafter/ directory, or the embedded model's shipped drafter); convert: a "
+                    "DFlash drafter checkpoint the artifact carries under drafter/")
 flags.DEFINE_string("context_store", None,
                     "generate, chat, serve: a JSON file with the context store's topology "
                     "(prefix checkpoints beyond the device), or 'off'; default: a host-memory "
@@ -95,13 +101,21 @@ def _thinking() -> bool | None:
 
 def speculative_settings() -> dict:
     """The Engine's speculative settings from --speculative and --num_speculative_tokens."""
+    if FLAGS.drafter is not None and FLAGS.speculative != "dflash":
+        raise app.UsageError("--drafter needs --speculative=dflash")
     if FLAGS.speculative == "off":
         if FLAGS.num_speculative_tokens is not None:
-            raise app.UsageError("--num_speculative_tokens needs --speculative=mtp")
+            raise app.UsageError("--num_speculative_tokens needs --speculative=mtp or dflash")
         return {}
     settings = {"speculative": FLAGS.speculative}
     if FLAGS.num_speculative_tokens is not None:
+        top = MAX_SPECULATIVE_TOKENS[FLAGS.speculative]
+        if FLAGS.num_speculative_tokens > top:
+            raise app.UsageError(f"--num_speculative_tokens={FLAGS.num_speculative_tokens}: "
+                                 f"with --speculative={FLAGS.speculative} it must be in 1..{top}")
         settings["num_speculative_tokens"] = FLAGS.num_speculative_tokens
+    if FLAGS.drafter is not None:
+        settings["drafter"] = FLAGS.drafter
     return settings
 
 
@@ -229,7 +243,8 @@ def stats_line(stats: Any) -> str:
             f"{stats.finished_requests} requests, prefix hits {prefix.hits} misses {prefix.misses}")
     if spec.num_speculative_tokens:
         by_position = ", ".join(f"{a:.2f}" for a in spec.acceptance_by_position)
-        line += (f"; speculative K={spec.num_speculative_tokens}: {spec.verify_rows} verify rows,"
+        line += (f"; speculative {spec.method} K={spec.num_speculative_tokens}: "
+                 f"{spec.verify_rows} verify rows,"
                  f" mean accepted tokens {spec.mean_accepted_tokens:.2f}, acceptance by "
                  f"position [{by_position}]")
     else:

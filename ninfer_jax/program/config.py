@@ -10,8 +10,8 @@ ATTENTION_IMPLS = ("reference", "pallas")
 DTYPES = ("float32", "bfloat16")
 AUTO = "auto"  # dtype / attention_impl: what `platform_defaults` gives the running backend
 LAYER_LOOPS = ("auto", "unrolled", "scan")
-SPECULATIVE = ("off", "mtp")
-MAX_SPECULATIVE_TOKENS = 5
+SPECULATIVE = ("off", "mtp", "dflash")
+MAX_SPECULATIVE_TOKENS = {"mtp": 5, "dflash": 15}  # K per backend
 
 
 def platform_defaults(platform: str) -> dict[str, str]:
@@ -53,9 +53,10 @@ class ProgramConfig:
     layer_loop: str = "auto"
     background_compile: bool = True  # compile all but the prefill step on a background thread
     # "mtp": every decode round drafts `num_speculative_tokens` tokens with the model's MTP
-    # head and verifies them in one step (needs MTP weights); "off": one token per round.
+    # head and verifies them in one step (needs MTP weights); "dflash": a DFlash block drafter
+    # proposes them in one parallel pass (needs a drafter); "off": one token per round.
     speculative: str = "off"
-    num_speculative_tokens: int = 0  # K: 1..5 with "mtp", 0 with "off"
+    num_speculative_tokens: int = 0  # K: 1..5 with "mtp", 1..15 with "dflash", 0 with "off"
 
     def __post_init__(self):
         auto = [name for name in ("dtype", "attention_impl") if getattr(self, name) == AUTO]
@@ -82,7 +83,8 @@ class ProgramConfig:
             "background_compile": lambda v: isinstance(v, bool),
             "speculative": lambda v: v in SPECULATIVE,
             "num_speculative_tokens": lambda v: is_int(v) and (
-                v == 0 if self.speculative == "off" else 1 <= v <= MAX_SPECULATIVE_TOKENS),
+                v == 0 if self.speculative == "off"
+                else 1 <= v <= MAX_SPECULATIVE_TOKENS.get(self.speculative, 0)),
         }
         limits = {
             "max_concurrency": "an integer in 1..64", "page_size": "a power-of-two integer",
@@ -93,8 +95,8 @@ class ProgramConfig:
             "layer_loop": f"one of {LAYER_LOOPS}", "background_compile": "a bool",
             "speculative": f"one of {SPECULATIVE}",
             "num_speculative_tokens": "0 when speculative is 'off'" if self.speculative == "off"
-            else f"an integer in 1..{MAX_SPECULATIVE_TOKENS} when speculative is "
-                 f"{self.speculative!r}",
+            else f"an integer in 1..{MAX_SPECULATIVE_TOKENS.get(self.speculative)} when "
+                 f"speculative is {self.speculative!r}",
         }
         for name, ok in checks.items():
             value = getattr(self, name)

@@ -18,7 +18,8 @@ import abc
 import dataclasses
 import enum
 import itertools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -118,6 +119,7 @@ class ProgramLimits:
     # frontier's last position depends on the token after it. A restored sequence owns the page
     # holding them (a copy), never a shared one.
     rewrites_below_frontier: int = 0
+    speculative: str = "off"  # what drafts a round's extra tokens: "mtp", "dflash" (or "off")
 
     @property
     def mask_words(self) -> int:

@@ -11,6 +11,13 @@ and a commit copies into slots at the accepted length, so an abort leaves commit
 untouched; checkpoint slots holding the GDN state and MTP context of prefix checkpoints (their
 K/V stay in shared pages). Slots and rows lead every state array, so one is a contiguous
 block. At run time only the contents change, never the shapes.
+
+With a DFlash drafter, each slot and checkpoint slot also holds the drafter's context window:
+its layers' K/V of the last committed positions, in a ring of R entries (position p at entry
+p % R, entry R a sink for padding). It is part of the sequence's state (and of a checkpoint's
+StateImage), not of the paged K/V. Steps write it directly at positions >= the frontier (a
+rejected position is rewritten before it is read); `context_ring` sizes R so that those writes
+never reach a position the next block still sees.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ninfer_jax.models.dflash import DFlashConfig
 from ninfer_jax.models.qwen3_6 import ModelConfig
 from ninfer_jax.program.config import ProgramConfig
 from pallas_kernels.paged_attention import paged_attention_decode, paged_prefill_attention_reference
@@ -29,7 +37,8 @@ from pallas_kernels.paged_attention import paged_attention_decode, paged_prefill
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["k", "v", "conv", "rec", "ctx", "prov_conv", "prov_rec", "prov_ctx", "ck_conv",
-                 "ck_rec", "ck_ctx", "output_counts", "prompt_mask"],
+                 "ck_rec", "ck_ctx", "output_counts", "prompt_mask", "dk", "dv", "ck_dk",
+                 "ck_dv"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +57,17 @@ class Pools:
     ck_ctx: jax.Array  # [C, H] dtype checkpoint images' MTP context
     output_counts: jax.Array  # [S + 1, V] int32, committed generated-token counts per slot
     prompt_mask: jax.Array  # [S, V] bool, tokens of each slot's prompt
+    # The DFlash drafter's context window (None without a drafter): Ld drafter layers
+    dk: jax.Array | None = None  # [S + 1, R + 1, Ld, Hkv_d, D_d] dtype, K per slot
+    dv: jax.Array | None = None  # [S + 1, R + 1, Ld, Hkv_d, D_d] dtype
+    ck_dk: jax.Array | None = None  # [C, R + 1, Ld, Hkv_d, D_d] dtype, per checkpoint slot
+    ck_dv: jax.Array | None = None  # [C, R + 1, Ld, Hkv_d, D_d] dtype
 
     @classmethod
-    def allocate(cls, cfg: ModelConfig, pcfg: ProgramConfig, mtp_layers: int = 0) -> Pools:
-        """Zeroed pools; `mtp_layers`: the MTP head's attention layers (their K/V pages)."""
+    def allocate(cls, cfg: ModelConfig, pcfg: ProgramConfig, mtp_layers: int = 0,
+                 drafter: DFlashConfig | None = None) -> Pools:
+        """Zeroed pools; `mtp_layers`: the MTP head's attention layers (their K/V pages);
+        `drafter`: a DFlash drafter's config (its context windows)."""
         dtype = jnp.dtype(pcfg.dtype)
         la, s, b = cfg.num_attention_layers + mtp_layers, pcfg.num_slots, pcfg.max_concurrency
         t, h = pcfg.verify_width, cfg.hidden_size
@@ -70,7 +86,52 @@ class Pools:
             ck_ctx=jnp.zeros((c, h), dtype),
             output_counts=jnp.zeros((s + 1, cfg.vocab_size), jnp.int32),
             prompt_mask=jnp.zeros((s, cfg.vocab_size), bool),
+            **({} if drafter is None else _context_pools(drafter, pcfg, dtype)),
         )
+
+
+def context_ring(drafter: DFlashConfig, pcfg: ProgramConfig) -> tuple[int, int]:
+    """(R, kept): the ring's entries and how many positions before the frontier it holds.
+
+    A block at frontier f sees context positions > f - W (W: the sliding window). A round writes
+    positions f .. f + T - 1 (T = verify_width) before knowing which are accepted; in a ring of
+    R = W + T those writes land on positions <= f - W - 1, which no later block sees. A drafter
+    with a full-attention layer sees the whole context: R = max_seq_len, every position kept.
+    """
+    window, t = drafter.bounded_window, pcfg.verify_width
+    if window is None or window + t >= pcfg.max_seq_len:
+        return pcfg.max_seq_len, pcfg.max_seq_len
+    return window + t, window
+
+
+def _context_pools(drafter: DFlashConfig, pcfg: ProgramConfig, dtype) -> dict:
+    ring, _ = context_ring(drafter, pcfg)
+    entry = (ring + 1, drafter.num_layers, drafter.num_kv_heads, drafter.head_dim)
+    s, c = pcfg.num_slots, pcfg.num_checkpoint_slots
+    return {"dk": jnp.zeros((s + 1, *entry), dtype), "dv": jnp.zeros((s + 1, *entry), dtype),
+            "ck_dk": jnp.zeros((c, *entry), dtype), "ck_dv": jnp.zeros((c, *entry), dtype)}
+
+
+def context_positions(frontier: jax.Array, ring: int, kept: int
+                      ) -> tuple[jax.Array, jax.Array]:
+    """Which committed position each ring entry holds at `frontier` [B]: (positions [B, R + 1]
+    int32, held [B, R + 1] bool). Entry i holds the latest position p < frontier with
+    p % R == i, if p >= 0 and frontier - p <= kept; the sink entry R holds nothing."""
+    i = jnp.arange(ring + 1, dtype=jnp.int32)[None, :]
+    last = frontier[:, None] - 1
+    pos = last - jnp.mod(last - i, ring)
+    held = (pos >= 0) & (frontier[:, None] - pos <= kept) & (i < ring)
+    return pos, held
+
+
+def write_context(pool: jax.Array, slots: jax.Array, positions: jax.Array, valid: jax.Array,
+                  ring: int, values: jax.Array) -> jax.Array:
+    """pool [S + 1, R + 1, ...] with values [B, T, ...] written at (slots[b], positions[b, t] %
+    R) where valid[b, t], and to the sink entry R elsewhere. The valid positions of a row must
+    be distinct mod R (at most R of them)."""
+    entry = jnp.where(valid, jnp.mod(positions, ring), ring)
+    return pool.at[slots[:, None], entry].set(values.astype(pool.dtype),
+                                               mode="promise_in_bounds")
 
 
 def write_rows(pool: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:

@@ -18,9 +18,11 @@ import jax
 import numpy as np
 
 from ninfer_jax.errors import ConfigError
+from ninfer_jax.models.dflash import DFlashConfig
 from ninfer_jax.models.qwen3_6 import ModelConfig
 from ninfer_jax.models.qwen3_6.model import unstack_layers
 from ninfer_jax.program.config import ProgramConfig
+from ninfer_jax.program.dflash_steps import dflash_verify_step
 from ninfer_jax.program.errors import InfeasibleError
 from ninfer_jax.program.executables import (
     ExecutableTable,
@@ -66,23 +68,31 @@ PAGE_GROUP = 16  # pages per export/import call (a fixed shape: one executable e
 
 
 def lower_all(cfg: ModelConfig, pcfg: ProgramConfig, platform: str = "cuda",
-              params: dict | None = None) -> dict[StepKey, str]:
+              params: dict | None = None, drafter: DFlashConfig | None = None
+              ) -> dict[StepKey, str]:
     """The lowered (StableHLO) text of every executable a Program of `cfg` and `pcfg` compiles,
     lowered for `platform` ("cuda", "rocm", "tpu", "cpu") on any host: a CPU machine checks
     the GPU build (the Pallas kernels' custom calls, MoE's grouped GEMMs). Kernels choose
     their form by the lowering platform, so nothing is in interpret mode off CPU. `params`:
     the weights (default zeros of the config's shapes; values do not shape a lowering). The
     Program is built for real (its pools and weights are allocated on the host), so this is
-    for configs that fit in host memory."""
+    for configs that fit in host memory. `drafter`: a DFlash drafter's config, with
+    speculative="dflash"."""
+    from ninfer_jax.models.dflash.weights import param_shapes as drafter_shapes
     from ninfer_jax.models.qwen3_6.weights import param_shapes
+
+    def zeros(shapes: dict) -> dict:
+        return jax.tree.map(lambda shape: np.zeros(shape, np.float32), shapes,
+                            is_leaf=lambda x: isinstance(x, tuple)
+                            and all(isinstance(n, int) for n in x))
 
     if params is None:
         mtp = cfg.mtp_num_layers if pcfg.speculative == "mtp" else 0
-        params = jax.tree.map(lambda shape: np.zeros(shape, np.float32),
-                              param_shapes(cfg, num_mtp_layers=mtp),
-                              is_leaf=lambda x: isinstance(x, tuple))
+        params = zeros(param_shapes(cfg, num_mtp_layers=mtp))
+        if drafter is not None:
+            params["dflash"] = zeros(drafter_shapes(drafter))
     table = LoweringTable(platform)
-    Program(cfg, params, pcfg, executables=table)
+    Program(cfg, params, pcfg, executables=table, drafter=drafter)
     return dict(table.texts)
 
 
@@ -90,9 +100,11 @@ class Program(HostProgram):
     """Pools, allocators, sequences and the compiled steps of one model package."""
 
     def __init__(self, cfg: ModelConfig, params: dict, pcfg: ProgramConfig, *,
-                 executables: ExecutableTable | LoweringTable | None = None):
+                 executables: ExecutableTable | LoweringTable | None = None,
+                 drafter: DFlashConfig | None = None):
         """`executables`: where the steps compile (default a new ExecutableTable; `lower_all`
-        passes a LoweringTable)."""
+        passes a LoweringTable). `drafter`: the DFlash drafter's config, with
+        speculative="dflash" (its weights are `params["dflash"]`)."""
         if pcfg.max_seq_len > cfg.max_position_embeddings:
             raise InfeasibleError(
                 f"max_seq_len {pcfg.max_seq_len} exceeds the model's max_position_embeddings "
@@ -103,17 +115,20 @@ class Program(HostProgram):
                 raise ConfigError("speculative='mtp' needs a model with MTP weights (mtp.*); "
                                   "this model has none (speculative must be 'off')")
             mtp_layers = len(params["mtp"]["layers"]["input_norm"])
-        pools = Pools.allocate(cfg, pcfg, mtp_layers)
+        _check_drafter(cfg, params, pcfg, drafter)
+        self.drafter = drafter
+        pools = Pools.allocate(cfg, pcfg, mtp_layers, self.drafter)
         super().__init__(ProgramLimits(
             max_seq_len=pcfg.max_seq_len, page_size=pcfg.page_size, total_pages=pcfg.num_pages,
             total_slots=pcfg.num_slots, max_concurrency=pcfg.max_concurrency,
             prefill_chunk=pcfg.prefill_chunk, vocab_size=cfg.vocab_size,
             total_checkpoint_slots=pcfg.num_checkpoint_slots,
             page_bytes=2 * pools.k.nbytes // (pcfg.num_pages + 1),
-            checkpoint_state_bytes=(pools.ck_conv.nbytes + pools.ck_rec.nbytes
-                                    + pools.ck_ctx.nbytes) // max(pcfg.num_checkpoint_slots, 1),
+            checkpoint_state_bytes=sum(a.nbytes for a in _image_pools(pools))
+            // max(pcfg.num_checkpoint_slots, 1),
             verify_width=pcfg.verify_width,
-            rewrites_below_frontier=int(pcfg.speculative == "mtp")))
+            rewrites_below_frontier=int(pcfg.speculative == "mtp"),
+            speculative=pcfg.speculative))
         self.cfg, self.pcfg = cfg, pcfg
         params = jax.tree.map(lambda a: jax.numpy.asarray(a, pcfg.dtype), params)
         self.params = unstack_layers(params, cfg) if pcfg.resolved_layer_loop() == "unrolled" \
@@ -146,7 +161,10 @@ class Program(HostProgram):
         c, w = pcfg.prefill_chunk, pcfg.max_pages_per_seq
         later = pcfg.background_compile
 
-        round_step = verify_step if pcfg.speculative == "mtp" else decode_step
+        drafter = self.drafter
+        round_step = {"mtp": bind(verify_step, cfg=cfg, pcfg=pcfg),
+                      "dflash": bind(dflash_verify_step, cfg=cfg, pcfg=pcfg, drafter=drafter),
+                      "off": bind(decode_step, cfg=cfg, pcfg=pcfg)}[pcfg.speculative]
 
         def decode(b: int) -> None:
             example = DecodeInputs(
@@ -154,8 +172,7 @@ class Program(HostProgram):
                 positions=np.zeros(b, np.int32), slots=np.arange(b, dtype=np.int32),
                 page_tables=np.zeros((b, w), np.int32), sampling=self._sampling_example(b),
                 step_index=np.zeros(b, np.int32), limit=np.ones(b, np.int32))
-            self.executables.compile(StepKey(StepKind.DECODE, b),
-                                     bind(round_step, cfg=cfg, pcfg=pcfg), self.params,
+            self.executables.compile(StepKey(StepKind.DECODE, b), round_step, self.params,
                                      self._pools, example, background=later)
 
         prefill_example = PrefillInputs(
@@ -168,15 +185,18 @@ class Program(HostProgram):
         # background thread in the order of first need: the prompt's checkpoint right after its
         # prefill (a commit, then a capture), then decoding one row.
         self.executables.compile(StepKey(StepKind.PREFILL, 1),
-                                 bind(prefill_step, cfg=cfg, pcfg=pcfg),
+                                 bind(prefill_step, cfg=cfg, pcfg=pcfg, drafter=drafter),
                                  self.params, self._pools, prefill_example)
         bmax = pcfg.max_concurrency
         self.executables.compile(StepKey(StepKind.COMMIT, bmax), commit_step, self._pools,
                                  self._no_commit(bmax), background=later)
         one = np.zeros(1, np.int32)
         if pcfg.num_checkpoint_slots:
-            self.executables.compile(StepKey(StepKind.CAPTURE, 1), capture_step, self._pools,
-                                     CaptureInputs(slot=one, ckpt_slot=one), background=later)
+            self.executables.compile(StepKey(StepKind.CAPTURE, 1),
+                                     bind(capture_step, pcfg=pcfg, drafter=drafter),
+                                     self._pools, CaptureInputs(slot=one, ckpt_slot=one,
+                                                                frontier=one),
+                                     background=later)
         decode(1)
         if pcfg.num_checkpoint_slots:
             self.executables.compile(
@@ -203,12 +223,9 @@ class Program(HostProgram):
         self.executables.compile(StepKey(StepKind.IMPORT_PAGES, g),
                                  bind(import_pages_step, pcfg=pcfg), self._pools,
                                  PageImport(pages, kv, kv), background=later)
-        p = self._pools
-        self.executables.compile(
-            StepKey(StepKind.IMPORT_STATE, 1), import_state_step, self._pools,
-            StateImport(one, np.zeros((1, *p.ck_conv.shape[1:]), p.ck_conv.dtype),
-                        np.zeros((1, *p.ck_rec.shape[1:]), p.ck_rec.dtype),
-                        np.zeros((1, *p.ck_ctx.shape[1:]), p.ck_ctx.dtype)), background=later)
+        image = [np.zeros((1, *a.shape[1:]), a.dtype) for a in _image_pools(self._pools)]
+        self.executables.compile(StepKey(StepKind.IMPORT_STATE, 1), import_state_step,
+                                 self._pools, StateImport(one, *image), background=later)
 
     def _page_shape(self) -> tuple[int, ...]:
         """[La, page_size, Hkv, D]: one page in every attention layer."""
@@ -284,7 +301,8 @@ class Program(HostProgram):
 
     def _run_capture(self, seq: SeqRecord, ckpt_slot: int) -> None:
         inputs = CaptureInputs(slot=np.array([seq.slot], np.int32),
-                               ckpt_slot=np.array([ckpt_slot], np.int32))
+                               ckpt_slot=np.array([ckpt_slot], np.int32),
+                               frontier=np.array([seq.frontier], np.int32))
         self._pools = self.executables(StepKey(StepKind.CAPTURE, 1), self.pools, inputs)
 
     def _run_restore(self, ckpt: CheckpointRecord, seq: SeqRecord,
@@ -340,8 +358,8 @@ class Program(HostProgram):
                 kv[:, row] = _bytes(buffers).view(dtype).reshape(2, *shape)
             self._pools = self.executables(StepKey(StepKind.IMPORT_PAGES, g), self._pools,
                                            PageImport(rows, kv[0], kv[1]))
-        p, raw, parts = self._pools, _bytes([image.state]), []
-        for pool in (p.ck_conv, p.ck_rec, p.ck_ctx):
+        raw, parts = _bytes([image.state]), []
+        for pool in _image_pools(self._pools):
             n = pool.nbytes // pool.shape[0]
             parts.append(raw[:n].view(pool.dtype).reshape(1, *pool.shape[1:]))
             raw = raw[n:]
@@ -361,6 +379,30 @@ class Program(HostProgram):
         for row, seq in enumerate(seqs):
             table[row, : len(seq.pages)] = seq.pages
         return table
+
+
+def _image_pools(pools: Pools) -> list:
+    """The checkpoint-slot pools a StateImage holds, in its byte order."""
+    parts = [pools.ck_conv, pools.ck_rec, pools.ck_ctx]
+    return parts if pools.ck_dk is None else parts + [pools.ck_dk, pools.ck_dv]
+
+
+def _check_drafter(cfg: ModelConfig, params: dict, pcfg: ProgramConfig,
+                   drafter: DFlashConfig | None) -> None:
+    """A DFlash Program needs a drafter that fits the target and K; others take none."""
+    if pcfg.speculative != "dflash":
+        if drafter is not None:
+            raise ConfigError(f"a drafter is for speculative='dflash', not "
+                              f"{pcfg.speculative!r}")
+        return
+    if drafter is None or "dflash" not in params:
+        raise ConfigError("speculative='dflash' needs a DFlash drafter (its config and "
+                          "params['dflash']); this model has none")
+    drafter.check_target(cfg.num_layers, cfg.hidden_size, cfg.vocab_size)
+    if pcfg.num_speculative_tokens > drafter.block_size - 1:
+        raise ConfigError(
+            f"num_speculative_tokens must be at most the drafter's block_size - 1 = "
+            f"{drafter.block_size - 1}, got {pcfg.num_speculative_tokens}")
 
 
 def _logprobs(seqs: list[SeqRecord], out) -> tuple | None:

@@ -87,7 +87,7 @@ def score_window_step(params: dict, inputs: WindowInputs, *, cfg: ModelConfig,
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
     h = params["embed"][inputs.token_ids]
     gdn = GDNState.zeros(cfg, b, params["embed"].dtype)
-    h, _, _ = run_layers(params, cfg, h, positions, gdn, CausalKV(), inputs.num_valid)
+    h, _, _, _ = run_layers(params, cfg, h, positions, gdn, CausalKV(), inputs.num_valid)
     hidden = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     logprobs, greedy, top_ids, top_lps = target_scores(
         params, cfg, hidden.reshape(b * length, -1), inputs.target_ids.reshape(-1), top_n)

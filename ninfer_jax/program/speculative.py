@@ -73,6 +73,12 @@ def _stream(keys: jax.Array, purpose: int) -> jax.Array:
     return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, purpose)
 
 
+def draft_keys(seed: jax.Array, step_index: jax.Array) -> jax.Array:
+    """Rows' keys [B] on the draft stream at step_index [B]: what a drafter that draws its
+    tokens itself (the DFlash selector) draws with."""
+    return _stream(row_keys(seed, step_index), DRAFT_STREAM)
+
+
 def _probs(penalised: jax.Array, arrays: SamplingArrays) -> jax.Array:
     """Penalised logits [B, V] -> the distribution each row samples from, [B, V] float32."""
     vocab_size = penalised.shape[-1]
@@ -111,7 +117,7 @@ def draft_token(
     greedy = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
 
     def draw() -> jax.Array:
-        keys = _stream(row_keys(arrays.seed, step_index), DRAFT_STREAM)
+        keys = draft_keys(arrays.seed, step_index)
         return jax.vmap(jax.random.categorical)(keys, jnp.log(probs)).astype(jnp.int32)
 
     sampled = arrays.temperature > 0

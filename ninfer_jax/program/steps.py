@@ -17,6 +17,11 @@ positions is rewritten from the model's hidden states. A commit of n tokens adop
 after position n - 1. The head's K/V at position p depends on token p + 1, so the one at the
 frontier's last position is written by the step that knows the token after it (the next
 round, or the next prefill chunk): a step writes K/V only at positions >= frontier - 1.
+
+With a DFlash drafter (`speculative == "dflash"`, `drafter` its config) a decode round is
+`dflash_steps.dflash_verify_step`; prefill chunks also write the drafter's context K/V of their
+positions into the slot's ring (`drafter_context`), so every committed position's context is
+there before a block reads it.
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ninfer_jax.models.dflash import DFlashConfig
 from ninfer_jax.models.qwen3_6 import GDNState, ModelConfig, step
 from ninfer_jax.models.qwen3_6.model import lm_head
 from ninfer_jax.models.qwen3_6.mtp import mtp_hidden
 from ninfer_jax.program.config import ProgramConfig
-from ninfer_jax.program.pools import PagedKV, Pools, write_rows
+from ninfer_jax.program.drafter_context import write_drafter_context
+from ninfer_jax.program.pools import PagedKV, Pools, context_positions, context_ring, write_rows
 from ninfer_jax.program.sampling import (
     SamplingArrays,
     apply_penalties,
@@ -90,11 +97,12 @@ class DecodeInputs:
     limit: jax.Array  # [B] int32 in 1..T, most tokens row b may propose (its budget)
 
 
-@_register(["slot", "ckpt_slot"])
+@_register(["slot", "ckpt_slot", "frontier"])
 @dataclasses.dataclass(frozen=True)
 class CaptureInputs:
     slot: jax.Array  # [1] int32, the sequence's committed state slot
     ckpt_slot: jax.Array  # [1] int32, the checkpoint slot to fill
+    frontier: jax.Array  # [1] int32, the sequence's committed frontier (the drafter's ring)
 
 
 @_register(["ckpt_slot", "slot", "prefix_ids", "prefix_len", "copy_src", "copy_dst"])
@@ -128,13 +136,15 @@ class StateRow:
     ckpt_slot: jax.Array  # [1] int32
 
 
-@_register(["ckpt_slot", "conv", "rec", "ctx"])
+@_register(["ckpt_slot", "conv", "rec", "ctx", "dk", "dv"])
 @dataclasses.dataclass(frozen=True)
 class StateImport:
     ckpt_slot: jax.Array  # [1] int32
     conv: jax.Array  # [1, Ll, conv_dim, K-1]
     rec: jax.Array  # [1, Ll, Hv, dk, dv] float32
     ctx: jax.Array  # [1, H]
+    dk: jax.Array | None = None  # [1, R + 1, Ld, Hkv_d, D_d], the drafter's context (or None)
+    dv: jax.Array | None = None
 
 
 @_register(["tokens", "num", "logprobs", "top_ids", "top_logprobs"])
@@ -168,7 +178,7 @@ def commit_step(pools: Pools, inputs: CommitInputs) -> Pools:
         ctx=write_rows(pools.ctx, inputs.slots, pools.prov_ctx[rows, at]), output_counts=counts)
 
 
-def _gdn_state(pools: Pools, slots: jax.Array) -> GDNState:
+def gdn_state(pools: Pools, slots: jax.Array) -> GDNState:
     """The committed GDN state of B slots, in the model's layout [L, B, ...]."""
     return GDNState(conv=jnp.swapaxes(pools.conv[slots], 0, 1),
                     recurrent=jnp.swapaxes(pools.rec[slots], 0, 1))
@@ -180,7 +190,7 @@ def _finish(pools: Pools, out, logits: jax.Array, counts: jax.Array, masks: jax.
     each row), and samples one token per row under its penalties."""
     b = logits.shape[0]
     one_position = GDNState(conv=out.gdn.conv[:, :, None], recurrent=out.gdn.recurrent[:, :, None])
-    pools = _write_provisional(pools, out.kv.layers, one_position, ctx[:, None])
+    pools = write_provisional(pools, out.kv.layers, one_position, ctx[:, None])
     penalised = apply_penalties(logits, inputs.sampling, counts, masks)
     sampled = sample(penalised, inputs.sampling, inputs.step_index)
     top_ids, top_lps = top_logprobs(penalised, inputs.sampling)
@@ -189,7 +199,7 @@ def _finish(pools: Pools, out, logits: jax.Array, counts: jax.Array, masks: jax.
                               top_logprobs=top_lps[:, None])
 
 
-def _write_provisional(pools: Pools, kv_layers, gdn: GDNState, ctx: jax.Array) -> Pools:
+def write_provisional(pools: Pools, kv_layers, gdn: GDNState, ctx: jax.Array) -> Pools:
     """The step's K/V pools, and its provisional rows: the GDN state after each of the step's
     positions (gdn with [L, B, T', ...] leaves, T' <= T) and the MTP context (ctx [B, T', H])."""
     rows = jnp.arange(ctx.shape[0], dtype=jnp.int32)
@@ -211,12 +221,13 @@ def _mtp_kv(kv: PagedKV, cfg: ModelConfig, lengths: jax.Array, num_valid: jax.Ar
 
 
 def prefill_step(params: dict, pools: Pools, inputs: PrefillInputs, *, cfg: ModelConfig,
-                 pcfg: ProgramConfig) -> tuple[Pools, StepOutputs]:
+                 pcfg: ProgramConfig, drafter: DFlashConfig | None = None
+                 ) -> tuple[Pools, StepOutputs]:
     """One staged-prefill chunk of one sequence; samples from the last valid position."""
     pools = commit_step(pools, inputs.commit)
     slot = inputs.slot
     fresh = inputs.reset[:, None]  # [1, 1]
-    state = _gdn_state(pools, slot)
+    state = gdn_state(pools, slot)
     gdn = GDNState(conv=jnp.where(fresh[None, :, :, None], 0, state.conv),
                    recurrent=jnp.where(fresh[None, :, :, None, None], 0.0, state.recurrent))
     # A sequence from root starts with no generated tokens and this chunk's prompt tokens.
@@ -231,12 +242,24 @@ def prefill_step(params: dict, pools: Pools, inputs: PrefillInputs, *, cfg: Mode
                  pages_per_layer=pcfg.num_pages + 1)
     last_at = inputs.num_valid - 1
     out = step(params, cfg, inputs.token_ids, inputs.start_pos, gdn, kv, inputs.num_valid,
-               logits_at=last_at)
+               logits_at=last_at, feature_layers=_feature_layers(drafter))
     ctx = jnp.take_along_axis(out.hidden, last_at[:, None, None], axis=1)[:, 0]
     pools, outputs = _finish(pools, out, out.logits[:, 0], counts, mask, inputs, ctx)
     if pcfg.speculative == "mtp":
         pools = _prefill_mtp(params, cfg, pools, out.hidden, inputs, kv)
+    if drafter is not None:
+        c = inputs.token_ids.shape[1]
+        ring, _ = context_ring(drafter, pcfg)
+        t = jnp.arange(c, dtype=jnp.int32)[None, :]
+        nv = inputs.num_valid[:, None]
+        # Only the chunk's last R valid positions: distinct ring entries.
+        pools = write_drafter_context(params, drafter, pools, slot, out.features,
+                               inputs.start_pos[:, None] + t, (t < nv) & (t >= nv - ring), ring)
     return pools, outputs
+
+
+def _feature_layers(drafter: DFlashConfig | None) -> tuple[int, ...]:
+    return () if drafter is None else drafter.target_layer_ids
 
 
 def _prefill_mtp(params: dict, cfg: ModelConfig, pools: Pools, hidden: jax.Array,
@@ -270,7 +293,7 @@ def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
                  lengths=inputs.positions, num_valid=jnp.ones((b,), jnp.int32),
                  impl=pcfg.attention_impl, pages_per_layer=pcfg.num_pages + 1)
     out = step(params, cfg, inputs.token_ids[:, None], inputs.positions,
-               _gdn_state(pools, slots), kv)
+               gdn_state(pools, slots), kv)
     return _finish(pools, out, out.logits[:, 0], pools.output_counts[slots],
                    pools.prompt_mask[slots], inputs, out.hidden[:, 0])
 
@@ -306,7 +329,7 @@ def verify_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
         probs.append(q)
     drafts = jnp.stack(drafts, axis=1)  # [B, K]
     ids = jnp.concatenate([inputs.token_ids[:, None], drafts], axis=1)  # [B, T]
-    out = step(params, cfg, ids, pos, _gdn_state(pools, slots), kv.with_layers(layers), limit,
+    out = step(params, cfg, ids, pos, gdn_state(pools, slots), kv.with_layers(layers), limit,
                keep_states=True)
     verified = accept(out.logits, drafts, jnp.stack(probs, axis=1), inputs.sampling,
                       pools.output_counts[slots], masks, inputs.step_index, limit)
@@ -314,19 +337,28 @@ def verify_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
     # The head's K/V at positions pos..: (the model's hidden state there, the token after it).
     _, mkv = mtp_hidden(params, cfg, out.hidden, tokens, pos,
                         _mtp_kv(out.kv, cfg, pos, limit))
-    pools = _write_provisional(pools, mkv.layers, out.gdn, out.hidden)
+    pools = write_provisional(pools, mkv.layers, out.gdn, out.hidden)
     return pools, StepOutputs(tokens=tokens, num=num, logprobs=verified.logprobs,
                               top_ids=verified.top_ids, top_logprobs=verified.top_logprobs)
 
 
-def capture_step(pools: Pools, inputs: CaptureInputs) -> Pools:
-    """Copies a sequence's committed GDN state and MTP context into a checkpoint slot (its K/V
-    pages are shared)."""
+def capture_step(pools: Pools, inputs: CaptureInputs, *, pcfg: ProgramConfig,
+                 drafter: DFlashConfig | None = None) -> Pools:
+    """Copies a sequence's committed GDN state, MTP context and the drafter's context window
+    (only the entries it holds at the frontier, the rest zero: the image depends on the
+    tokens alone) into a checkpoint slot (its K/V pages are shared)."""
     ck, slot = inputs.ckpt_slot, inputs.slot
-    return dataclasses.replace(
+    pools = dataclasses.replace(
         pools, ck_conv=write_rows(pools.ck_conv, ck, pools.conv[slot]),
         ck_rec=write_rows(pools.ck_rec, ck, pools.rec[slot]),
         ck_ctx=write_rows(pools.ck_ctx, ck, pools.ctx[slot]))
+    if drafter is None:
+        return pools
+    _, held = context_positions(inputs.frontier, *context_ring(drafter, pcfg))
+    keep = held[:, :, None, None, None]
+    return dataclasses.replace(
+        pools, ck_dk=write_rows(pools.ck_dk, ck, jnp.where(keep, pools.dk[slot], 0)),
+        ck_dv=write_rows(pools.ck_dv, ck, jnp.where(keep, pools.dv[slot], 0)))
 
 
 def restore_step(pools: Pools, inputs: RestoreInputs, *, pcfg: ProgramConfig) -> Pools:
@@ -339,6 +371,9 @@ def restore_step(pools: Pools, inputs: RestoreInputs, *, pcfg: ProgramConfig) ->
     per_layer = pcfg.num_pages + 1
     layers = jnp.arange(pools.k.shape[0] // per_layer, dtype=jnp.int32) * per_layer
     src, dst = layers + inputs.copy_src, layers + inputs.copy_dst
+    if pools.dk is not None:  # the drafter's context window
+        pools = dataclasses.replace(pools, dk=write_rows(pools.dk, slot, pools.ck_dk[ck]),
+                                    dv=write_rows(pools.dv, slot, pools.ck_dv[ck]))
     return dataclasses.replace(
         pools,
         conv=write_rows(pools.conv, slot, pools.ck_conv[ck]),
@@ -373,15 +408,23 @@ def import_pages_step(pools: Pools, inputs: PageImport, *, pcfg: ProgramConfig) 
 
 
 def export_state_step(pools: Pools, inputs: StateRow):
-    """A checkpoint slot's state image: (pools unchanged, (conv, rec, ctx) [1, ...])."""
+    """A checkpoint slot's state image: (pools unchanged, (conv, rec, ctx[, dk, dv]) [1, ...];
+    dk, dv: the drafter's context window, with a drafter)."""
     ck = inputs.ckpt_slot
-    return pools, (pools.ck_conv[ck], pools.ck_rec[ck], pools.ck_ctx[ck])
+    image = (pools.ck_conv[ck], pools.ck_rec[ck], pools.ck_ctx[ck])
+    if pools.ck_dk is not None:
+        image += (pools.ck_dk[ck], pools.ck_dv[ck])
+    return pools, image
 
 
 def import_state_step(pools: Pools, inputs: StateImport) -> Pools:
     """Fills a checkpoint slot with a state image."""
     ck = inputs.ckpt_slot
-    return dataclasses.replace(
+    pools = dataclasses.replace(
         pools, ck_conv=write_rows(pools.ck_conv, ck, inputs.conv),
         ck_rec=write_rows(pools.ck_rec, ck, inputs.rec),
         ck_ctx=write_rows(pools.ck_ctx, ck, inputs.ctx))
+    if pools.ck_dk is None:
+        return pools
+    return dataclasses.replace(pools, ck_dk=write_rows(pools.ck_dk, ck, inputs.dk),
+                               ck_dv=write_rows(pools.ck_dv, ck, inputs.dv))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ninfer_jax.models.dflash import DFlashConfig
 from ninfer_jax.models.qwen3_6 import ModelConfig
 
 
@@ -31,4 +32,19 @@ def tiny_moe(**overrides) -> ModelConfig:
         moe_intermediate_size=32, shared_expert_intermediate_size=48,
         max_position_embeddings=4096,
     )
+    return dataclasses.replace(cfg, **overrides)
+
+
+def tiny_drafter(target: ModelConfig, **overrides) -> DFlashConfig:
+    """A small DFlash2 drafter for `target` (conv kernels, selector, a sliding window of 16 so
+    short test sequences wrap its context ring)."""
+    heads = 2
+    cfg = DFlashConfig(
+        hidden_size=target.hidden_size, intermediate_size=2 * target.hidden_size, num_layers=1,
+        num_q_heads=heads, num_kv_heads=1, head_dim=32, vocab_size=target.vocab_size,
+        rms_norm_eps=1e-6, rope_theta=10000.0, layer_types=("sliding_attention",),
+        sliding_window=16, causal=(False,), block_size=16, mask_token_id=target.vocab_size - 1,
+        target_layer_ids=(1, target.num_layers - 2), conv_kernel_size=2, conv_group_size=16,
+        selector_rank=16, selector_top_k=8, final_logit_softcapping=30.0,
+        output_multiplier=1.0)
     return dataclasses.replace(cfg, **overrides)

@@ -21,26 +21,31 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def program_config(k: int, max_concurrency: int, max_seq_len: int, prefill_chunk: int):
-    """The ProgramConfig of one side: speculation off for K = 0, MTP with K drafts otherwise;
-    pools sized for max_concurrency sequences of max_seq_len, no checkpoints."""
+def program_config(k: int, max_concurrency: int, max_seq_len: int, prefill_chunk: int,
+                   method: str = "mtp"):
+    """The ProgramConfig of one side: speculation off for K = 0, `method` ("mtp" or "dflash")
+    with K drafts otherwise; pools sized for max_concurrency sequences of max_seq_len, no
+    checkpoints."""
     from ninfer_jax.program.config import ProgramConfig
 
     page_size = 16
     pages = max_concurrency * -(-max_seq_len // page_size)
     return ProgramConfig(max_concurrency=max_concurrency, page_size=page_size, num_pages=pages,
                          max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
-                         num_checkpoint_slots=0, speculative="mtp" if k else "off",
+                         num_checkpoint_slots=0, speculative=method if k else "off",
                          num_speculative_tokens=k)
 
 
-def build_program(cfg, params: dict, pcfg) -> tuple[object, dict]:
+def build_program(cfg, params: dict, pcfg, drafter=None) -> tuple[object, dict]:
     """A Program with every executable compiled; returns it and its compile report (the wall
-    time of construction + `wait_compiled`, and the table's per-executable seconds summed)."""
+    time of construction + `wait_compiled`, and the table's per-executable seconds summed).
+    `drafter`: a `LoadedDrafter` for speculative="dflash"."""
     from ninfer_jax.program.program import Program
 
     start = time.perf_counter()
-    program = Program(cfg, params, pcfg)
+    if drafter is not None:
+        params = {**params, "dflash": drafter.params}
+    program = Program(cfg, params, pcfg, drafter=None if drafter is None else drafter.config)
     program.wait_compiled()
     wall = time.perf_counter() - start
     return program, {"wall_s": wall,

@@ -1,13 +1,14 @@
-"""MTP speculative decoding against plain decoding, on the Program, in one process.
+"""MTP and DFlash speculative decoding against plain decoding, on the Program, in one process.
 
     python scripts/bench.py --suite=spec --out=DIR
 
 Every side is ours, so all share one process (`_abab.LocalSide`) and take turns, one Program
-per K (K = 0: speculation off; K >= 1: `speculative="mtp"` with K drafts a round), each with
+per variant ("K=0": speculation off; "K=k": `speculative="mtp"` with k drafts a round;
+"dflash K=k": the embedded model's shipped DFlash2 drafter proposing k a round), each with
 every exact B compiled at start-up (`wait_compiled`; the compile time is reported, never timed).
 
-- demo: the embedded demo model (`load_model()`). For each B in BATCHES, the K variants take
-  turns (K=0, K=1, ..., K=0, K=1, ...): a turn admits and prefills the first B story prompts of
+- demo: the embedded demo model (`load_model()`). For each B in BATCHES, the variants take
+  turns (K=0, K=1, ..., dflash K=4, ..., K=0, ...): a turn admits and prefills the first B story prompts of
   `_engine_vs_program.py` untimed, then times decode + commit rounds that commit every produced
   token until each row has NEW_TOKENS (greedy; `_spec_sides.GenerateSide`). Reported per (B, K):
   tok/s (tokens the timed rounds committed / seconds), the ratio to K=0 per turn pair, the mean
@@ -23,7 +24,8 @@ every exact B compiled at start-up (`wait_compiled`; the compile time is reporte
   (K=3) <= 1.3x a decode step at B=1. Random drafts are rarely accepted, so the rounds measure
   the step, not a speed-up.
 
-Settings (environment): BENCH_SPEC_KS=0,1,2,3 (must hold 0)  BENCH_SPEC_BATCHES=1,2,4,8
+Settings (environment): BENCH_SPEC_KS=0,1,2,3 (MTP; must hold 0)  BENCH_SPEC_DFLASH_KS=4,8,15
+(empty: none)  BENCH_SPEC_BATCHES=1,2,4,8
 BENCH_SPEC_NEW_TOKENS=128  BENCH_SPEC_REPS=5  BENCH_SPEC_WARMUP=1  BENCH_SPEC_MEDIUM=1 (0 skips
 it)  BENCH_SPEC_MEDIUM_K=3  BENCH_SPEC_MEDIUM_BATCHES=1,8  BENCH_SPEC_MEDIUM_ROUNDS=4
 BENCH_SPEC_MEDIUM_REPS=5.
@@ -37,6 +39,7 @@ import os
 import statistics
 import time
 
+from ninfer_jax.program.config import MAX_SPECULATIVE_TOKENS
 from scripts.benchmarks._abab import LocalSide, alternate, fmt_spread, progress, spread
 from scripts.benchmarks._engine_vs_program import PROMPTS
 from scripts.benchmarks._env import SettingError, env_int, env_ints
@@ -48,7 +51,7 @@ from scripts.benchmarks._spec_sides import (
     program_config,
 )
 
-MAX_K = 5  # ProgramConfig's MAX_SPECULATIVE_TOKENS
+MAX_K = MAX_SPECULATIVE_TOKENS["mtp"]
 PROMPT_LEN = 32  # MEDIUM's random prompts
 TARGET_DEMO_SPEEDUP = 1.5
 TARGET_MEDIUM_VERIFY = 1.3
@@ -57,6 +60,7 @@ TARGET_MEDIUM_VERIFY = 1.3
 @dataclasses.dataclass(frozen=True)
 class Settings:
     ks: tuple[int, ...] = (0, 1, 2, 3)
+    dflash_ks: tuple[int, ...] = (4, 8, 15)
     batches: tuple[int, ...] = (1, 2, 4, 8)
     new_tokens: int = 128
     reps: int = 5
@@ -74,8 +78,11 @@ class Settings:
         if 0 not in ks:
             raise SettingError(f"BENCH_SPEC_KS must hold 0 (the baseline every ratio divides "
                                f"by), got {os.environ['BENCH_SPEC_KS']!r:.60}")
+        dflash = os.environ.get("BENCH_SPEC_DFLASH_KS")
+        dflash_ks = () if dflash is not None and not dflash.strip() else env_ints(
+            "BENCH_SPEC_DFLASH_KS", d.dflash_ks, maximum=MAX_SPECULATIVE_TOKENS["dflash"])
         return cls(
-            ks=ks, batches=env_ints("BENCH_SPEC_BATCHES", d.batches, maximum=len(PROMPTS)),
+            ks=ks, dflash_ks=dflash_ks, batches=env_ints("BENCH_SPEC_BATCHES", d.batches, maximum=len(PROMPTS)),
             new_tokens=env_int("BENCH_SPEC_NEW_TOKENS", d.new_tokens, minimum=2, maximum=1024),
             reps=env_int("BENCH_SPEC_REPS", d.reps),
             warmup=env_int("BENCH_SPEC_WARMUP", d.warmup, minimum=0),
@@ -96,32 +103,44 @@ def _side_loads(r: dict, side: str) -> dict:
     return {"turns": turns, **spread([v for t in turns for v in t])}
 
 
-def measure_demo(cfg, params, prompts: list[list[int]], s: Settings) -> dict:
-    """Every (B, K) of the demo part; `prompts` are token ids, at least max(B) of them."""
+def variants(s: Settings) -> list[tuple[str, str, int]]:
+    """(side name, method, K) of every demo side: K=0 (off), MTP's Ks, DFlash's Ks."""
+    return ([(f"K={k}", "mtp", k) for k in s.ks]
+            + [(f"dflash K={k}", "dflash", k) for k in s.dflash_ks])
+
+
+def measure_demo(cfg, params, prompts: list[list[int]], s: Settings, drafter=None) -> dict:
+    """Every (B, variant) of the demo part; `prompts` are token ids, at least max(B) of them;
+    `drafter`: the `LoadedDrafter` of the DFlash variants (default: the shipped one)."""
     max_seq_len = max(map(len, prompts)) + s.new_tokens
     out = {"compile": {}, "batches": {}}
     sides = []
-    for k in s.ks:
-        progress(f"demo: compiling K={k} (B = 1..{max(s.batches)})")
-        pcfg = program_config(k, max(s.batches), max_seq_len, prefill_chunk=64)
-        program, out["compile"][k] = build_program(cfg, params, pcfg)
-        sides.append(LocalSide(f"K={k}", GenerateSide(program, k, s.new_tokens)))
+    if s.dflash_ks and drafter is None:
+        from ninfer_jax.loader import DEFAULT_DRAFTER, load_drafter
+
+        drafter = load_drafter(DEFAULT_DRAFTER)
+    for name, method, k in variants(s):
+        progress(f"demo: compiling {name} (B = 1..{max(s.batches)})")
+        pcfg = program_config(k, max(s.batches), max_seq_len, prefill_chunk=64, method=method)
+        program, out["compile"][name] = build_program(
+            cfg, params, pcfg, drafter if method == "dflash" else None)
+        sides.append(LocalSide(name, GenerateSide(program, k, s.new_tokens)))
     for b in s.batches:
-        progress(f"demo: B={b}, K in {list(s.ks)} in turn")
+        progress(f"demo: B={b}, {[v[0] for v in variants(s)]} in turn")
         r = alternate(sides, f"b{b}", {"prompts": prompts[:b]}, reps=s.reps, warmup=s.warmup)
         base = r["sides"]["K=0"]
         reference = base["outputs"][0]["tokens"]
         rows = {}
-        for k in s.ks:
-            side = r["sides"][f"K={k}"]
+        for name, _, k in variants(s):
+            side = r["sides"][name]
             runs = side["warmup_outputs"] + side["outputs"]
-            rows[k] = {
-                "tok_s": side["rate"], "rates": side["rates"], "work": side["work"],
+            rows[name] = {
+                "k": k, "tok_s": side["rate"], "rates": side["rates"], "work": side["work"],
                 "seconds": side["seconds"], "ratio_to_k0": _per_pair(side["rates"],
                                                                      base["rates"]),
                 "tally": merge_tallies([o["tally"] for o in side["outputs"]]),
                 "same_tokens_as_k0": all(o["tokens"] == reference for o in runs),
-                "load_1min": _side_loads(r, f"K={k}"),
+                "load_1min": _side_loads(r, name),
             }
         out["batches"][b] = {"order": r["order"], "wall_s": r["wall_s"],
                              "load_1min": r["load_1min"], "ks": rows}
@@ -130,21 +149,29 @@ def measure_demo(cfg, params, prompts: list[list[int]], s: Settings) -> dict:
 
 
 def _best(batches: dict, s: Settings) -> dict:
-    """The K > 0 with the highest median per-pair ratio at B=1, and the one with the highest
-    geometric mean of the per-B median ratios (ties: the smaller K)."""
-    ks = [k for k in s.ks if k]
-    if not ks:
-        return {}
+    """Per method: the K > 0 with the highest median per-pair ratio at B=1, and the one with
+    the highest geometric mean of the per-B median ratios (ties: the smaller K); then whether
+    DFlash's best at B=1 beats MTP's."""
     out = {}
-    if 1 in batches:
-        r = {k: batches[1]["ks"][k]["ratio_to_k0"]["median"] for k in ks}
-        k1 = max(ks, key=lambda k: (r[k], -k))
-        out["b1"] = {"k": k1, "ratio": batches[1]["ks"][k1]["ratio_to_k0"],
-                     "target": TARGET_DEMO_SPEEDUP, "met": r[k1] >= TARGET_DEMO_SPEEDUP}
-    geo = {k: math.exp(statistics.fmean(math.log(v["ks"][k]["ratio_to_k0"]["median"])
-                                        for v in batches.values())) for k in ks}
-    best = max(ks, key=lambda k: (geo[k], -k))
-    out["across_b"] = {"k": best, "geomean_ratio": geo[best], "geomean_by_k": geo}
+    for method, ks in (("mtp", [k for k in s.ks if k]), ("dflash", list(s.dflash_ks))):
+        names = {k: (f"K={k}" if method == "mtp" else f"dflash K={k}") for k in ks}
+        if not ks:
+            continue
+        best = {}
+        if 1 in batches:
+            r = {k: batches[1]["ks"][names[k]]["ratio_to_k0"]["median"] for k in ks}
+            k1 = max(ks, key=lambda k: (r[k], -k))
+            best["b1"] = {"k": k1, "ratio": batches[1]["ks"][names[k1]]["ratio_to_k0"],
+                          "target": TARGET_DEMO_SPEEDUP, "met": r[k1] >= TARGET_DEMO_SPEEDUP}
+        geo = {k: math.exp(statistics.fmean(
+            math.log(v["ks"][names[k]]["ratio_to_k0"]["median"]) for v in batches.values()))
+            for k in ks}
+        k_best = max(ks, key=lambda k: (geo[k], -k))
+        best["across_b"] = {"k": k_best, "geomean_ratio": geo[k_best], "geomean_by_k": geo}
+        out[method] = best
+    if "b1" in out.get("mtp", {}) and "b1" in out.get("dflash", {}):
+        d, m = out["dflash"]["b1"]["ratio"]["median"], out["mtp"]["b1"]["ratio"]["median"]
+        out["dflash_over_mtp_b1"] = {"ratio": d / m, "met": d > m}
     return out
 
 
@@ -189,32 +216,41 @@ def measure_verify(cfg, params, s: Settings, vocab_size: int, seed: int = 0) -> 
 
 def format_table(result: dict) -> str:
     s, demo = result["settings"], result["demo"]
-    comp = ", ".join(f"K={k} {c['wall_s']:.1f} s" for k, c in demo["compile"].items())
+    comp = ", ".join(f"{k} {c['wall_s']:.1f} s" for k, c in demo["compile"].items())
     lines = [(f"demo model: {s['new_tokens']} tokens per row (the first from the untimed "
               f"prefill), greedy, {s['warmup']} warm-up + {s['reps']} turns per K in turn; "
               f"compile (B = 1..{max(s['batches'])}): {comp}"),
-             (f"{'B':>3}{'K':>3}{'tok/s':>26}{'K/K=0 per pair':>20}{'tok/row-round':>15}"
-              f"  {'acceptance by draft position':<30}{'same as K=0':>12}{'load 1-min':>12}")]
+             (f"{'B':>3}{'variant':>13}{'tok/s':>26}{'/K=0 per pair':>20}"
+              f"{'tok/row-round':>15}  {'acceptance by draft position':<30}{'same as K=0':>12}"
+              f"{'load 1-min':>12}")]
     for b, row in demo["batches"].items():
-        for k, v in row["ks"].items():
+        for name, v in row["ks"].items():
             acc = " ".join("-" if a is None else f"{a:.2f}"
                            for a in v["tally"]["acceptance_by_position"]) or "-"
-            ratio = fmt_spread(v["ratio_to_k0"], 2) if k else "1"
+            ratio = fmt_spread(v["ratio_to_k0"], 2) if v["k"] else "1"
             load = v["load_1min"]
-            lines.append(f"{b:>3}{k:>3}{fmt_spread(v['tok_s']):>26}{ratio:>20}"
+            lines.append(f"{b:>3}{name:>13}{fmt_spread(v['tok_s']):>26}{ratio:>20}"
                          f"{v['tally']['mean_committed_per_row_round']:>15.2f}  {acc:<30}"
                          f"{'yes' if v['same_tokens_as_k0'] else 'NO':>12}"
                          f"{load['min']:>6.1f}-{load['max']:<5.1f}")
-    best = demo["best"]
-    if "b1" in best:
-        b1 = best["b1"]
-        lines += [f"best K at B=1: K={b1['k']}, {fmt_spread(b1['ratio'], 2)} x K=0 per pair",
-                  (f"target best K >= {b1['target']}x K=0 at B=1 (embedded model): "
-                   f"{b1['ratio']['median']:.2f} ({'met' if b1['met'] else 'NOT met'})")]
-    if "across_b" in best:
-        geo = ", ".join(f"K={k} {v:.2f}" for k, v in best["across_b"]["geomean_by_k"].items())
-        lines.append(f"best K across B (geometric mean of the median ratios): "
-                     f"K={best['across_b']['k']} ({geo})")
+    for method, best in demo["best"].items():
+        if method == "dflash_over_mtp_b1":
+            continue
+        label = "K=" if method == "mtp" else "dflash K="
+        if "b1" in best:
+            b1 = best["b1"]
+            lines.append(f"best {method} K at B=1: {label}{b1['k']}, "
+                         f"{fmt_spread(b1['ratio'], 2)} x K=0 per pair")
+            if method == "mtp":
+                lines.append(f"target best K >= {b1['target']}x K=0 at B=1 (embedded model): "
+                             f"{b1['ratio']['median']:.2f} ({'met' if b1['met'] else 'NOT met'})")
+        geo = ", ".join(f"{label}{k} {v:.2f}" for k, v in best["across_b"]["geomean_by_k"].items())
+        lines.append(f"best {method} K across B (geometric mean of the median ratios): "
+                     f"{label}{best['across_b']['k']} ({geo})")
+    if "dflash_over_mtp_b1" in demo["best"]:
+        t = demo["best"]["dflash_over_mtp_b1"]
+        lines.append(f"target DFlash's best K above MTP's best K at B=1: {t['ratio']:.2f}x "
+                     f"({'met' if t['met'] else 'NOT met'})")
     if "medium" in result:
         m = result["medium"]
         comp = ", ".join(f"K={k} {c['wall_s']:.1f} s" for k, c in m["compile"].items())

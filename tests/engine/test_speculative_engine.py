@@ -41,12 +41,12 @@ MAX_CONCURRENCY = 4
 
 
 @functools.cache
-def _opened(k: int):
-    """(Program, Frontend, model path) of `Engine.open` on the demo model, K = k (0: off),
-    compiled. The Engines below run on it one at a time, each with its own EngineCore (prefix
-    reuse is the EngineCore's setting)."""
-    spec = {"speculative": "mtp", "num_speculative_tokens": k} if k else {}
-    opened = Engine.open(max_concurrency=MAX_CONCURRENCY, **SETTINGS, **spec)
+def _opened(k: int, method: str = "mtp", settings: tuple = tuple(SETTINGS.items())):
+    """(Program, Frontend, model path) of `Engine.open` on the demo model, K = k (0: off) with
+    `method`'s drafts, compiled. The Engines below run on it one at a time, each with its own
+    EngineCore (prefix reuse is the EngineCore's setting)."""
+    spec = {"speculative": method, "num_speculative_tokens": k} if k else {}
+    opened = Engine.open(max_concurrency=MAX_CONCURRENCY, **dict(settings), **spec)
     opened.core.program.wait_compiled()
     opened.close()  # stops its worker; the Program stays usable
     return opened.core.program, opened.frontend, opened.model_path
@@ -63,10 +63,10 @@ class Row:
 
 
 @contextlib.contextmanager
-def engine(k: int, prefix_reuse: bool = True):
-    """An Engine over the shared Program; yields (engine, rows): every Row the Engine committed,
-    in order. On exit the Program holds nothing."""
-    program, frontend, path = _opened(k)
+def engine(k: int, prefix_reuse: bool = True, opened=None):
+    """An Engine over the shared Program (`_opened(k)`'s, or `opened`); yields (engine, rows):
+    every Row the Engine committed, in order. On exit the Program holds nothing."""
+    program, frontend, path = opened or _opened(k)
     decisions: list[Row] = []
 
     def recording_commit(batch, accepted):

@@ -42,11 +42,12 @@ class Live:
 class EngineMachine(RuleBasedStateMachine):
     max_concurrency = 3
     verify_width = 1  # > 1: speculative rounds of up to this many tokens
+    rewrites_below_frontier = 0  # MTP: 1 (its head's K/V at frontier - 1); DFlash: 0
 
     def __init__(self):
         super().__init__()
         lim = limits(self.max_concurrency, verify_width=self.verify_width,
-                     rewrites_below_frontier=int(self.verify_width > 1))
+                     rewrites_below_frontier=self.rewrites_below_frontier)
         self.program = FakeProgram(lim, eos_id=EOS, step_seconds=0.0002)
         self.core = EngineCore(self.program, FRONTEND, EngineCoreConfig(max_queue=12,
                                                                         idle_wait_s=0.005))
@@ -223,8 +224,19 @@ class EightLanes(EngineMachine):
 
 
 class ThreeLanesSpeculative(EngineMachine):
+    """MTP's limits: rounds of up to K + 1 = 4 tokens, one K/V position rewritten below."""
+
     max_concurrency = 3
     verify_width = 4
+    rewrites_below_frontier = 1
+
+
+class ThreeLanesDFlash(EngineMachine):
+    """DFlash's limits at K = 15: rounds of up to 16 tokens (a budget, a stop or an EOS ends
+    most requests inside one), nothing rewritten below the frontier."""
+
+    max_concurrency = 3
+    verify_width = 16
 
 
 TestOneLane = OneLane.TestCase
@@ -235,3 +247,5 @@ TestEightLanes = EightLanes.TestCase
 TestEightLanes.settings = SETTINGS
 TestThreeLanesSpeculative = ThreeLanesSpeculative.TestCase
 TestThreeLanesSpeculative.settings = SETTINGS
+TestThreeLanesDFlash = ThreeLanesDFlash.TestCase
+TestThreeLanesDFlash.settings = SETTINGS

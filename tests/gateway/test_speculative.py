@@ -1,6 +1,8 @@
-"""Speculative decoding at the gateway: `ninfer generate --speculative=mtp` on the demo model
-prints exactly what it prints without speculation, and `--stats` reports the acceptance; a model
-without MTP weights refuses `--speculative=mtp` with one `error:` line; `/metrics` exposes the
+"""Speculative decoding at the gateway: `ninfer generate --speculative=mtp` and
+`--speculative=dflash` (the shipped drafter, found without a flag) on the demo model print
+exactly what they print without speculation, and `--stats` reports the acceptance; a model
+without MTP weights refuses `--speculative=mtp`, and one without a drafter
+`--speculative=dflash`, each with one `error:` line; `/metrics` exposes the
 Engine's speculative statistics (an Engine over the FakeProgram with rounds of up to 3 tokens).
 The flag usage errors are in test_cli_errors.py's table."""
 
@@ -23,7 +25,7 @@ from tests.gateway.test_cli_generate import COMMON
 # test_cli_generate's first command: its executables are in the compilation cache already.
 PROMPTS = ["--prompt=Once upon a time", "--prompt=Tom had a dog"]
 STATS = re.compile(r"^\[ninfer\] stats: generated (\d+) tokens, finished 2 requests, .*; "
-                   r"speculative K=2: (\d+) verify rows, mean accepted tokens ([\d.]+), "
+                   r"speculative mtp K=2: (\d+) verify rows, mean accepted tokens ([\d.]+), "
                    r"acceptance by position \[([\d.]+), ([\d.]+)\]; context store cache: \d+ "
                    r"checkpoints written \(\d+ bytes\), \d+ reloaded \[.*\]$", re.MULTILINE)
 
@@ -33,18 +35,30 @@ def _ninfer(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, cwd=REPO, timeout=600)
 
 
-def test_generate_with_mtp_prints_the_same_text_and_its_stats():
+DFLASH_STATS = re.compile(r"; speculative dflash K=6: (\d+) verify rows, mean accepted tokens "
+                          r"([\d.]+), acceptance by position \[([\d., ]+)\]")
+
+
+def test_generate_with_mtp_and_dflash_prints_the_same_text_and_the_stats():
     off = _ninfer("generate", *PROMPTS, *COMMON, "--stats")
     mtp = _ninfer("generate", *PROMPTS, *COMMON, "--stats", "--speculative=mtp",
                   "--num_speculative_tokens=2")
-    assert off.returncode == 0 and mtp.returncode == 0, off.stderr + mtp.stderr
-    assert mtp.stdout == off.stdout and off.stdout.count("--- [") == 2
+    dflash = _ninfer("generate", *PROMPTS, *COMMON, "--stats", "--speculative=dflash",
+                     "--num_speculative_tokens=6")
+    for run in (off, mtp, dflash):
+        assert run.returncode == 0, run.stderr
+    assert mtp.stdout == off.stdout == dflash.stdout and off.stdout.count("--- [") == 2
     assert "; speculative off" in off.stderr
     found = STATS.search(mtp.stderr)
     assert found, mtp.stderr
     generated, rows, mean, *rates = found.groups()
     assert int(generated) == 24 and int(rows) > 0
     assert 1 <= float(mean) <= 3 and all(0 <= float(r) <= 1 for r in rates)
+    assert "speculative dflash K=6)" in dflash.stderr  # the ready line
+    found = DFLASH_STATS.search(dflash.stderr)
+    assert found, dflash.stderr
+    rows, mean, rates = found.groups()
+    assert int(rows) > 0 and 1.5 <= float(mean) <= 7 and len(rates.split(", ")) == 6
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +77,16 @@ def test_mtp_on_a_model_without_mtp_weights_is_one_error_line(model_without_mtp,
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert "Traceback" not in err and len(errors) == 1, err
     assert "speculative" in errors[0] and "MTP weights" in errors[0]
+
+
+def test_dflash_on_a_model_without_a_drafter_is_one_error_line(model_without_mtp, capsys):
+    argv = ["ninfer", "generate", "--prompt=x", "--speculative=dflash",
+            f"--model={model_without_mtp}"]
+    assert cli.main(argv) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in err and len(errors) == 1, err
+    assert "needs a DFlash drafter" in errors[0] and "--drafter" in errors[0]
 
 
 def _metrics(url: str) -> dict[str, float]:

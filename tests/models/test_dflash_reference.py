@@ -116,7 +116,7 @@ def test_bad_checkpoints_are_refused_by_name():
         DFlashConfig.from_hf_dict({**config, "architectures": ["Qwen3ForCausalLM"]})
     with pytest.raises(CheckpointError, match="mask_token_id"):
         DFlashConfig.from_hf_dict({**config, "dflash_config": {
-            **config["dflash_config"], "mask_token_id": 96}})
+            **config["dflash_config"], "mask_token_id": 384}})
     cfg = DFlashConfig.from_hf_dict(config)
 
     class Missing:
@@ -132,6 +132,6 @@ def test_bad_checkpoints_are_refused_by_name():
     with pytest.raises(CheckpointError, match="layers.1.mlp_conv.base_kernel"):
         params_from_hf(cfg, Missing("layers.1.mlp_conv.base_kernel"))
     with pytest.raises(CheckpointError, match="hidden_size 64 must equal the target's"):
-        cfg.check_target(4, 128, 96)
+        cfg.check_target(4, 128, 384)
     with pytest.raises(CheckpointError, match="below the target's 2 layers"):
-        cfg.check_target(2, 64, 96)
+        cfg.check_target(2, 64, 384)

@@ -71,3 +71,23 @@ def test_platform_defaults_decide_dtype_and_attention_in_one_place():
     assert (chosen.dtype, chosen.attention_impl) == ("bfloat16", "pallas")
     with pytest.raises(ConfigError, match=r"dtype must be one of .* or 'auto', got 'fp8'"):
         ProgramConfig(dtype="fp8")
+
+
+def test_a_dflash_program_lowers_for_cuda_with_the_kernel_in_its_verify_steps():
+    """The DFlash round (drafter block, verify over T = K + 1 positions) and the ring-carrying
+    prefill, capture and images lower for CUDA. The verify step attends over T > 1 positions,
+    so its target attention is the jnp chunk path, not the one-token decode kernel."""
+    import dataclasses
+
+    from ninfer_jax.testing.configs import tiny_drafter
+
+    cfg = tiny_dense()
+    drafter = tiny_drafter(cfg)
+    pcfg = dataclasses.replace(PCFG, speculative="dflash", num_speculative_tokens=4)
+    texts = lower_all(cfg, pcfg, "cuda", drafter=drafter)
+    assert set(texts) == set(lowered("dense", "cuda"))
+    verify = texts[StepKey(StepKind.DECODE, B)]
+    # The rings: [S + 1, R + 1, Ld, Hkv, D] with R = window 16 + T 5.
+    ring = f"tensor<{B + 1}x22x1x1x32xf32>"
+    assert ring in verify and ring in texts[StepKey(StepKind.PREFILL, 1)]
+    assert "tensor<2x22x1x1x32xf32>" in texts[StepKey(StepKind.EXPORT_STATE, 1)]

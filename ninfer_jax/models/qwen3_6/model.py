@@ -27,13 +27,16 @@ from ninfer_jax.models.qwen3_6.layers import linear32, mlp, rms_norm, rope_cos_s
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["logits", "hidden", "gdn", "kv"], meta_fields=[])
+                   data_fields=["logits", "hidden", "gdn", "kv", "features"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
     logits: jax.Array  # [B, T, vocab] float32 ([B, 1, vocab] with `logits_at`)
     hidden: jax.Array  # [B, T, H] after the final norm (the MTP head's input)
     gdn: GDNState
     kv: Any  # the KVAccess after this call's writes
+    # [B, T, F * H]: the outputs of the `feature_layers` asked for, concatenated in that order
+    # (HF's hidden_states[i + 1]; a DFlash drafter's context); None when none were asked for
+    features: jax.Array | None = None
 
 
 def _grouped(tree: Any, groups: int) -> Any:
@@ -44,14 +47,23 @@ def _ungrouped(tree: Any) -> Any:
     return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
 
 
+def _features(outputs: list[jax.Array] | jax.Array, feature_layers: tuple[int, ...]):
+    """The feature layers' outputs [F, B, T, H] (or a list of them) -> [B, T, F * H]."""
+    if not feature_layers:
+        return None
+    return jnp.concatenate([outputs[i] for i in range(len(feature_layers))], axis=-1)
+
+
 def run_layers(params: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Array,
                gdn: GDNState, kv: KVAccess, num_valid: jax.Array | None,
-               keep_states: bool = False):
+               keep_states: bool = False, feature_layers: tuple[int, ...] = ()):
     """Applies the decoder stack. h [B, T, H]; positions [B, T] int32 absolute positions.
 
     The loop runs over repeats of the layer pattern. Weights stay in their stacked buffers (each
     layer indexes them; passing them as scan inputs made XLA copy them every step) and the K/V
-    of all attention layers ride in the loop carry, written in place. Returns (h, gdn, kv).
+    of all attention layers ride in the loop carry, written in place. The outputs of
+    `feature_layers` ride in the carry too ([F + 1, B, T, H]; every other layer writes the last
+    row). Returns (h, gdn, kv, features [B, T, F * H] or None).
     """
     period = cfg.layer_period
     groups = cfg.num_layers // period
@@ -60,12 +72,18 @@ def run_layers(params: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Arra
     cos, sin = rope_cos_sin(positions, cfg)
     eps = cfg.rms_norm_eps
 
+    num_features = len(feature_layers)
+    feature_row = [num_features] * cfg.num_layers  # layer -> its row in the feature buffer
+    for row, layer in enumerate(feature_layers):
+        feature_row[layer] = row
+    feature_row = jnp.asarray(feature_row, jnp.int32)
+
     def group_fn(carry, xs):
-        h, kv_layers = carry
+        h, kv_layers, feats = carry
         g, conv, rec = xs
         convs, recs = [], []
         i_lin = i_att = 0
-        for kind in pattern:
+        for i, kind in enumerate(pattern):
             if kind == FULL:
                 layer = g * att_per + i_att
                 p = jax.tree.map(lambda a, i=layer: a[i], params["attention"])
@@ -83,14 +101,17 @@ def run_layers(params: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Arra
                 i_lin += 1
             h = h + y
             h = h + mlp(p["mlp"], rms_norm(h, p["post_norm"], eps), cfg)
-        return (h, kv_layers), (jnp.stack(convs) if convs else conv,
-                                jnp.stack(recs) if recs else rec)
+            if num_features:
+                feats = feats.at[feature_row[g * period + i]].set(h)
+        return (h, kv_layers, feats), (jnp.stack(convs) if convs else conv,
+                                       jnp.stack(recs) if recs else rec)
 
     xs = (jnp.arange(groups, dtype=jnp.int32), _grouped(gdn.conv, groups),
           _grouped(gdn.recurrent, groups))
-    (h, kv_layers), (conv, rec) = jax.lax.scan(group_fn, (h, kv.layers), xs)
+    feats = jnp.zeros((num_features + 1, *h.shape), h.dtype) if num_features else None
+    (h, kv_layers, feats), (conv, rec) = jax.lax.scan(group_fn, (h, kv.layers, feats), xs)
     new_gdn = GDNState(conv=_ungrouped(conv), recurrent=_ungrouped(rec))
-    return h, new_gdn, kv.with_layers(kv_layers)
+    return h, new_gdn, kv.with_layers(kv_layers), _features(feats, feature_layers)
 
 
 def unstack_layers(params: dict, cfg: ModelConfig) -> dict:
@@ -114,15 +135,15 @@ def unstack_layers(params: dict, cfg: ModelConfig) -> dict:
 
 def run_layers_unrolled(params: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Array,
                         gdn: GDNState, kv: KVAccess, num_valid: jax.Array | None,
-                        keep_states: bool = False):
+                        keep_states: bool = False, feature_layers: tuple[int, ...] = ()):
     """`run_layers` over per-layer params (`unstack_layers`): a Python loop, so every layer's
     weights are separate operands and every layer index is static."""
     cos, sin = rope_cos_sin(positions, cfg)
     eps = cfg.rms_norm_eps
     kv_layers = kv.layers
-    convs, recs = [], []
+    convs, recs, outputs = [], [], {}
     i_lin = i_att = 0
-    for kind, p in zip(cfg.layer_types, params["layers"]):
+    for n, (kind, p) in enumerate(zip(cfg.layer_types, params["layers"])):
         x = rms_norm(h, p["input_norm"], eps)
         if kind == FULL:
             y, kv_layers = attention_mixer(p["mixer"], x, cos, sin, kv, kv_layers, i_att, cfg)
@@ -135,9 +156,11 @@ def run_layers_unrolled(params: dict, cfg: ModelConfig, h: jax.Array, positions:
             i_lin += 1
         h = h + y
         h = h + mlp(p["mlp"], rms_norm(h, p["post_norm"], eps), cfg)
+        outputs[n] = h
     new_gdn = GDNState(conv=jnp.stack(convs) if convs else gdn.conv,
                        recurrent=jnp.stack(recs) if recs else gdn.recurrent)
-    return h, new_gdn, kv.with_layers(kv_layers)
+    return h, new_gdn, kv.with_layers(kv_layers), _features(
+        [outputs[layer] for layer in feature_layers], feature_layers)
 
 
 def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
@@ -148,7 +171,8 @@ def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
 
 def step(params: dict, cfg: ModelConfig, token_ids: jax.Array, start_pos: jax.Array,
          gdn: GDNState, kv: KVAccess, num_valid: jax.Array | None = None,
-         keep_states: bool = False, logits_at: jax.Array | None = None) -> StepOutput:
+         keep_states: bool = False, logits_at: jax.Array | None = None,
+         feature_layers: tuple[int, ...] = ()) -> StepOutput:
     """Runs T new tokens per row from the carried state.
 
     token_ids [B, T] int32; start_pos [B] int32 absolute position of token_ids[:, 0];
@@ -160,15 +184,18 @@ def step(params: dict, cfg: ModelConfig, token_ids: jax.Array, start_pos: jax.Ar
     logits_at [B] int32 (optional): the logits only at position logits_at[b] of row b
     ([B, 1, vocab]); a prefill chunk needs one row, and the lm head over every position of a
     chunk costs as much as a layer (vocab x hidden per token).
+    feature_layers: decoder layers whose outputs come back as `features` (static).
     """
     positions = start_pos[:, None] + jnp.arange(token_ids.shape[1], dtype=jnp.int32)[None, :]
     h = params["embed"][token_ids]
     layers_fn = run_layers_unrolled if "layers" in params else run_layers
-    h, gdn, kv = layers_fn(params, cfg, h, positions, gdn, kv, num_valid, keep_states)
+    h, gdn, kv, features = layers_fn(params, cfg, h, positions, gdn, kv, num_valid,
+                                     keep_states, tuple(feature_layers))
     hidden = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     head_in = hidden if logits_at is None else jnp.take_along_axis(
         hidden, logits_at[:, None, None], axis=1)
-    return StepOutput(logits=lm_head(params, cfg, head_in), hidden=hidden, gdn=gdn, kv=kv)
+    return StepOutput(logits=lm_head(params, cfg, head_in), hidden=hidden, gdn=gdn, kv=kv,
+                      features=features)
 
 
 def forward(params: dict, cfg: ModelConfig, token_ids: jax.Array) -> jax.Array:

@@ -1,0 +1,109 @@
+"""DFlash speculative decoding through the Engine, on the embedded demo model with its shipped
+drafter (K = 4, max_concurrency 4, the settings of `tests/program/test_dflash_program.py` and of
+the MTP tests, so the modules share executables through the persistent cache).
+
+Greedy output, text, finish reason and completion_tokens equal decoding without speculation, with
+prefix reuse on and off, in any arrival order, and when a stop string, an EOS or the budget ends
+a request inside a round; multi-turn chats restore checkpoints (the drafter's context window
+with them) and draft exactly what a recompute drafts; seeded sampled requests give the same
+tokens alone or in any company; the statistics add up, per draft position.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ninfer_jax.sampling_params import SamplingParams
+from tests.engine.test_speculative_engine import (
+    _decode_rows,
+    _opened,
+    _outcome,
+    _reference,
+    _requests,
+    _run,
+    engine,
+)
+from tests.engine.test_speculative_engine import SETTINGS
+
+K = 4
+
+
+@functools.cache
+def _dflash(k: int = K):
+    return _opened(k, "dflash", tuple(SETTINGS.items()))
+
+
+def test_greedy_equals_no_speculation_with_reuse_on_and_off_in_any_arrival_order():
+    requests, want_out = _requests(), _reference()
+    n = len(requests)
+    for reuse in (True, False):
+        with engine(K, prefix_reuse=reuse, opened=_dflash()) as (e, decisions):
+            for order, arrival in ((range(n), "together"), (reversed(range(n)), "together"),
+                                   ((3, 0, 6, 1, 5, 2, 4), "staggered"),
+                                   ((0, 6, 1, 2, 3, 4, 5), "one_at_a_time")):
+                got = _run(e, requests, list(order), arrival)
+                assert {i: _outcome(r) for i, r in got.items()} == want_out, (reuse, arrival)
+            rows = _decode_rows(decisions)
+            assert sum(0 < a < p for p, a in rows) >= 4  # ends inside rounds
+            assert max(p for p, _ in rows) == K + 1
+            assert (e.stats().prefix.hits > 0) == reuse
+
+
+def test_multi_turn_chat_restores_the_drafters_context_and_equals_recompute():
+    """Each follow-up restores a checkpoint (GDN state, K/V, the drafter's context window):
+    its output equals decoding without speculation, and its rounds (how many drafts held)
+    equal those of a recompute with DFlash."""
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=8)
+    turns = []
+    with engine(K, opened=_dflash()) as (e, rows):
+        messages, results, rounds = [], [], []
+        for text in ("Tell me a story.", "More.", "Go on."):
+            messages.append({"role": "user", "content": text})
+            turns.append(list(messages))
+            results.append(e.submit(messages=messages, sampling=sampling,
+                                    session="chat").result(120))
+            rounds.append(_decode_rows(rows))
+            rows.clear()
+            messages.append({"role": "assistant", "content": results[-1].text})
+    cached = [r.usage.cached_tokens for r in results]
+    assert cached[0] == 0 and all(c > 0 for c in cached[1:]), cached
+    for opened, reuse in ((_opened(0), False), (_dflash(), False)):
+        with engine(K, prefix_reuse=reuse, opened=opened) as (e, rows):
+            for messages, restored, restored_rounds in zip(turns, results, rounds):
+                again = e.submit(messages=messages, sampling=sampling).result(120)
+                assert _outcome(again) == _outcome(restored)
+                if opened is not _opened(0):
+                    assert _decode_rows(rows) == restored_rounds
+                rows.clear()
+
+
+def test_seeded_sampling_is_reproducible_alone_or_in_any_company():
+    sampled = [SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_new_tokens=16)
+               for seed in (7, 8, 9)]
+    prompts = ["Once upon a time", "The dog ran to the", "Tom and Sue"]
+    requests = [({"prompt": p}, sp) for p, sp in zip(prompts, sampled)]
+    fillers = [({"prompt": "The sun was"}, SamplingParams(temperature=0.0, max_new_tokens=12)),
+               ({"prompt": "One day"}, SamplingParams(temperature=0.5, seed=1,
+                                                     max_new_tokens=20))]
+    with engine(K, prefix_reuse=False, opened=_dflash()) as (e, decisions):
+        alone = {i: _run(e, requests, [i])[i].token_ids for i in range(3)}
+        assert max(p for p, _ in _decode_rows(decisions)) > 1  # sampled drafts were accepted
+    with engine(K, opened=_dflash()) as (e, _):
+        for order, arrival in (((4, 0, 3, 1, 2), "together"), ((2, 3, 1, 4, 0), "staggered")):
+            got = _run(e, requests + fillers, order, arrival)
+            assert {i: got[i].token_ids for i in range(3)} == alone, arrival
+
+
+def test_stats_add_up_per_block_position():
+    requests = _requests()[:4]
+    with engine(K, opened=_dflash()) as (e, decisions):
+        _run(e, requests, range(len(requests)))
+        spec = e.stats().speculative
+        rows = _decode_rows(decisions)
+    assert (spec.method, spec.num_speculative_tokens) == ("dflash", K)
+    assert spec.verify_rows == len(rows) > 0
+    assert spec.committed_tokens == sum(a for _, a in rows)
+    assert spec.mean_accepted_tokens == spec.committed_tokens / spec.verify_rows > 1.5
+    assert len(spec.acceptance_by_position) == K
+    rates = spec.acceptance_by_position
+    assert rates[0] > 0.5 and all(0 <= r <= 1 for r in rates)

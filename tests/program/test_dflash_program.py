@@ -1,0 +1,298 @@
+"""DFlash speculative decoding in the Program: greedy output equals decoding without it at every
+B, in any arrival order, from root and from checkpoints (the drafter's context window restored
+from them and from their host images); the context ring holds exactly the target's context;
+sampled rows follow non-speculative sampling; nothing compiles after start-up.
+
+Two drafters: the demo model's trained drafter (`ninfer_jax/assets/demo_dflash`, window 64:
+drafts often accepted) and a random one with a window of 16 (`testing.tiny_drafter`: drafts
+mostly rejected, and short sequences wrap its ring many times)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ninfer_jax.errors import CheckpointError, ConfigError
+from ninfer_jax.loader import DEFAULT_DRAFTER, load_drafter, load_model
+from ninfer_jax.models.dflash.model import context_kv
+from ninfer_jax.models.dflash.weights import init_params as drafter_init
+from ninfer_jax.models.qwen3_6 import CausalKV, GDNState, step
+from ninfer_jax.program.config import ProgramConfig
+from ninfer_jax.program.pools import context_positions, context_ring
+from ninfer_jax.program.program import Program
+from ninfer_jax.sampling_params import SamplingParams
+from ninfer_jax.testing.configs import tiny_drafter
+from tests.program.test_program import COUNTER
+from tests.program.test_speculative_program import (
+    CHI2_CRIT_1E3,
+    GREEDY,
+    PCFG,
+    _order,
+    _prompts,
+    generate,
+    spec_program,
+)
+
+BUDGET = 48  # prompts of 3..20 tokens: sequences of up to 68 (max_seq_len 72)
+
+
+@functools.cache
+def _drafter(name: str):
+    m = load_model()
+    if name == "trained":
+        d = load_drafter(DEFAULT_DRAFTER)
+        return d.config, d.params
+    cfg = tiny_drafter(m.config)
+    return cfg, drafter_init(cfg, jax.random.key(3), std=0.05)
+
+
+@functools.cache
+def dflash_program(name: str, k: int, max_concurrency: int = 4) -> Program:
+    """K = 0: the same Program without speculation (the baseline)."""
+    m = load_model()
+    pcfg = ProgramConfig(**{**PCFG, "max_concurrency": max_concurrency,
+                            "speculative": "dflash" if k else "off",
+                            "num_speculative_tokens": k})
+    if not k:
+        prog = Program(m.config, m.params, pcfg)
+    else:
+        dcfg, dparams = _drafter(name)
+        prog = Program(m.config, {**m.params, "dflash": dparams}, pcfg, drafter=dcfg)
+    prog.wait_compiled()
+    return prog
+
+
+@functools.cache
+def baseline(n: int, max_concurrency: int, budget: int = BUDGET) -> list[list[int]]:
+    prog = dflash_program("none", 0, max_concurrency)
+    return generate(prog, _prompts(n, prog.cfg.vocab_size), budget=budget,
+                    order=_order(n, max_concurrency))[0]
+
+
+def _check_greedy_equal(name: str, k: int, max_concurrency: int, n: int,
+                        budget: int = BUDGET) -> list[int]:
+    prog = dflash_program(name, k, max_concurrency)
+    prompts = _prompts(n, prog.cfg.vocab_size)
+    want = baseline(n, max_concurrency, budget)
+    for order in (_order(n, max_concurrency), list(reversed(_order(n, max_concurrency)))):
+        got, produced = generate(prog, prompts, budget=budget, order=order)
+        assert got == want
+    s = prog.stats()
+    assert (s.num_sequences, s.free_slots, s.free_pages) == (0, max_concurrency, s.total_pages)
+    assert max(produced) <= k + 1
+    return produced
+
+
+def test_greedy_equals_no_speculation_at_every_batch_and_arrival_order():
+    produced = _check_greedy_equal("trained", 4, 4, 6)
+    assert np.mean(produced) > 1.5  # the trained drafter's blocks are often right
+    assert max(produced) == 5
+
+
+def test_greedy_equals_no_speculation_with_a_random_drafter_and_a_wrapping_ring():
+    """Window 16, sequences up to 68 tokens: every ring entry is rewritten several times,
+    and nearly every draft is rejected (the correction path carries the output)."""
+    produced = _check_greedy_equal("random", 3, 2, 3)
+    assert np.mean(produced) < 1.2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [4, 8, 15])
+def test_greedy_equals_no_speculation_at_b_1_to_8(k):
+    produced = _check_greedy_equal("trained", k, 8, 8)
+    assert max(produced) > 4
+
+
+def _expected_context(prog: Program, tokens: list[int], frontier: int):
+    """The drafter's context K/V of positions 0..frontier-1 from one full forward."""
+    cfg, params = prog.cfg, prog.params
+    ids = jnp.asarray([tokens[:frontier]], jnp.int32)
+    out = step(params, cfg, ids, jnp.zeros((1,), jnp.int32), GDNState.zeros(cfg, 1),
+               CausalKV(), feature_layers=prog.drafter.target_layer_ids)
+    return context_kv(params["dflash"], prog.drafter, out.features,
+                      jnp.arange(frontier, dtype=jnp.int32)[None])
+
+
+@pytest.mark.parametrize("name,k", [("random", 3), ("trained", 4)])
+def test_the_ring_holds_the_targets_context_for_every_held_position(name, k):
+    """After prefill chunks and speculative rounds (rejected positions written too), every
+    entry the ring holds at the frontier equals the context K/V a full forward gives, and the
+    ring holds every position the next block can see."""
+    prog = dflash_program(name, k, 4 if name == "trained" else 2)
+    prompt = _prompts(1, prog.cfg.vocab_size, seed=7)[0]
+    h = prog.materialize(prog.plan_admission(len(prompt), 48), prompt, GREEDY)
+    while (b := prog.prefill(h)) is None:
+        pass
+    prog.commit(b, [1])
+    for _ in range(10):
+        b = prog.decode([h])
+        prog.commit(b, b.produced.tolist())
+    seq = prog._seq(h)
+    frontier, tokens = seq.frontier, prog.tokens(h)
+    ring, kept = context_ring(prog.drafter, prog.pcfg)
+    assert frontier > (ring if name == "random" else 30)  # the random drafter's ring wrapped
+    pos, held = (np.asarray(a)[0] for a in context_positions(jnp.array([frontier]), ring,
+                                                               kept))
+    want_k, want_v = (np.asarray(a)[0] for a in _expected_context(prog, tokens, frontier))
+    got_k, got_v = (np.asarray(a)[seq.slot] for a in (prog.pools.dk, prog.pools.dv))
+    assert held.sum() == min(frontier, kept)
+    for i in np.flatnonzero(held):
+        np.testing.assert_allclose(got_k[i], want_k[pos[i]], atol=2e-5)
+        np.testing.assert_allclose(got_v[i], want_v[pos[i]], atol=2e-5)
+    prog.release(h)
+
+
+def test_prefix_reuse_restores_the_drafters_context():
+    """A checkpoint carries the ring: sequences started from it draft exactly what a fresh
+    prefill of the same tokens drafts (the same produced counts), and its host image round trip
+    changes no byte and continues the same way."""
+    prog = dflash_program("trained", 4)
+    prompts = _prompts(4, prog.cfg.vocab_size, seed=3)
+    first, _ = generate(prog, prompts[:1], budget=24)
+    cont = prompts[0] + first[0]
+    h = prog.materialize(prog.plan_admission(len(cont) - 1, 1), cont[:-1], GREEDY)
+    while (b := prog.prefill(h)) is None:
+        pass
+    prog.commit(b, [1])
+    ckpt = prog.capture(h)
+    prog.release(h)
+    longer = [cont + p[:5] for p in prompts[1:4]] + [cont]
+    fresh, fresh_log = generate(prog, longer, budget=20)
+    reused, reused_log = generate(prog, longer, budget=20,
+                                  sources={i: ckpt for i in range(len(longer))})
+    assert reused == fresh and reused_log == fresh_log
+    image = prog.export_checkpoint(ckpt)
+    prog.release_checkpoint(ckpt)
+    imported = prog.import_checkpoint(image)
+    again = prog.export_checkpoint(imported)
+    assert again.state.tobytes() == image.state.tobytes()
+    via_image, image_log = generate(prog, longer, budget=20,
+                                    sources={i: imported for i in range(len(longer))})
+    prog.release_checkpoint(imported)
+    assert via_image == fresh and image_log == fresh_log
+    s = prog.stats()
+    assert s.free_pages == s.total_pages and s.num_checkpoints == 0
+
+
+def test_a_checkpoint_holds_only_what_its_tokens_determine():
+    """A slot whose ring is full of an earlier sequence's entries and rejected drafts: a
+    checkpoint captured from it holds the context of its own positions and zeros elsewhere,
+    so its StateImage bytes depend on its tokens alone (what content-addressed blocks need)."""
+    prog = dflash_program("random", 3, 2)
+    prompt = _prompts(1, prog.cfg.vocab_size, seed=9)[0]
+    generate(prog, [prompt, prompt[::-1]], budget=48)  # both slots: wrapped rings
+    tokens = prompt + [7, 8, 9] * 5
+    h = prog.materialize(prog.plan_admission(len(tokens), 4), tokens, GREEDY)
+    while (b := prog.prefill(h)) is None:
+        pass
+    prog.commit(b, [1])
+    for _ in range(3):  # rounds write the ring past the frontier; commit one token each
+        prog.commit(prog.decode([h]), [1])
+    frontier, all_tokens = prog._seq(h).frontier, prog.tokens(h)
+    ckpt = prog.capture(h)
+    prog.release(h)
+    ring, kept = context_ring(prog.drafter, prog.pcfg)
+    pos, held = (np.asarray(a)[0] for a in context_positions(jnp.array([frontier]), ring,
+                                                               kept))
+    want_k, _ = (np.asarray(a)[0] for a in _expected_context(prog, all_tokens, frontier))
+    got = np.asarray(prog.pools.ck_dk)[prog._ckpt(ckpt).slot]
+    assert not np.any(got[~held])
+    for i in np.flatnonzero(held):
+        np.testing.assert_allclose(got[i], want_k[pos[i]], atol=2e-5)
+    prog.release_checkpoint(ckpt)
+
+
+def test_no_trace_or_compile_after_start_up_at_every_batch():
+    prog = dflash_program("trained", 4)
+    COUNTER.active = True
+    try:
+        generate(prog, _prompts(6, prog.cfg.vocab_size, seed=5), budget=20)
+    finally:
+        COUNTER.active = False
+    assert COUNTER.count == 0, f"{COUNTER.count} traces or compiles after start-up"
+
+
+def test_bad_drafter_settings_are_refused_by_name():
+    m = load_model()
+    dcfg, dparams = _drafter("random")
+    params = {**m.params, "dflash": dparams}
+
+    def pcfg(k):
+        return ProgramConfig(**{**PCFG, "speculative": "dflash", "num_speculative_tokens": k})
+
+    with pytest.raises(ConfigError, match="needs a DFlash drafter"):
+        Program(m.config, m.params, pcfg(2))
+    with pytest.raises(ConfigError, match="at most the drafter's block_size - 1 = 7"):
+        Program(m.config, params, pcfg(8), drafter=dataclasses.replace(dcfg, block_size=8))
+    with pytest.raises(CheckpointError, match="hidden_size 96 must equal the target's"):
+        Program(m.config, params, pcfg(2), drafter=dataclasses.replace(dcfg, hidden_size=96))
+    with pytest.raises(ConfigError, match="num_speculative_tokens must be an integer in 1..15"):
+        pcfg(16)
+    with pytest.raises(ConfigError, match="a drafter is for speculative='dflash'"):
+        Program(m.config, m.params, ProgramConfig(**PCFG), drafter=dcfg)
+
+
+def test_sampled_rows_follow_non_speculative_sampling():
+    """The [spec] chi-square test with the trained drafter's selector proposals: thousands of
+    seeded requests, each a prefill (token a) and one verify round (token b first); the pair
+    (a, b) follows the model's own p(a) p(b | a) under the row's transform (temperature 1,
+    top-k 6, top-p 0.9). The selector's q (softmax of its scores over 8 candidates, given the
+    token before) differs from p, so b comes through acceptance, rejection and the residual."""
+    from ninfer_jax.models.qwen3_6 import forward
+    from ninfer_jax.program.sampling import sampling_arrays
+    from ninfer_jax.program.speculative import transformed_probs
+
+    prog = dflash_program("trained", 4)
+    cfg, params = prog.cfg, load_model().params
+    prompt = _prompts(1, cfg.vocab_size, seed=11)[0]
+    n = 2000
+    counts: dict[tuple[int, int], int] = {}
+    accepted = 0
+    for first in range(0, n, 4):
+        handles = []
+        for seed in range(first, first + 4):
+            sp = SamplingParams(temperature=1.0, top_k=6, top_p=0.9, seed=seed)
+            # A budget of 3: the round may verify draft 1 (limit 2); it commits only b.
+            h = prog.materialize(prog.plan_admission(len(prompt), 3), prompt, sp)
+            while (b := prog.prefill(h)) is None:
+                pass
+            prog.commit(b, [1])
+            handles.append(h)
+        b = prog.decode(handles)
+        accepted += int(np.sum(np.asarray(b.produced) > 1))
+        prog.commit(b, [1] * 4)
+        for h in handles:
+            a, second = prog.tokens(h)[len(prompt):]
+            counts[a, second] = counts.get((a, second), 0) + 1
+            prog.release(h)
+    assert 0.1 * n < accepted < 0.95 * n  # both acceptance and rejection happened
+
+    sp = SamplingParams(temperature=1.0, top_k=6, top_p=0.9, seed=0)
+    arrays = jax.tree.map(jnp.asarray, sampling_arrays([sp]))
+    v = cfg.vocab_size
+    zeros, no_prompt = jnp.zeros((1, v), jnp.int32), jnp.zeros((1, v), bool)
+
+    def probs(ids: list[int]) -> np.ndarray:
+        logits = forward(params, cfg, jnp.asarray([ids], jnp.int32))[:, -1]
+        return np.asarray(transformed_probs(logits, arrays, zeros, no_prompt))[0]
+
+    p_a = probs(prompt)
+    expected = {}
+    for a in np.flatnonzero(p_a):
+        p_b = probs(prompt + [int(a)])
+        for b_tok in np.flatnonzero(p_b):
+            expected[int(a), int(b_tok)] = n * p_a[a] * p_b[b_tok]
+    assert set(counts) <= set(expected), "a pair the transformed distribution excludes"
+    small = sum(e for e in expected.values() if e < 5)
+    small_obs = sum(counts.get(c, 0) for c, e in expected.items() if e < 5)
+    cells = [(counts.get(c, 0), e) for c, e in expected.items() if e >= 5]
+    if small > 0:
+        cells.append((small_obs, small))
+    stat = sum((o - e) ** 2 / e for o, e in cells)
+    dof = len(cells) - 1
+    assert stat < CHI2_CRIT_1E3[dof - 1], f"chi-square {stat:.1f} with {dof} dof: {cells}"
