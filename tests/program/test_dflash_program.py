@@ -29,11 +29,11 @@ from ninfer_jax.sampling_params import SamplingParams
 from ninfer_jax.testing.configs import tiny_drafter
 from tests.program.test_program import COUNTER
 from tests.program.test_speculative_program import (
-    CHI2_CRIT_1E3,
     GREEDY,
     PCFG,
     _order,
     _prompts,
+    assert_pairs_follow_the_model,
     generate,
     spec_program,
 )
@@ -53,23 +53,19 @@ def _drafter(name: str):
 
 @functools.cache
 def dflash_program(name: str, k: int, max_concurrency: int = 4) -> Program:
-    """K = 0: the same Program without speculation (the baseline)."""
+    """The MTP tests' settings; the baseline is their Program without speculation."""
     m = load_model()
     pcfg = ProgramConfig(**{**PCFG, "max_concurrency": max_concurrency,
-                            "speculative": "dflash" if k else "off",
-                            "num_speculative_tokens": k})
-    if not k:
-        prog = Program(m.config, m.params, pcfg)
-    else:
-        dcfg, dparams = _drafter(name)
-        prog = Program(m.config, {**m.params, "dflash": dparams}, pcfg, drafter=dcfg)
+                            "speculative": "dflash", "num_speculative_tokens": k})
+    dcfg, dparams = _drafter(name)
+    prog = Program(m.config, {**m.params, "dflash": dparams}, pcfg, drafter=dcfg)
     prog.wait_compiled()
     return prog
 
 
 @functools.cache
 def baseline(n: int, max_concurrency: int, budget: int = BUDGET) -> list[list[int]]:
-    prog = dflash_program("none", 0, max_concurrency)
+    prog = spec_program("demo", 0, max_concurrency)
     return generate(prog, _prompts(n, prog.cfg.vocab_size), budget=budget,
                     order=_order(n, max_concurrency))[0]
 
@@ -243,12 +239,8 @@ def test_sampled_rows_follow_non_speculative_sampling():
     (a, b) follows the model's own p(a) p(b | a) under the row's transform (temperature 1,
     top-k 6, top-p 0.9). The selector's q (softmax of its scores over 8 candidates, given the
     token before) differs from p, so b comes through acceptance, rejection and the residual."""
-    from ninfer_jax.models.qwen3_6 import forward
-    from ninfer_jax.program.sampling import sampling_arrays
-    from ninfer_jax.program.speculative import transformed_probs
-
     prog = dflash_program("trained", 4)
-    cfg, params = prog.cfg, load_model().params
+    cfg = prog.cfg
     prompt = _prompts(1, cfg.vocab_size, seed=11)[0]
     n = 2000
     counts: dict[tuple[int, int], int] = {}
@@ -272,27 +264,4 @@ def test_sampled_rows_follow_non_speculative_sampling():
             prog.release(h)
     assert 0.1 * n < accepted < 0.95 * n  # both acceptance and rejection happened
 
-    sp = SamplingParams(temperature=1.0, top_k=6, top_p=0.9, seed=0)
-    arrays = jax.tree.map(jnp.asarray, sampling_arrays([sp]))
-    v = cfg.vocab_size
-    zeros, no_prompt = jnp.zeros((1, v), jnp.int32), jnp.zeros((1, v), bool)
-
-    def probs(ids: list[int]) -> np.ndarray:
-        logits = forward(params, cfg, jnp.asarray([ids], jnp.int32))[:, -1]
-        return np.asarray(transformed_probs(logits, arrays, zeros, no_prompt))[0]
-
-    p_a = probs(prompt)
-    expected = {}
-    for a in np.flatnonzero(p_a):
-        p_b = probs(prompt + [int(a)])
-        for b_tok in np.flatnonzero(p_b):
-            expected[int(a), int(b_tok)] = n * p_a[a] * p_b[b_tok]
-    assert set(counts) <= set(expected), "a pair the transformed distribution excludes"
-    small = sum(e for e in expected.values() if e < 5)
-    small_obs = sum(counts.get(c, 0) for c, e in expected.items() if e < 5)
-    cells = [(counts.get(c, 0), e) for c, e in expected.items() if e >= 5]
-    if small > 0:
-        cells.append((small_obs, small))
-    stat = sum((o - e) ** 2 / e for o, e in cells)
-    dof = len(cells) - 1
-    assert stat < CHI2_CRIT_1E3[dof - 1], f"chi-square {stat:.1f} with {dof} dof: {cells}"
+    assert_pairs_follow_the_model(counts, prompt, n)

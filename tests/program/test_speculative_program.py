@@ -192,15 +192,8 @@ def test_sampled_rows_follow_non_speculative_sampling():
     by a chi-square test at fixed seeds. The demo's trained head drafts close to, but not
     exactly, the target's distribution, so b comes through acceptance as well as rejection and
     the residual draw; a wrong draft distribution or acceptance ratio shifts the pairs."""
-    import jax
-    import jax.numpy as jnp
-
-    from ninfer_jax.models.qwen3_6 import forward
-    from ninfer_jax.program.sampling import sampling_arrays
-    from ninfer_jax.program.speculative import transformed_probs
-
     prog = spec_program("demo", 2)
-    cfg, params = _model("demo")
+    cfg, _ = _model("demo")
     prompt = _prompts(1, cfg.vocab_size, seed=11)[0]
     n = 2000
     counts: dict[tuple[int, int], int] = {}
@@ -220,6 +213,21 @@ def test_sampled_rows_follow_non_speculative_sampling():
             counts[a, second] = counts.get((a, second), 0) + 1
             prog.release(h)
 
+    assert_pairs_follow_the_model(counts, prompt, n)
+
+
+def assert_pairs_follow_the_model(counts: dict, prompt: list[int], n: int) -> None:
+    """`counts` of n sampled (a, b) pairs after `prompt` follow the demo model's own
+    p(a) p(b | a) under temperature 1, top-k 6, top-p 0.9: cells expected below 5 pooled into
+    one, chi-square against the p = 1e-3 critical value."""
+    import jax
+    import jax.numpy as jnp
+
+    from ninfer_jax.models.qwen3_6 import forward
+    from ninfer_jax.program.sampling import sampling_arrays
+    from ninfer_jax.program.speculative import transformed_probs
+
+    cfg, params = _model("demo")
     sp = SamplingParams(temperature=1.0, top_k=6, top_p=0.9, seed=0)
     arrays = jax.tree.map(jnp.asarray, sampling_arrays([sp]))
     v = cfg.vocab_size
@@ -236,7 +244,6 @@ def test_sampled_rows_follow_non_speculative_sampling():
         for b_tok in np.flatnonzero(p_b):
             expected[int(a), int(b_tok)] = n * p_a[a] * p_b[b_tok]
     assert set(counts) <= set(expected), "a pair the transformed distribution excludes"
-    # Pool cells expected below 5 into one, then chi-square against the p = 1e-3 critical value.
     small = sum(e for e in expected.values() if e < 5)
     small_obs = sum(counts.get(c, 0) for c, e in expected.items() if e < 5)
     cells = [(counts.get(c, 0), e) for c, e in expected.items() if e >= 5]
