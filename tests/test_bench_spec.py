@@ -37,6 +37,8 @@ def test_tally_counts_each_draft_position_only_where_the_limit_let_it_be_verifie
     ("BENCH_SPEC_MEDIUM", "2", "BENCH_SPEC_MEDIUM must be >= 0 and <= 1, got 2"),
     ("BENCH_SPEC_MEDIUM_K", "0", "BENCH_SPEC_MEDIUM_K must be >= 1 and <= 5, got 0"),
     ("BENCH_SPEC_DFLASH_KS", "4,16", "BENCH_SPEC_DFLASH_KS must be >= 1 and <= 15, got 16"),
+    ("BENCH_SPEC_DRAFT_HEAD", "top", "BENCH_SPEC_DRAFT_HEAD must be one of ('full', "
+                                     "'selector'), got 'top'"),
 ])
 def test_bad_settings_are_errors_naming_the_variable(monkeypatch, var, value, message):
     monkeypatch.setenv(var, value)
@@ -74,8 +76,9 @@ def test_both_parts_on_real_programs():
     prompts = [list(frontend.prepare(prompt=p).token_ids) for p in PROMPTS[:1]]
     demo = spec.measure_demo(loaded.config, loaded.params, prompts, s)
     b1 = demo["batches"][1]
-    assert b1["order"] == ["K=0", "K=2", "dflash K=4"] * 2
+    assert b1["order"] == ["K=0", "K=2"] * 2 + ["K=0'", "K=2'", "dflash K=4"] * 2
     plain, drafted, block = b1["ks"]["K=0"], b1["ks"]["K=2"], b1["ks"]["dflash K=4"]
+    assert b1["ks"]["K=2'"]["tally"] == drafted["tally"]  # the same greedy rounds again
     assert block["same_tokens_as_k0"] and block["tally"]["row_rounds"] < block["tally"][
         "committed"]
     assert plain["work"] == drafted["work"] == s.new_tokens - 1  # the timed rounds' tokens
