@@ -32,11 +32,12 @@ from ninfer_jax.frontend import Frontend, PromptError
 from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError
 
 _PROGRAM_KEYS = ("page_size", "num_pages", "max_seq_len", "prefill_chunk", "attention_impl",
-                 "dtype", "num_checkpoint_slots", "speculative", "num_speculative_tokens")
+                 "dtype", "num_checkpoint_slots", "speculative", "num_speculative_tokens",
+                 "draft_head")
 DEFAULT_SPECULATIVE_TOKENS = 1  # drafts per round with speculative="mtp" (see WORKSPACE.md)
 _CORE_KEYS = ("max_queue", "queue_timeout_s", "prefix_reuse")
 _STORE_KEYS = ("context_store", "host_cache_gb", "disk_cache_dir", "redis_url")
-DEFAULT_DFLASH_TOKENS = 7  # drafts per round with speculative="dflash" (see WORKSPACE.md)
+DEFAULT_DFLASH_TOKENS = 8  # drafts per round with speculative="dflash" (see WORKSPACE.md)
 
 
 PURPOSES = ("generation", "causal_scoring")
@@ -84,9 +85,10 @@ class Engine:
         `program_config`),
         num_checkpoint_slots, speculative ("off"; "mtp": draft num_speculative_tokens tokens
         per round with the model's MTP head, default 1, a model without MTP weights refuses
-        it; "dflash": a DFlash block drafter proposes them in one pass, default 7, 1..15; the
+        it; "dflash": a DFlash block drafter proposes them in one pass, default 8, 1..15; the
         drafter is `drafter` (a DFlash checkpoint directory), else the model's `drafter/`
-        directory, else for the embedded model the shipped demo drafter) (Program);
+        directory, else for the embedded model the shipped demo drafter; draft_head "full",
+        the default, or "selector": what turns its block into drafts) (Program);
         max_queue, queue_timeout_s, prefix_reuse (Engine; on by default);
         verify_weights (check digests and finiteness while loading, see `load_model`'s
         `verify`). Compiled executables go to the persistent compilation cache that the CLI

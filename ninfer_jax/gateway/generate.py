@@ -63,7 +63,11 @@ flags.DEFINE_enum("speculative", "off", ["off", "mtp", "dflash"],
                   "(mtp) or a DFlash block drafter (dflash)")
 flags.DEFINE_integer("num_speculative_tokens", None,
                      "generate, chat, serve: drafts per round (mtp: 1..5, default 1; dflash: "
-                     "1..15, default 7)", lower_bound=1, upper_bound=15)
+                     "1..15, default 8)", lower_bound=1, upper_bound=15)
+flags.DEFINE_enum("draft_head", None, ["full", "selector"],
+                  "generate, chat, serve: with --speculative=dflash, what turns a block into "
+                  "drafts: the full lm-head proposal (default) or the drafter's candidate "
+                  "selector")
 flags.DEFINE_string("drafter", None, "generate, chat, serve: the DFlash drafter with "
                     "--speculative=dflash (a checkpoint directory; default: the model's "
                     "drafter/ directory, or the embedded model's shipped drafter); convert: a "
@@ -101,8 +105,9 @@ def _thinking() -> bool | None:
 
 def speculative_settings() -> dict:
     """The Engine's speculative settings from --speculative and --num_speculative_tokens."""
-    if FLAGS.drafter is not None and FLAGS.speculative != "dflash":
-        raise app.UsageError("--drafter needs --speculative=dflash")
+    for name in ("drafter", "draft_head"):
+        if getattr(FLAGS, name) is not None and FLAGS.speculative != "dflash":
+            raise app.UsageError(f"--{name} needs --speculative=dflash")
     if FLAGS.speculative == "off":
         if FLAGS.num_speculative_tokens is not None:
             raise app.UsageError("--num_speculative_tokens needs --speculative=mtp or dflash")
@@ -116,6 +121,8 @@ def speculative_settings() -> dict:
         settings["num_speculative_tokens"] = FLAGS.num_speculative_tokens
     if FLAGS.drafter is not None:
         settings["drafter"] = FLAGS.drafter
+    if FLAGS.draft_head is not None:
+        settings["draft_head"] = FLAGS.draft_head
     return settings
 
 

@@ -12,6 +12,7 @@ AUTO = "auto"  # dtype / attention_impl: what `platform_defaults` gives the runn
 LAYER_LOOPS = ("auto", "unrolled", "scan")
 SPECULATIVE = ("off", "mtp", "dflash")
 MAX_SPECULATIVE_TOKENS = {"mtp": 5, "dflash": 15}  # K per backend
+DRAFT_HEADS = ("full", "selector")  # a DFlash drafter's proposal heads
 
 
 def platform_defaults(platform: str) -> dict[str, str]:
@@ -57,6 +58,11 @@ class ProgramConfig:
     # proposes them in one parallel pass (needs a drafter); "off": one token per round.
     speculative: str = "off"
     num_speculative_tokens: int = 0  # K: 1..5 with "mtp", 1..15 with "dflash", 0 with "off"
+    # What turns a DFlash block into drafts: "full", the lm-head proposal, every position in
+    # parallel (each under the row's transform); "selector", the drafter's candidate selector
+    # over the proposal's top-k, one position after another. On the embedded model "full"
+    # decodes faster at every K (WORKSPACE.md, "Speculative decoding (DFlash)").
+    draft_head: str = "full"
 
     def __post_init__(self):
         auto = [name for name in ("dtype", "attention_impl") if getattr(self, name) == AUTO]
@@ -85,6 +91,8 @@ class ProgramConfig:
             "num_speculative_tokens": lambda v: is_int(v) and (
                 v == 0 if self.speculative == "off"
                 else 1 <= v <= MAX_SPECULATIVE_TOKENS.get(self.speculative, 0)),
+            "draft_head": lambda v: v in DRAFT_HEADS and (
+                v == "full" or self.speculative == "dflash"),
         }
         limits = {
             "max_concurrency": "an integer in 1..64", "page_size": "a power-of-two integer",
@@ -97,6 +105,7 @@ class ProgramConfig:
             "num_speculative_tokens": "0 when speculative is 'off'" if self.speculative == "off"
             else f"an integer in 1..{MAX_SPECULATIVE_TOKENS.get(self.speculative)} when "
                  f"speculative is {self.speculative!r}",
+            "draft_head": f"one of {DRAFT_HEADS} ('selector' only with speculative='dflash')",
         }
         for name, ok in checks.items():
             value = getattr(self, name)

@@ -4,8 +4,8 @@
 outputs (`steps.DecodeInputs`, `steps.StepOutputs`). For B rows at their frontiers f: the drafter
 (`models/dflash`) reads each row's context window (the ring of its slot, entries it holds at f,
 `pools.context_positions`) and the block [last token, mask * K] at positions f .. f + K, and
-proposes K drafts, from the candidate selector (the optimized head, when the drafter has one)
-or the full lm-head proposal; the target runs the last token and the drafts at T = K + 1
+proposes K drafts, from the full lm-head proposal or the candidate selector
+(`ProgramConfig.draft_head`); the target runs the last token and the drafts at T = K + 1
 positions, keeping its GDN state after each and returning its `target_layer_ids` outputs;
 `speculative.accept` picks each row's tokens; the drafter's context K/V of the T positions is
 written into the ring. A commit of n tokens adopts the state after position n - 1; the ring
@@ -64,7 +64,7 @@ def dflash_verify_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg:
                           pools.dv[slots], ctx_pos, ctx_ok)[:, 1:]  # [B, K, H]
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     logits = block_logits(drafter, hidden, head)  # [B, K, V]
-    if drafter.has_selector:
+    if pcfg.draft_head == "selector":
         drafts, probs = _select_drafts(params["dflash"], drafter, hidden, logits,
                                        inputs.token_ids, inputs.sampling, inputs.step_index,
                                        cfg.vocab_size)

@@ -399,6 +399,9 @@ def _check_drafter(cfg: ModelConfig, params: dict, pcfg: ProgramConfig,
         raise ConfigError("speculative='dflash' needs a DFlash drafter (its config and "
                           "params['dflash']); this model has none")
     drafter.check_target(cfg.num_layers, cfg.hidden_size, cfg.vocab_size)
+    if pcfg.draft_head == "selector" and not drafter.has_selector:
+        raise ConfigError("draft_head='selector' needs a drafter with a candidate selector "
+                          "(selector_rank > 0); this one has none: use draft_head='full'")
     if pcfg.num_speculative_tokens > drafter.block_size - 1:
         raise ConfigError(
             f"num_speculative_tokens must be at most the drafter's block_size - 1 = "

@@ -46,7 +46,7 @@ def _opened(k: int, method: str = "mtp", settings: tuple = tuple(SETTINGS.items(
     `method`'s drafts, compiled. The Engines below run on it one at a time, each with its own
     EngineCore (prefix reuse is the EngineCore's setting)."""
     spec = {"speculative": method, "num_speculative_tokens": k} if k else {}
-    opened = Engine.open(max_concurrency=MAX_CONCURRENCY, **dict(settings), **spec)
+    opened = Engine.open(**{"max_concurrency": MAX_CONCURRENCY, **dict(settings)}, **spec)
     opened.core.program.wait_compiled()
     opened.close()  # stops its worker; the Program stays usable
     return opened.core.program, opened.frontend, opened.model_path
