@@ -106,6 +106,7 @@ def test_metrics_expose_the_speculative_statistics():
         spec = wait_idle(server.server.config.app.state.server.engine).speculative
         assert spec.verify_rows > 0 and spec.mean_accepted_tokens > 1
         assert _metrics(server.url) == {
+            f'ninfer_speculative_method{{method="{spec.method}"}}': 1.0,
             "ninfer_speculative_tokens": 2.0,
             "ninfer_speculative_verify_rows_total": spec.verify_rows,
             "ninfer_speculative_mean_accepted_tokens": spec.mean_accepted_tokens,
@@ -115,6 +116,7 @@ def test_metrics_expose_the_speculative_statistics():
 
 
 def test_metrics_without_speculation(server):
-    assert _metrics(server.url) == {"ninfer_speculative_tokens": 0.0,
+    assert _metrics(server.url) == {'ninfer_speculative_method{method="off"}': 1.0,
+                                    "ninfer_speculative_tokens": 0.0,
                                     "ninfer_speculative_verify_rows_total": 0.0,
                                     "ninfer_speculative_mean_accepted_tokens": 0.0}

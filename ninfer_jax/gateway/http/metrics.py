@@ -83,6 +83,11 @@ class _EngineCollector:
                                   "prompt tokens served from a checkpoint (prefill saved)",
                                   value=s.prefix.cached_tokens)
         spec = s.speculative
+        method = GaugeMetricFamily("ninfer_speculative_method",
+                                   "what drafts (mtp, dflash; off: speculation off); always 1",
+                                   labels=["method"])
+        method.add_metric([spec.method], 1)
+        yield method
         yield GaugeMetricFamily("ninfer_speculative_tokens",
                                 "draft tokens per decode round (0: speculation off)",
                                 value=spec.num_speculative_tokens)
