@@ -25,10 +25,10 @@ from absl import app, flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import ninfer_jax.program.dflash_steps as dflash_steps
 from ninfer_jax.compile_cache import enable_persistent_cache
 from ninfer_jax.frontend import Frontend
 from ninfer_jax.loader import DEFAULT_DRAFTER, load_drafter, load_model
+from ninfer_jax.program import dflash_steps
 from scripts.benchmarks._engine_vs_program import PROMPTS
 from scripts.benchmarks._spec_sides import GenerateSide, build_program, program_config
 
@@ -48,11 +48,8 @@ def _argmax_drafts(dparams, drafter, hidden, logits, anchor, arrays, step_index,
 def _measure(variant: str, loaded, drafter, prompt: list[int]) -> tuple[float, float]:
     saved = dflash_steps._select_drafts, dflash_steps.block_hidden
     head, method, k = "full", "dflash", FLAGS.k
-    if variant == "off":
-        method, k = "mtp", 0
-    elif variant == "mtp":
-        k = 2
-        method = "mtp"
+    if variant in ("off", "mtp"):
+        method, k = "mtp", 0 if variant == "off" else 2
     elif variant in ("selector", "no_block"):
         head = "selector"
     if variant == "argmax":  # the selector's place, so the full head's transforms are skipped
