@@ -162,6 +162,8 @@ def register_policy(name: str) -> Callable[[type[ReplacementPolicy]], type[Repla
 
 
 def known_policies() -> list[str]:
+    from ninfer_jax.store import policies  # noqa: F401  (registers the built-in disciplines)
+
     return sorted(_POLICIES)
 
 
