@@ -33,14 +33,22 @@ def test_tiny_program_suite_agrees_with_transformers(tmp_path):
         assert ratio["min"] == pairs[0] and ratio["max"] == pairs[-1]
     assert r["measurements"]["prefill_24"]["first_token_agreement"] == "3/3"
     b1 = r["measurements"]["decode_b1"]
-    assert b1["order"] == ["ours", "transformers", "floor"] * 2  # the floor measured in turn
+    # the floor and XLA's matrix-vector chain measured in turn
+    assert b1["order"] == ["ours", "transformers", "floor", "gemv"] * 2
+    assert b1["sides"]["gemv"]["work"] == s.steps
+    gemv = [x / y for x, y in zip(b1["sides"]["ours"]["rates"], b1["sides"]["gemv"]["rates"])]
+    assert r["floor_b1"]["ours/gemv"]["median"] == pytest.approx(statistics.median(gemv))
+    # every weight matrix: all but the norms, the conv kernels and the GDN's per-head vectors
+    assert 0.99 * r["decode_weight_bytes"] < r["setup"]["gemv"]["matrix_bytes"] \
+        <= r["decode_weight_bytes"]
     assert b1["sides"]["floor"]["work"] == 2 * program.COPY_BYTES / r["decode_weight_bytes"]
     ours = [x / y for x, y in zip(b1["sides"]["ours"]["rates"], b1["sides"]["floor"]["rates"])]
     assert r["floor_b1"]["ours/floor"]["median"] == pytest.approx(statistics.median(ours))
     assert [t["what"] for t in r["targets"]] == [
         "decode B=1 ours/transformers", "decode B=2 ours/transformers", "decode B=1 ours/floor",
         "prefill 24 ours/transformers"]
-    assert set(r["setup"]) == {"ours", "transformers"}
+    assert set(r["setup"]) == {"ours", "transformers", "gemv"}
+    assert "XLA GEMV chain" in program.format_table([r])
     assert r["setup"]["transformers"]["env"] == PASSIVE
 
 

@@ -20,6 +20,10 @@ turn (ours, transformers, ours, ...), recording the load average around each:
   The bandwidth is measured in turn with the engines, as a third side of decode B=1 (`CopyFloor`,
   in this process): numpy copies of a 1 GiB buffer, bytes read + written, on one thread and
   split over every core, the faster counting; so ours/floor is a per-round ratio too.
+- GEMV chain: a fourth side of decode B=1 (`workers/gemv_jax.py`, its own process) multiplies a
+  vector by every weight matrix the decode step reads, one jitted chain of XLA dots and nothing
+  else: ours/gemv is how close the decode step is to XLA:CPU's own matrix-vector speed on the
+  same weights, per round.
 
 Settings (environment): BENCH_PROGRAM_CONFIGS=tiny,medium  BENCH_PROGRAM_BATCHES=1,2,4,8
 BENCH_PROGRAM_REPS=5  BENCH_PROGRAM_WARMUP=1  BENCH_PROGRAM_STEPS=16  BENCH_PROGRAM_PREFILL_LEN=512
@@ -31,6 +35,7 @@ wait; see `_env.torch_worker_env`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -167,10 +172,17 @@ def measure(name: str, s: Settings, workdir: pathlib.Path) -> dict:
         jobs.append((f"prefill_{s.prefill_len}", {"kind": "prefill", "prompt": prefill_prompt}))
         for job, args in jobs:
             progress(f"{name}: {job}")
-            sides = [ours, hf]
-            if job == "decode_b1":
-                sides.append(LocalSide("floor", CopyFloor(info["decode_weight_bytes"])))
-            r = alternate(sides, job, args, reps=s.reps, warmup=s.warmup)
+            with contextlib.ExitStack() as extra:
+                sides = [ours, hf]
+                if job == "decode_b1":
+                    sides.append(LocalSide("floor", CopyFloor(info["decode_weight_bytes"])))
+                    gemv = extra.enter_context(Worker(
+                        "gemv", "scripts.benchmarks.workers.gemv_jax", **timeouts))
+                    progress(f"{name}: set-up of gemv")
+                    out["setup"]["gemv"] = {**gemv.setup({"path": str(path)}),
+                                            "wall_s": gemv.setup_s}
+                    sides.append(gemv)
+                r = alternate(sides, job, args, reps=s.reps, warmup=s.warmup)
             o, t = r["sides"]["ours"], r["sides"]["transformers"]
             if args["kind"] == "decode":
                 r["greedy_agreement"] = _agreement(o, t)
@@ -191,7 +203,8 @@ def _floor(r: dict) -> dict:
     copies = floor["warmup_outputs"] + floor["outputs"]
     hf = [x / y for x, y in zip(r["sides"]["transformers"]["rates"], floor["rates"])]
     return {"tokens_per_s": floor["rate"], "ours/floor": r["ratios"]["ours/floor"],
-            "transformers/floor": spread(hf),
+            "transformers/floor": spread(hf), "ours/gemv": r["ratios"].get("ours/gemv"),
+            "gemv_steps_per_s": r["sides"]["gemv"]["rate"] if "gemv" in r["sides"] else None,
             **{f"{k}_gbps": spread([c[f"{k}_gbps"] for c in copies])
                for k in ("one_thread", "all_cores")}}
 
@@ -243,6 +256,12 @@ def format_table(results: list[dict]) -> str:
                        f"{fmt_spread(f['all_cores_gbps'])})"),
                       (f"  B=1 / floor per round: ours {fmt_spread(f['ours/floor'], 2)}, "
                        f"transformers {fmt_spread(f['transformers/floor'], 2)}")]
+            if f.get("ours/gemv"):
+                gb = r["setup"]["gemv"]["matrix_bytes"] / 1e9
+                g = f["gemv_steps_per_s"]
+                lines.append(f"  B=1 / XLA GEMV chain over the same weights per round: ours "
+                             f"{fmt_spread(f['ours/gemv'], 2)} (chain {fmt_spread(g)} steps/s, "
+                             f"{g['median'] * gb:.1f} GB/s read)")
         for t in r["targets"]:
             lines.append(f"  target {t['what']} >= {t['need']}: {t['got']:.2f} "
                          f"({'met' if t['met'] else 'NOT met'})")
