@@ -22,7 +22,8 @@ from safetensors.numpy import save_file
 from ninfer_jax.artifact import staging
 from ninfer_jax.artifact.format import FRONTEND_FILES
 from ninfer_jax.models.qwen3_6.config import FULL, ModelConfig
-from ninfer_jax.models.qwen3_6.weights import check_param_shapes
+from ninfer_jax.models.qwen3_6.vision import hf_vision_tensors
+from ninfer_jax.models.qwen3_6.weights import VISION_PREFIX, check_param_shapes
 
 
 def _t(a) -> np.ndarray:
@@ -100,11 +101,45 @@ def hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
                     "mtp.norm.weight": np.asarray(mtp["final_norm"])})
         for j in range(len(mtp["layers"]["input_norm"])):
             out.update(_attention_layer(_layer(mtp["layers"], j), f"mtp.layers.{j}.", cfg))
+    if cfg.vision is not None:  # a vision-language checkpoint: the text under language_model
+        out = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in out.items()}
+        out.update({VISION_PREFIX + k: v
+                    for k, v in hf_vision_tensors(params["vision"], cfg.vision).items()})
     return out
 
 
+def _vl_config(cfg: ModelConfig, text: dict) -> dict:
+    """The `config.json` of the vision-language model (text config nested)."""
+    v = cfg.vision
+    text = {**text, "model_type": "qwen3_5_text" if cfg.variant == "dense"
+            else "qwen3_5_moe_text"}
+    text.pop("architectures")
+    return {
+        "architectures": ["Qwen3_5ForConditionalGeneration" if cfg.variant == "dense"
+                          else "Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5" if cfg.variant == "dense" else "qwen3_5_moe",
+        "text_config": text,
+        "vision_config": {
+            "model_type": "qwen3_5_vision" if cfg.variant == "dense" else "qwen3_5_moe_vision",
+            "depth": v.depth, "hidden_size": v.hidden_size,
+            "intermediate_size": v.intermediate_size, "num_heads": v.num_heads,
+            "out_hidden_size": v.out_hidden_size, "in_channels": v.in_channels,
+            "patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size,
+            "spatial_merge_size": v.spatial_merge_size,
+            "num_position_embeddings": v.num_position_embeddings, "hidden_act": v.hidden_act,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta}},
+        "image_token_id": cfg.image_token_id, "video_token_id": cfg.video_token_id,
+        "vision_start_token_id": cfg.vision_start_token_id,
+        "vision_end_token_id": cfg.vision_end_token_id,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "dtype": text["dtype"],
+    }
+
+
 def hf_config(cfg: ModelConfig, num_mtp_layers: int, dtype: str) -> dict:
-    """The `config.json` of the text-only transformers model for `cfg`."""
+    """The `config.json` of the transformers model for `cfg` (text-only, or with the vision
+    tower when `cfg.vision`)."""
     half = cfg.rotary_dim // 2
     section = (half + 2) // 3
     text = {
@@ -124,7 +159,8 @@ def hf_config(cfg: ModelConfig, num_mtp_layers: int, dtype: str) -> dict:
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
                             "partial_rotary_factor": cfg.rotary_dim / cfg.head_dim,
                             "mrope_interleaved": True,
-                            "mrope_section": [section, section, half - 2 * section]},
+                            "mrope_section": list(cfg.mrope_section) if cfg.vision is not None
+                            else [section, section, half - 2 * section]},
         "mtp_num_hidden_layers": num_mtp_layers,
         "eos_token_id": list(cfg.eos_token_ids) or None,
         "dtype": dtype,
@@ -135,7 +171,7 @@ def hf_config(cfg: ModelConfig, num_mtp_layers: int, dtype: str) -> dict:
         text.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                     moe_intermediate_size=cfg.moe_intermediate_size,
                     shared_expert_intermediate_size=cfg.shared_expert_intermediate_size)
-    return text
+    return text if cfg.vision is None else _vl_config(cfg, text)
 
 
 FILES_KEY = "ninfer_export_files"

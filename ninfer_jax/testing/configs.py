@@ -18,7 +18,7 @@ def tiny_dense(**overrides) -> ModelConfig:
         num_q_heads=4, num_kv_heads=2, head_dim=32, rotary_dim=16, rope_theta=10000.0,
         conv_kernel=3, linear_num_k_heads=2, linear_num_v_heads=4, linear_k_dim=16,
         linear_v_dim=24, intermediate_size=96, tie_word_embeddings=True,
-        max_position_embeddings=4096,
+        max_position_embeddings=4096, mrope_section=(2, 1, 1),
     )
     return dataclasses.replace(cfg, **overrides)
 
@@ -30,7 +30,7 @@ def tiny_moe(**overrides) -> ModelConfig:
         rope_theta=1e6, conv_kernel=4, linear_num_k_heads=2, linear_num_v_heads=2,
         linear_k_dim=16, linear_v_dim=16, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, shared_expert_intermediate_size=48,
-        max_position_embeddings=4096,
+        max_position_embeddings=4096, mrope_section=(1, 1, 0),
     )
     return dataclasses.replace(cfg, **overrides)
 

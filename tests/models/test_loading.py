@@ -17,6 +17,8 @@ from safetensors.numpy import load_file, save_file
 from ninfer_jax import load_model
 from ninfer_jax.artifact.convert import convert
 from ninfer_jax.errors import CheckpointError, ConfigError
+from ninfer_jax.models.qwen3_6.vision import hf_vision_tensors
+from ninfer_jax.models.qwen3_6.weights import VISION_PREFIX
 from tests.conftest import FIXTURES, REPO
 from tests.models.conftest import loaded, reference
 
@@ -27,13 +29,22 @@ def _assert_same_params(a: dict, b: dict):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_multimodal_sharded_checkpoint_loads_text_model_and_mtp():
+def test_multimodal_sharded_checkpoint_loads_text_model_vision_tower_and_mtp():
     vl = loaded("dense_vl")
     assert (FIXTURES / "dense_vl" / "model.safetensors.index.json").is_file()
-    assert any("vision tower" in n for n in vl.notes)
+    assert vl.config.vision is not None and vl.config.vision.depth == 1
     assert vl.params["mtp"]["layers"]["mixer"]["q"].shape[0] == 1
-    without_mtp = {k: v for k, v in vl.params.items() if k != "mtp"}
-    _assert_same_params(without_mtp, loaded("dense").params)
+    text = {k: v for k, v in vl.params.items() if k not in ("mtp", "vision")}
+    _assert_same_params(text, loaded("dense").params)
+    # every model.visual.* tensor lands in params["vision"] unchanged (the conv kernel flattened)
+    tensors = {}
+    for file in sorted((FIXTURES / "dense_vl").glob("model-0*.safetensors")):
+        tensors.update(load_file(file))
+    ours = hf_vision_tensors(vl.params["vision"], vl.config.vision)
+    visual = {k[len(VISION_PREFIX):]: v for k, v in tensors.items() if k.startswith(VISION_PREFIX)}
+    assert set(ours) == set(visual)
+    for name, value in visual.items():
+        np.testing.assert_array_equal(ours[name], value, err_msg=name)
 
 
 @pytest.mark.parametrize("name", ["dense_vl", "moe"])

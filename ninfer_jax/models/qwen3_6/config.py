@@ -1,4 +1,4 @@
-"""The Qwen3.6 family's static model configuration, built from a Hugging Face `config.json`.
+"""The Qwen3.6 family's static configuration (text and vision), from an HF `config.json`.
 
 Owns: every dimension and static choice of the family (dense or MoE, layer pattern, rotary
 dims). It is frozen and hashable so it can be a static argument of `jax.jit`. It knows nothing of
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 from typing import Any, Literal
 
@@ -19,6 +20,84 @@ FULL = "full_attention"
 
 _DENSE_TYPES = ("qwen3_5", "qwen3_5_text")
 _MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+_VISION_ACTS = ("gelu_pytorch_tanh", "gelu")
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """Static configuration of the vision tower (hashable; a jit static arg)."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    in_channels: int = 3
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    num_position_embeddings: int = 2304
+    hidden_act: str = "gelu_pytorch_tanh"
+    rope_theta: float = 10000.0
+    layer_norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        for name in ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size",
+                     "in_channels", "patch_size", "temporal_patch_size", "spatial_merge_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"vision_config.{name} must be positive, "
+                                  f"got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
+            raise ConfigError(
+                f"vision_config.hidden_size ({self.hidden_size}) / num_heads ({self.num_heads})"
+                f" must be a whole head dim divisible by 4 (2-D rotary)")
+        side = math.isqrt(self.num_position_embeddings)
+        if side * side != self.num_position_embeddings:
+            raise ConfigError(f"vision_config.num_position_embeddings "
+                              f"({self.num_position_embeddings}) must be a square")
+        if self.hidden_act not in _VISION_ACTS:
+            raise ConfigError(f"unsupported vision_config.hidden_act {self.hidden_act!r}; "
+                              f"supported: {', '.join(_VISION_ACTS)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch row: C x temporal_patch x patch x patch."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches per merged token (spatial_merge_size squared)."""
+        return self.spatial_merge_size ** 2
+
+    @property
+    def grid_side(self) -> int:
+        return math.isqrt(self.num_position_embeddings)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> VisionConfig:
+        def need(key: str) -> Any:
+            if key not in d:
+                raise ConfigError(f"config.json vision_config is missing {key!r}")
+            return d[key]
+
+        rope = dict(d.get("rope_parameters") or {})
+        for key in ("patch_size", "temporal_patch_size"):
+            if isinstance(d.get(key), (list, tuple)):
+                raise ConfigError(f"vision_config.{key} as a list is not supported, got {d[key]}")
+        return cls(
+            depth=int(need("depth")), hidden_size=int(need("hidden_size")),
+            intermediate_size=int(need("intermediate_size")), num_heads=int(need("num_heads")),
+            out_hidden_size=int(need("out_hidden_size")),
+            in_channels=int(d.get("in_channels", 3)), patch_size=int(d.get("patch_size", 16)),
+            temporal_patch_size=int(d.get("temporal_patch_size", 2)),
+            spatial_merge_size=int(d.get("spatial_merge_size", 2)),
+            num_position_embeddings=int(d.get("num_position_embeddings", 2304)),
+            hidden_act=str(d.get("hidden_act", "gelu_pytorch_tanh")),
+            rope_theta=float(rope.get("rope_theta", 10000.0)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +133,16 @@ class ModelConfig:
     mtp_num_layers: int = 0
     eos_token_ids: tuple[int, ...] = ()
     gdn_chunk_size: int = 64
+    # MRoPE: rotary frequency i (of rotary_dim / 2) turns with the height row if i % 3 == 1 and
+    # i < 3 * section[1], the width row if i % 3 == 2 and i < 3 * section[2], else the temporal
+    # row (transformers' interleaved layout). Text positions are equal in all three rows.
+    mrope_section: tuple[int, ...] = (11, 11, 10)
+    # Vision (a ...ForConditionalGeneration checkpoint): the tower and its special tokens.
+    vision: VisionConfig | None = None
+    image_token_id: int = -1
+    video_token_id: int = -1
+    vision_start_token_id: int = -1
+    vision_end_token_id: int = -1
 
     def __post_init__(self):
         for name in ("num_q_heads", "num_kv_heads", "head_dim", "linear_num_k_heads"):
@@ -79,11 +168,30 @@ class ModelConfig:
             raise ConfigError(f"layer_types has unsupported entries {bad}; known: {LINEAR}, {FULL}")
         if self.conv_kernel < 2:
             raise ConfigError(f"linear_conv_kernel_dim must be >= 2, got {self.conv_kernel}")
+        if len(self.mrope_section) != 3 or min(self.mrope_section) < 0:
+            raise ConfigError(f"rope_parameters.mrope_section must be 3 non-negative ints, got "
+                              f"{list(self.mrope_section)}")
+        if self.vision is not None and self.vision.out_hidden_size != self.hidden_size:
+            raise ConfigError(
+                f"vision_config.out_hidden_size ({self.vision.out_hidden_size}) must equal the "
+                f"text hidden_size ({self.hidden_size})")
         if self.variant == "moe" and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
                 f"1..num_experts ({self.num_experts})"
             )
+
+    def check_vision(self) -> None:
+        """Raises a ConfigError unless images and videos can be used with this model (a vision
+        tower, and its special tokens inside the vocabulary; a text checkpoint repackaged with
+        a tiny vocabulary may carry the tower but not the tokens)."""
+        if self.vision is None:
+            raise ConfigError("this model has no vision tower (config.json has no vision_config)")
+        for name in ("image_token_id", "video_token_id", "vision_start_token_id",
+                     "vision_end_token_id"):
+            if not 0 <= getattr(self, name) < self.vocab_size:
+                raise ConfigError(f"{name} ({getattr(self, name)}) is not a token id of this "
+                                  f"model's vocabulary (0..{self.vocab_size - 1})")
 
     # Derived sizes -------------------------------------------------------------------------
     @property
@@ -122,7 +230,7 @@ class ModelConfig:
 
     # Construction --------------------------------------------------------------------------
     @classmethod
-    def from_hf_dict(cls, config: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, config: dict[str, Any]) -> ModelConfig:
         """Builds the config from an HF `config.json` dict (flat, or nested `text_config`)."""
         model_type = config.get("model_type")
         if model_type not in _DENSE_TYPES + _MOE_TYPES:
@@ -149,6 +257,7 @@ class ModelConfig:
             raise ConfigError(f"unsupported rope_type {rope_type!r}; supported: 'default'")
         rope_theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
         partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
+        mrope_section = tuple(int(x) for x in rope.get("mrope_section", (11, 11, 10)))
 
         num_layers = int(need("num_hidden_layers"))
         layer_types = text.get("layer_types")
@@ -173,6 +282,14 @@ class ModelConfig:
             )
         else:
             moe_kwargs = dict(intermediate_size=int(need("intermediate_size")))
+        vision_kwargs = {}
+        if config.get("vision_config") is not None:
+            if not isinstance(config["vision_config"], dict):
+                raise ConfigError("vision_config must be an object")
+            vision_kwargs = dict(vision=VisionConfig.from_hf_dict(config["vision_config"]), **{
+                name: int(config.get(name, default)) for name, default in (
+                    ("image_token_id", 248056), ("video_token_id", 248057),
+                    ("vision_start_token_id", 248053), ("vision_end_token_id", 248054))})
         return cls(
             variant=variant,
             vocab_size=int(need("vocab_size")),
@@ -193,11 +310,13 @@ class ModelConfig:
             max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
             mtp_num_layers=int(text.get("mtp_num_hidden_layers", 0)),
             eos_token_ids=eos_ids,
+            mrope_section=mrope_section,
             **moe_kwargs,
+            **vision_kwargs,
         )
 
     @classmethod
-    def from_hf_dir(cls, path: str | pathlib.Path) -> "ModelConfig":
+    def from_hf_dir(cls, path: str | pathlib.Path) -> ModelConfig:
         file = pathlib.Path(path) / "config.json"
         if not file.is_file():
             raise ConfigError(f"no config.json in {path}")
@@ -210,9 +329,13 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         d = dict(d)
         d["layer_types"] = tuple(d["layer_types"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        if "mrope_section" in d:
+            d["mrope_section"] = tuple(d["mrope_section"])
+        if d.get("vision") is not None:
+            d["vision"] = VisionConfig(**d["vision"])
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})

@@ -10,6 +10,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ninfer_jax.models.qwen3_6.config import ModelConfig
 
@@ -67,15 +68,27 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float)
     return (y.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 
 
+def mrope_rows(cfg: ModelConfig) -> np.ndarray:
+    """For each of the rotary_dim / 2 frequencies, the MRoPE row (0 temporal, 1 height, 2
+    width) whose position turns it: transformers' interleaved layout over `mrope_section`."""
+    i = np.arange(cfg.rotary_dim // 2)
+    _, h, w = cfg.mrope_section
+    return np.where((i % 3 == 1) & (i < 3 * h), 1, np.where((i % 3 == 2) & (i < 3 * w), 2, 0))
+
+
 def rope_cos_sin(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [..., rotary_dim] (fp32) for integer positions [...].
+    """cos, sin [B, T, rotary_dim] (fp32) for integer positions [B, T], or MRoPE positions
+    [3, B, T] (temporal, height, width rows).
 
     Text positions use the same value in all three MRoPE rows, which is plain RoPE over the
-    first `rotary_dim` dims (NeoX halves).
+    first `rotary_dim` dims (NeoX halves), so [B, T] positions are that case.
     """
     half = jnp.arange(0, cfg.rotary_dim, 2, dtype=jnp.float32) / cfg.rotary_dim
     inv_freq = 1.0 / (cfg.rope_theta**half)
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    if positions.ndim == 3:  # [3, B, T, R / 2]: each frequency from its row
+        rows = mrope_rows(cfg)
+        freqs = jnp.where(rows == 1, freqs[1], jnp.where(rows == 2, freqs[2], freqs[0]))
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 

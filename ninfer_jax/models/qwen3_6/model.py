@@ -172,7 +172,9 @@ def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
 def step(params: dict, cfg: ModelConfig, token_ids: jax.Array, start_pos: jax.Array,
          gdn: GDNState, kv: KVAccess, num_valid: jax.Array | None = None,
          keep_states: bool = False, logits_at: jax.Array | None = None,
-         feature_layers: tuple[int, ...] = ()) -> StepOutput:
+         feature_layers: tuple[int, ...] = (), rope_positions: jax.Array | None = None,
+         vision_embeds: jax.Array | None = None,
+         vision_mask: jax.Array | None = None) -> StepOutput:
     """Runs T new tokens per row from the carried state.
 
     token_ids [B, T] int32; start_pos [B] int32 absolute position of token_ids[:, 0];
@@ -185,9 +187,18 @@ def step(params: dict, cfg: ModelConfig, token_ids: jax.Array, start_pos: jax.Ar
     ([B, 1, vocab]); a prefill chunk needs one row, and the lm head over every position of a
     chunk costs as much as a layer (vocab x hidden per token).
     feature_layers: decoder layers whose outputs come back as `features` (static).
+    rope_positions [3, B, T] int32 (optional): MRoPE positions (temporal, height, width) for a
+    prompt with images; the default is start_pos + 0..T-1 in every row. The KV cache and the
+    causal order still follow start_pos (the cache index), never the rope positions.
+    vision_embeds [B, T, H] with vision_mask [B, T] bool (optional): where the mask is set the
+    token's input embedding is replaced by the vision tower's (the image/video placeholders).
     """
     positions = start_pos[:, None] + jnp.arange(token_ids.shape[1], dtype=jnp.int32)[None, :]
+    if rope_positions is not None:
+        positions = rope_positions
     h = params["embed"][token_ids]
+    if vision_embeds is not None:
+        h = jnp.where(vision_mask[..., None], vision_embeds.astype(h.dtype), h)
     layers_fn = run_layers_unrolled if "layers" in params else run_layers
     h, gdn, kv, features = layers_fn(params, cfg, h, positions, gdn, kv, num_valid,
                                      keep_states, tuple(feature_layers))
@@ -198,10 +209,22 @@ def step(params: dict, cfg: ModelConfig, token_ids: jax.Array, start_pos: jax.Ar
                       features=features)
 
 
-def forward(params: dict, cfg: ModelConfig, token_ids: jax.Array) -> jax.Array:
-    """Full-sequence logits [B, T, vocab] (fp32) from empty state; token_ids [B, T] int32."""
+def forward(params: dict, cfg: ModelConfig, token_ids: jax.Array,
+            rope_positions: jax.Array | None = None,
+            vision_embeds: jax.Array | None = None) -> jax.Array:
+    """Full-sequence logits [B, T, vocab] (fp32) from empty state; token_ids [B, T] int32.
+
+    With images/videos: rope_positions [3, B, T] (`mrope.rope_index`) and vision_embeds [M, H],
+    the vision tower's merged embeddings in prompt order, one per placeholder token (image or
+    video) of the batch read row-major."""
     b = token_ids.shape[0]
     dtype = params["embed"].dtype
+    mask = placed = None
+    if vision_embeds is not None:
+        mask = (token_ids == cfg.image_token_id) | (token_ids == cfg.video_token_id)
+        index = jnp.cumsum(mask.reshape(-1)).reshape(mask.shape) - 1
+        placed = vision_embeds[jnp.clip(index, 0, vision_embeds.shape[0] - 1)]
     out = step(params, cfg, token_ids, jnp.zeros((b,), jnp.int32),
-               GDNState.zeros(cfg, b, dtype), CausalKV())
+               GDNState.zeros(cfg, b, dtype), CausalKV(), rope_positions=rope_positions,
+               vision_embeds=placed, vision_mask=mask)
     return out.logits

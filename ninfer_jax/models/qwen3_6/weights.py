@@ -21,6 +21,7 @@ import numpy as np
 
 from ninfer_jax.errors import CheckpointError
 from ninfer_jax.models.qwen3_6.config import FULL, LINEAR, ModelConfig
+from ninfer_jax.models.qwen3_6.vision import vision_param_shapes, vision_params_from_hf
 
 TEXT_PREFIXES = ("model.language_model.", "model.")
 VISION_PREFIX = "model.visual."
@@ -209,8 +210,13 @@ def params_from_hf(cfg: ModelConfig, source: TensorSource,
         params["mtp"] = mtp
     notes = []
     visual = sorted(k for k in r.keys if k.startswith(VISION_PREFIX))
-    if visual:
-        notes.append(f"skipped the vision tower ({len(visual)} tensors under {VISION_PREFIX!r})")
+    if cfg.vision is not None:
+        params["vision"] = vision_params_from_hf(
+            lambda name, shape: r.get(VISION_PREFIX + name, shape), cfg.vision)
+        visual = []  # every one is read now; an unknown one is reported below
+    elif visual:
+        notes.append(f"skipped the vision tower ({len(visual)} tensors under {VISION_PREFIX!r}"
+                     f"; config.json has no vision_config)")
     unknown = sorted(r.keys - r.used - set(visual))
     if unknown:
         raise CheckpointError(
@@ -263,6 +269,8 @@ def param_shapes(cfg: ModelConfig, num_mtp_layers: int = 0, legacy: bool = False
     }
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (v, h)
+    if cfg.vision is not None:
+        shapes["vision"] = vision_param_shapes(cfg.vision)
     if num_mtp_layers:
         shapes["mtp"] = {"fc": (h, 2 * h), "embed_norm": (h,), "hidden_norm": (h,),
                          "final_norm": (h,), "layers": stacked(attention, num_mtp_layers)}
@@ -322,13 +330,16 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=np.float32, num_mtp_laye
     leaves = []
     for (path, shape), k in zip(flat, keys):
         name = jax.tree_util.keystr(path)
-        if name.endswith("['A_log']"):
+        last = name.rsplit("[", 1)[-1]
+        if name.startswith("['vision']") and "norm" in last:  # LayerNorm: weight 1, bias 0
+            leaf = jnp.ones(shape) if last.endswith("_w']") else jnp.zeros(shape)
+        elif name.startswith("['vision']") and last.endswith("_b']"):
+            leaf = jnp.zeros(shape)
+        elif name.endswith("['A_log']"):
             leaf = jnp.log(jax.random.uniform(k, shape, minval=1.0, maxval=16.0))
-        elif name.endswith("['dt_bias']"):
+        elif name.endswith(("['dt_bias']", "['mixer']['norm']")):
             leaf = jnp.ones(shape)
-        elif name.endswith("['mixer']['norm']"):
-            leaf = jnp.ones(shape)
-        elif "norm" in name.rsplit("[", 1)[-1]:
+        elif "norm" in last:
             leaf = jnp.zeros(shape)
         else:
             leaf = std * jax.random.normal(k, shape)
