@@ -13,6 +13,7 @@ LAYER_LOOPS = ("auto", "unrolled", "scan")
 SPECULATIVE = ("off", "mtp", "dflash")
 MAX_SPECULATIVE_TOKENS = {"mtp": 5, "dflash": 15}  # K per backend
 DRAFT_HEADS = ("full", "selector")  # a DFlash drafter's proposal heads
+MIN_VISION_BUCKET = 64  # the smallest padded patch count the vision encoder compiles for
 
 
 def platform_defaults(platform: str) -> dict[str, str]:
@@ -63,6 +64,11 @@ class ProgramConfig:
     # over the proposal's top-k, one position after another. On the embedded model "full"
     # decodes faster at every K (WORKSPACE.md, "Speculative decoding (DFlash)").
     draft_head: str = "full"
+    # The most patches of one prompt's images and videos together (a model with a vision
+    # tower): the vision encoder compiles for every power of two from 64 up to it (a prompt's
+    # patches run in the smallest that holds them, so padding wastes under half); 0: no
+    # vision executables, prompts with media are refused.
+    max_vision_patches: int = 4096
 
     def __post_init__(self):
         auto = [name for name in ("dtype", "attention_impl") if getattr(self, name) == AUTO]
@@ -93,6 +99,8 @@ class ProgramConfig:
                 else 1 <= v <= MAX_SPECULATIVE_TOKENS.get(self.speculative, 0)),
             "draft_head": lambda v: v in DRAFT_HEADS and (
                 v == "full" or self.speculative == "dflash"),
+            "max_vision_patches": lambda v: is_int(v) and (
+                v == 0 or (v >= MIN_VISION_BUCKET and v & (v - 1) == 0)),
         }
         limits = {
             "max_concurrency": "an integer in 1..64", "page_size": "a power-of-two integer",
@@ -106,6 +114,7 @@ class ProgramConfig:
             else f"an integer in 1..{MAX_SPECULATIVE_TOKENS.get(self.speculative)} when "
                  f"speculative is {self.speculative!r}",
             "draft_head": f"one of {DRAFT_HEADS} ('selector' only with speculative='dflash')",
+            "max_vision_patches": f"0 or a power of two >= {MIN_VISION_BUCKET}",
         }
         for name, ok in checks.items():
             value = getattr(self, name)
@@ -127,6 +136,15 @@ class ProgramConfig:
     @property
     def max_pages_per_seq(self) -> int:
         return -(-self.max_seq_len // self.page_size)
+
+    @property
+    def vision_buckets(self) -> tuple[int, ...]:
+        """The vision encoder's padded patch counts: 64, 128, ... max_vision_patches."""
+        out, n = [], MIN_VISION_BUCKET
+        while self.max_vision_patches and n <= self.max_vision_patches:
+            out.append(n)
+            n *= 2
+        return tuple(out)
 
     @property
     def num_slots(self) -> int:

@@ -38,6 +38,7 @@ class StepKind(enum.Enum):
     EXPORT_STATE = "export_state"
     IMPORT_STATE = "import_state"
     SCORE_WINDOW = "score_window"  # the CausalScoring purpose: batch windows of `length` tokens
+    VISION_ENCODE = "vision_encode"  # the vision tower on `length` (a bucket) packed patches
 
 
 @dataclasses.dataclass(frozen=True)

@@ -79,6 +79,9 @@ class CheckpointRecord:
     tokens: tuple[int, ...]  # the F tokens whose effect the image holds
     slot: int  # checkpoint state slot
     pages: list[int]  # ceil(F / page_size) pages, one reference each
+    # The digests of the images/videos whose placeholders start before F: two prompts with the
+    # same tokens but other media share no checkpoint.
+    media: tuple[str, ...] = ()
 
     @property
     def frontier(self) -> int:
@@ -94,6 +97,7 @@ class CheckpointImage:
     tokens: tuple[int, ...]
     pages: list[list[np.ndarray]]
     state: np.ndarray
+    media: tuple[str, ...] = ()  # as CheckpointRecord.media
 
     @property
     def frontier(self) -> int:
@@ -144,6 +148,19 @@ class SeqRecord:
     # The allowed-token bitmask of the next sampled token ([mask_words] uint32, None: any
     # token): set by each prefill / decode / control call from its caller's masks.
     mask: np.ndarray | None = None
+    # The prompt's images and videos (frontend.vision.VisionInput, in prompt order), what they
+    # give the model (`_prepare_media`: the MRoPE RopeIndex, the prompt positions of the
+    # placeholders [M], where each medium's run starts), and their embeddings [M, H] once the
+    # vision encoder has run (before the first prefill chunk holding a placeholder).
+    media: tuple = ()
+    rope: Any = None
+    vision_at: np.ndarray | None = None
+    media_starts: tuple[int, ...] = ()
+    vision_embeds: Any = None
+
+    def media_before(self, frontier: int) -> tuple[str, ...]:
+        """Digests of the media whose placeholders start before `frontier`."""
+        return tuple(m.digest for m, at in zip(self.media, self.media_starts) if at < frontier)
 
     @property
     def generated(self) -> int:
@@ -217,6 +234,15 @@ class HostProgram(abc.ABC):
     @abc.abstractmethod
     def _run_import(self, ckpt: CheckpointRecord, image: CheckpointImage) -> None:
         """Writes `image` into the checkpoint's (fresh) pages and checkpoint slot."""
+
+    def _prepare_media(self, prompt_ids: list[int], media: Sequence) -> tuple:
+        """(RopeIndex, placeholder positions [M], each medium's first placeholder position)
+        for a prompt with images/videos; raises InfeasibleError when they do not fit."""
+        raise InfeasibleError("this Program takes no images or videos")
+
+    def _run_encode(self, seq: SeqRecord) -> Any:
+        """The vision embeddings [M, H] of the sequence's media."""
+        raise InfeasibleError("this Program takes no images or videos")
 
     def close(self) -> None:
         """Releases what the execution side holds beyond its pools (nothing by default)."""
@@ -306,10 +332,11 @@ class HostProgram(abc.ABC):
 
     def materialize(self, plan: ResourcePlan, prompt_ids: Sequence[int],
                     sampling: SamplingParams = GREEDY,
-                    stop_ids: Sequence[int] = ()) -> SequenceHandle:
+                    stop_ids: Sequence[int] = (), media: Sequence = ()) -> SequenceHandle:
         """Creates a sequence from root holding its complete growth reservation. `stop_ids`:
         the ids that end its output (the Engine's), never sampled before `sampling.min_tokens`
-        generated tokens."""
+        generated tokens. `media`: the prompt's images and videos (`frontend.vision
+        .VisionInput`, in the order of their placeholder runs)."""
         if plan.revision != self.resource_revision:
             raise StalePlanError(
                 f"plan sealed at revision {plan.revision}, Program is at {self.resource_revision}")
@@ -325,6 +352,8 @@ class HostProgram(abc.ABC):
         stop_ids = tuple(int(t) for t in stop_ids)
         if any(not 0 <= t < self.limits.vocab_size for t in stop_ids):
             raise InfeasibleError(f"stop ids must be in [0, {self.limits.vocab_size})")
+        media = tuple(media)
+        vision = self._prepare_media(ids, media) if media else (None, None, ())
         if not self.can_start(plan):
             raise ResourceError(
                 f"plan cannot start now: {self.slots.num_free} free slots, "
@@ -332,12 +361,18 @@ class HostProgram(abc.ABC):
         ckpt = None if plan.source is None else self._ckpt(plan.source)
         if ckpt is not None and tuple(ids[: ckpt.frontier]) != ckpt.tokens:
             raise ResourceError(f"prompt does not start with the tokens of {plan.source}")
+        digests = tuple(m.digest for m, at in zip(media, vision[2])
+                        if ckpt is not None and at < ckpt.frontier)
+        if ckpt is not None and digests != ckpt.media:
+            raise ResourceError(f"prompt's images/videos before position {ckpt.frontier} are "
+                                f"not those of {plan.source}")
         slot = self.slots.allocate()
         self.pages.reserve(plan.num_pages)
         handle = SequenceHandle(next(self._ids), self.resource_revision)
         seq = SeqRecord(handle=handle, slot=slot, tokens=ids, prompt_len=len(ids),
                         max_new_tokens=plan.max_new_tokens, sampling=sampling,
-                        reserved=plan.num_pages, stop_ids=stop_ids)
+                        reserved=plan.num_pages, stop_ids=stop_ids, media=media,
+                        rope=vision[0], vision_at=vision[1], media_starts=tuple(vision[2]))
         self._seqs[handle.seq_id] = seq
         if ckpt is not None:
             shared = self._shared_pages(ckpt.frontier)
@@ -395,7 +430,7 @@ class HostProgram(abc.ABC):
         else:
             slot = self.ckpt_slots.allocate()
         ckpt = CheckpointRecord(CheckpointId(next(self._ids)), tuple(seq.tokens[: seq.frontier]),
-                                slot, list(pages))
+                                slot, list(pages), media=seq.media_before(seq.frontier))
         self._run_capture(seq, ckpt.slot)
         self._ckpts[ckpt.ckpt.ckpt_id] = ckpt
         self._footprint = None
@@ -444,7 +479,7 @@ class HostProgram(abc.ABC):
         self.pages.reserve(n)
         pages = [self.pages.allocate_reserved() for _ in range(n)]
         ckpt = CheckpointRecord(CheckpointId(next(self._ids)), tuple(image.tokens),
-                                self.ckpt_slots.allocate(), pages)
+                                self.ckpt_slots.allocate(), pages, media=tuple(image.media))
         try:
             self._run_import(ckpt, image)
         except BaseException:
@@ -525,6 +560,9 @@ class HostProgram(abc.ABC):
         if stop_at is not None and start < stop_at < min(end, seq.prompt_len):
             end = stop_at
         chunk = seq.tokens[start:end]
+        if seq.media and seq.vision_embeds is None and np.any(
+                (seq.vision_at >= start) & (seq.vision_at < start + len(chunk))):
+            seq.vision_embeds = self._run_encode(seq)
         self._grow(seq, start + len(chunk))
         token, logprobs = self._run_prefill(seq, start, chunk)
         if start + len(chunk) < seq.prompt_len:  # not the last chunk: adopt its state now

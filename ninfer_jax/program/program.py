@@ -21,6 +21,8 @@ from ninfer_jax.errors import ConfigError
 from ninfer_jax.models.dflash import DFlashConfig
 from ninfer_jax.models.qwen3_6 import ModelConfig
 from ninfer_jax.models.qwen3_6.model import unstack_layers
+from ninfer_jax.models.qwen3_6.mrope import rope_index
+from ninfer_jax.models.qwen3_6.vision import vision_layout
 from ninfer_jax.program.config import ProgramConfig
 from ninfer_jax.program.dflash_steps import dflash_verify_step
 from ninfer_jax.program.errors import InfeasibleError
@@ -51,6 +53,7 @@ from ninfer_jax.program.steps import (
     RestoreInputs,
     StateImport,
     StateRow,
+    VisionEncodeInputs,
     capture_step,
     commit_step,
     decode_step,
@@ -61,6 +64,7 @@ from ninfer_jax.program.steps import (
     prefill_step,
     restore_step,
     verify_step,
+    vision_encode_step,
 )
 from ninfer_jax.progress import bar
 
@@ -130,6 +134,9 @@ class Program(HostProgram):
             rewrites_below_frontier=int(pcfg.speculative == "mtp"),
             speculative=pcfg.speculative))
         self.cfg, self.pcfg = cfg, pcfg
+        # The vision path: a tower whose special tokens are in the vocabulary, and buckets.
+        self.vision_on = cfg.vision is not None and "vision" in params \
+            and bool(pcfg.vision_buckets) and _vision_usable(cfg)
         params = jax.tree.map(lambda a: jax.numpy.asarray(a, pcfg.dtype), params)
         self.params = unstack_layers(params, cfg) if pcfg.resolved_layer_loop() == "unrolled" \
             else params
@@ -166,12 +173,15 @@ class Program(HostProgram):
                       "dflash": bind(dflash_verify_step, cfg=cfg, pcfg=pcfg, drafter=drafter),
                       "off": bind(decode_step, cfg=cfg, pcfg=pcfg)}[pcfg.speculative]
 
+        vision = self.vision_on
+
         def decode(b: int) -> None:
             example = DecodeInputs(
                 commit=self._no_commit(b), token_ids=np.zeros(b, np.int32),
                 positions=np.zeros(b, np.int32), slots=np.arange(b, dtype=np.int32),
                 page_tables=np.zeros((b, w), np.int32), sampling=self._sampling_example(b),
-                step_index=np.zeros(b, np.int32), limit=np.ones(b, np.int32))
+                step_index=np.zeros(b, np.int32), limit=np.ones(b, np.int32),
+                rope_delta=np.zeros(b, np.int32) if vision else None)
             self.executables.compile(StepKey(StepKind.DECODE, b), round_step, self.params,
                                      self._pools, example, background=later)
 
@@ -180,7 +190,7 @@ class Program(HostProgram):
             start_pos=np.zeros(1, np.int32), num_valid=np.ones(1, np.int32),
             page_table=np.zeros((1, w), np.int32), slot=np.zeros(1, np.int32),
             reset=np.ones(1, bool), sampling=self._sampling_example(1),
-            step_index=np.zeros(1, np.int32))
+            step_index=np.zeros(1, np.int32), **self._vision_rows(None, 0, 0))
         # The prefill first, alone (a compile shares the two cores badly), then the rest on the
         # background thread in the order of first need: the prompt's checkpoint right after its
         # prefill (a commit, then a capture), then decoding one row.
@@ -198,6 +208,17 @@ class Program(HostProgram):
                                                                 frontier=one),
                                      background=later)
         decode(1)
+        if vision:  # the vision encoder for each bucket of patches, before a prompt needs it
+            v = cfg.vision
+            for n in pcfg.vision_buckets:
+                self.executables.compile(
+                    StepKey(StepKind.VISION_ENCODE, 1, n), bind(vision_encode_step, cfg=cfg),
+                    self.params, VisionEncodeInputs(
+                        patches=np.zeros((n, v.patch_dim), np.float32),
+                        pos_index=np.zeros((n, 4), np.int32),
+                        pos_weight=np.zeros((n, 4), np.float32),
+                        rope_hw=np.zeros((n, 2), np.int32), segment=np.zeros(n, np.int32)),
+                    background=later, donate=())
         if pcfg.num_checkpoint_slots:
             self.executables.compile(
                 StepKey(StepKind.RESTORE, 1), bind(restore_step, pcfg=pcfg), self._pools,
@@ -264,6 +285,77 @@ class Program(HostProgram):
         if commit is not None:
             self._apply(commit)
 
+    # Vision ----------------------------------------------------------------------------------
+    def _prepare_media(self, prompt_ids: list[int], media) -> tuple:
+        if not self.vision_on:
+            why = ("the model has no vision tower" if self.cfg.vision is None else
+                   "max_vision_patches is 0" if not self.pcfg.vision_buckets else
+                   "its vision tokens are not in its vocabulary")
+            raise InfeasibleError(f"this Program takes no images or videos: {why}")
+        if self.pcfg.speculative != "off":
+            raise InfeasibleError(f"images and videos are not supported with speculative="
+                                  f"{self.pcfg.speculative!r} yet (use speculative='off')")
+        v = self.cfg.vision
+        for i, m in enumerate(media):
+            if m.kind not in ("image", "video") or m.patches.ndim != 2 \
+                    or m.patches.shape[1] != v.patch_dim \
+                    or m.patches.shape[0] != m.grid[0] * m.grid[1] * m.grid[2]:
+                raise InfeasibleError(
+                    f"media[{i}]: {m.kind} patches of shape {m.patches.shape} and grid "
+                    f"{m.grid} do not fit the vision tower ({v.patch_dim} values a patch; "
+                    f"preprocess with the model's processor settings)")
+        total = sum(m.patches.shape[0] for m in media)
+        if total > self.pcfg.max_vision_patches:
+            raise InfeasibleError(
+                f"the prompt's images and videos have {total} patches, more than "
+                f"max_vision_patches {self.pcfg.max_vision_patches} (resize them, or raise it)")
+        try:
+            rope = rope_index(prompt_ids, self.cfg,
+                              image_grids=[m.grid for m in media if m.kind == "image"],
+                              video_grids=[m.grid for m in media if m.kind == "video"])
+        except ValueError as e:
+            raise InfeasibleError(f"prompt and media do not match: {e}") from None
+        ids = np.asarray(prompt_ids)
+        token = {"image": self.cfg.image_token_id, "video": self.cfg.video_token_id}
+        at = np.flatnonzero(np.isin(ids, list(token.values())))
+        where = {kind: at[ids[at] == t] for kind, t in token.items()}
+        starts, used = [], {"image": 0, "video": 0}
+        for m in media:  # each kind's placeholders taken in prompt order (rope_index checked)
+            starts.append(int(where[m.kind][used[m.kind]]))
+            used[m.kind] += m.num_tokens
+        return rope, at.astype(np.int32), tuple(starts)
+
+    def _run_encode(self, seq: SeqRecord):
+        v = self.cfg.vision
+        grids = [m.grid for m in seq.media]
+        n = sum(m.patches.shape[0] for m in seq.media)
+        bucket = next(b for b in self.pcfg.vision_buckets if b >= n)
+        layout = vision_layout(grids, v, bucket)
+        patches = np.zeros((bucket, v.patch_dim), np.float32)
+        patches[:n] = np.concatenate([m.patches for m in seq.media])
+        out = self.executables(StepKey(StepKind.VISION_ENCODE, 1, bucket), self.params,
+                               VisionEncodeInputs(patches, *layout.arrays()))
+        return np.asarray(out)[: n // v.merge_unit]
+
+    def _vision_rows(self, seq: SeqRecord | None, start: int, n: int) -> dict:
+        """The prefill chunk's vision fields (none without the vision path): MRoPE positions
+        (the prompt's, or start + 0..C-1 in every row) and the embeddings at placeholders."""
+        if not self.vision_on:
+            return {}
+        c, h = self.pcfg.prefill_chunk, self.cfg.hidden_size
+        rope = np.broadcast_to(np.arange(start, start + c, dtype=np.int32), (3, c)).copy()
+        embeds = np.zeros((1, c, h), self.params["embed"].dtype)
+        mask = np.zeros((1, c), bool)
+        if seq is not None and seq.rope is not None:
+            prompt = seq.rope.positions[:, start:start + n]
+            rope[:, :prompt.shape[1]] = prompt
+            rope[:, prompt.shape[1]:] += seq.rope.delta  # generated text after the prompt
+            inside = (seq.vision_at >= start) & (seq.vision_at < start + n)
+            if inside.any():
+                mask[0, seq.vision_at[inside] - start] = True
+                embeds[0, seq.vision_at[inside] - start] = seq.vision_embeds[inside]
+        return {"rope_positions": rope[:, None], "vision_embeds": embeds, "vision_mask": mask}
+
     def _run_prefill(self, seq: SeqRecord, start: int, chunk: list[int]) -> int:
         c, n = self.pcfg.prefill_chunk, len(chunk)
         inputs = PrefillInputs(
@@ -271,7 +363,7 @@ class Program(HostProgram):
             start_pos=np.array([start], np.int32), num_valid=np.array([n], np.int32),
             page_table=self._page_table([seq]), slot=np.array([seq.slot], np.int32),
             reset=np.array([start == 0]), sampling=self._sampling([seq]),
-            step_index=np.array([start + n], np.int32))
+            step_index=np.array([start + n], np.int32), **self._vision_rows(seq, start, n))
         self._pools, out = self.executables(StepKey(StepKind.PREFILL, 1), self.params,
                                             self._pools, inputs)
         return int(np.asarray(out.tokens)[0, 0]), _logprobs([seq], out)
@@ -284,7 +376,9 @@ class Program(HostProgram):
             slots=np.array([s.slot for s in seqs], np.int32),
             page_tables=self._page_table(seqs),
             sampling=self._sampling(seqs),
-            step_index=np.array([s.frontier + 1 for s in seqs], np.int32), limit=limits)
+            step_index=np.array([s.frontier + 1 for s in seqs], np.int32), limit=limits,
+            rope_delta=np.array([0 if s.rope is None else s.rope.delta for s in seqs],
+                                np.int32) if self.vision_on else None)
         self._pools, out = self.executables(StepKey(StepKind.DECODE, len(seqs)), self.params,
                                             self._pools, inputs)
         # On the device; the PendingBatch reads them when asked.
@@ -343,7 +437,7 @@ class Program(HostProgram):
                 if self.limits.rewrites_below_frontier:
                     part[mtp:, used - self.limits.rewrites_below_frontier:] = 0
         state = np.concatenate([np.asarray(a).reshape(-1).view(np.uint8) for a in state])
-        return CheckpointImage(ckpt.tokens, out, state)
+        return CheckpointImage(ckpt.tokens, out, state, media=ckpt.media)
 
     def _run_import(self, ckpt: CheckpointRecord, image: CheckpointImage) -> None:
         g, sink = PAGE_GROUP, self.pcfg.num_pages
@@ -379,6 +473,14 @@ class Program(HostProgram):
         for row, seq in enumerate(seqs):
             table[row, : len(seq.pages)] = seq.pages
         return table
+
+
+def _vision_usable(cfg: ModelConfig) -> bool:
+    try:
+        cfg.check_vision()
+    except ConfigError:
+        return False
+    return True
 
 
 def _image_pools(pools: Pools) -> list:

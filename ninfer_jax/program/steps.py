@@ -36,6 +36,7 @@ from ninfer_jax.models.dflash import DFlashConfig
 from ninfer_jax.models.qwen3_6 import GDNState, ModelConfig, step
 from ninfer_jax.models.qwen3_6.model import lm_head
 from ninfer_jax.models.qwen3_6.mtp import mtp_hidden
+from ninfer_jax.models.qwen3_6.vision import encode
 from ninfer_jax.program.config import ProgramConfig
 from ninfer_jax.program.drafter_context import write_drafter_context
 from ninfer_jax.program.pools import PagedKV, Pools, context_positions, context_ring, write_rows
@@ -69,7 +70,7 @@ class CommitInputs:
 
 
 @_register(["commit", "token_ids", "start_pos", "num_valid", "page_table", "slot", "reset",
-            "sampling", "step_index"])
+            "sampling", "step_index", "rope_positions", "vision_embeds", "vision_mask"])
 @dataclasses.dataclass(frozen=True)
 class PrefillInputs:
     commit: CommitInputs  # the previous step's commit, applied first
@@ -81,10 +82,16 @@ class PrefillInputs:
     reset: jax.Array  # [1] bool, first chunk from root: start from zero state
     sampling: SamplingArrays  # [1] per-row sampling settings
     step_index: jax.Array  # [1] int32, the sampled token's position (the RNG stream index)
+    # A model with a vision tower (None otherwise): the chunk's MRoPE positions [3, 1, C]
+    # int32, and the vision embeddings [1, C, H] that replace the token embedding where
+    # vision_mask [1, C] bool is set (image/video placeholders).
+    rope_positions: jax.Array | None = None
+    vision_embeds: jax.Array | None = None
+    vision_mask: jax.Array | None = None
 
 
 @_register(["commit", "token_ids", "positions", "slots", "page_tables", "sampling",
-            "step_index", "limit"])
+            "step_index", "limit", "rope_delta"])
 @dataclasses.dataclass(frozen=True)
 class DecodeInputs:
     commit: CommitInputs  # the previous step's commit, applied first
@@ -95,6 +102,22 @@ class DecodeInputs:
     sampling: SamplingArrays  # [B]
     step_index: jax.Array  # [B] int32, the first proposed token's position (the RNG index)
     limit: jax.Array  # [B] int32 in 1..T, most tokens row b may propose (its budget)
+    # A model with a vision tower (None otherwise): [B] int32, each row's MRoPE delta; its
+    # rope position is positions + rope_delta in all three rows (0 for a text-only prompt).
+    rope_delta: jax.Array | None = None
+
+
+@_register(["patches", "pos_index", "pos_weight", "rope_hw", "segment"])
+@dataclasses.dataclass(frozen=True)
+class VisionEncodeInputs:
+    """The packed patches of a prompt's images/videos padded to N (a bucket) and their
+    `vision_layout` arrays."""
+
+    patches: jax.Array  # [N, patch_dim] float32
+    pos_index: jax.Array  # [N, 4] int32
+    pos_weight: jax.Array  # [N, 4] float32
+    rope_hw: jax.Array  # [N, 2] int32
+    segment: jax.Array  # [N] int32
 
 
 @_register(["slot", "ckpt_slot", "frontier"])
@@ -242,7 +265,9 @@ def prefill_step(params: dict, pools: Pools, inputs: PrefillInputs, *, cfg: Mode
                  pages_per_layer=pcfg.num_pages + 1)
     last_at = inputs.num_valid - 1
     out = step(params, cfg, inputs.token_ids, inputs.start_pos, gdn, kv, inputs.num_valid,
-               logits_at=last_at, feature_layers=_feature_layers(drafter))
+               logits_at=last_at, feature_layers=_feature_layers(drafter),
+               rope_positions=inputs.rope_positions, vision_embeds=inputs.vision_embeds,
+               vision_mask=inputs.vision_mask)
     ctx = jnp.take_along_axis(out.hidden, last_at[:, None, None], axis=1)[:, 0]
     pools, outputs = _finish(pools, out, out.logits[:, 0], counts, mask, inputs, ctx)
     if pcfg.speculative == "mtp":
@@ -292,8 +317,9 @@ def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
     kv = PagedKV(layers=(pools.k, pools.v), page_tables=inputs.page_tables,
                  lengths=inputs.positions, num_valid=jnp.ones((b,), jnp.int32),
                  impl=pcfg.attention_impl, pages_per_layer=pcfg.num_pages + 1)
+    rope = None if inputs.rope_delta is None else (inputs.positions + inputs.rope_delta)[:, None]
     out = step(params, cfg, inputs.token_ids[:, None], inputs.positions,
-               gdn_state(pools, slots), kv)
+               gdn_state(pools, slots), kv, rope_positions=rope)
     return _finish(pools, out, out.logits[:, 0], pools.output_counts[slots],
                    pools.prompt_mask[slots], inputs, out.hidden[:, 0])
 
@@ -428,3 +454,11 @@ def import_state_step(pools: Pools, inputs: StateImport) -> Pools:
         return pools
     return dataclasses.replace(pools, ck_dk=write_rows(pools.ck_dk, ck, inputs.dk),
                                ck_dv=write_rows(pools.ck_dv, ck, inputs.dv))
+
+
+def vision_encode_step(params: dict, inputs: VisionEncodeInputs, *, cfg: ModelConfig
+                       ) -> jax.Array:
+    """The vision tower on one bucket of patches: merged embeddings [N / merge_unit, H] in the
+    weights' dtype (rows from padding are meaningless). Touches no pool."""
+    return encode(params["vision"], cfg.vision, inputs.patches, inputs.pos_index,
+                  inputs.pos_weight, inputs.rope_hw, inputs.segment)
