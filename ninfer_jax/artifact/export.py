@@ -140,8 +140,6 @@ def _vl_config(cfg: ModelConfig, text: dict) -> dict:
 def hf_config(cfg: ModelConfig, num_mtp_layers: int, dtype: str) -> dict:
     """The `config.json` of the transformers model for `cfg` (text-only, or with the vision
     tower when `cfg.vision`)."""
-    half = cfg.rotary_dim // 2
-    section = (half + 2) // 3
     text = {
         "architectures": ["Qwen3_5ForCausalLM" if cfg.variant == "dense"
                           else "Qwen3_5MoeForCausalLM"],
@@ -159,8 +157,7 @@ def hf_config(cfg: ModelConfig, num_mtp_layers: int, dtype: str) -> dict:
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
                             "partial_rotary_factor": cfg.rotary_dim / cfg.head_dim,
                             "mrope_interleaved": True,
-                            "mrope_section": list(cfg.mrope_section) if cfg.vision is not None
-                            else [section, section, half - 2 * section]},
+                            "mrope_section": list(cfg.mrope_section)},
         "mtp_num_hidden_layers": num_mtp_layers,
         "eos_token_id": list(cfg.eos_token_ids) or None,
         "dtype": dtype,
