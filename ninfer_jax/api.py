@@ -33,7 +33,7 @@ from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError
 
 _PROGRAM_KEYS = ("page_size", "num_pages", "max_seq_len", "prefill_chunk", "attention_impl",
                  "dtype", "num_checkpoint_slots", "speculative", "num_speculative_tokens",
-                 "draft_head")
+                 "draft_head", "max_vision_patches")
 DEFAULT_SPECULATIVE_TOKENS = 1  # drafts per round with speculative="mtp" (see WORKSPACE.md)
 _CORE_KEYS = ("max_queue", "queue_timeout_s", "prefix_reuse")
 _STORE_KEYS = ("context_store", "host_cache_gb", "disk_cache_dir", "redis_url")
@@ -67,7 +67,7 @@ class Engine:
     def open(cls, model: str | pathlib.Path | None = None, *, purpose: str = "generation",
              max_concurrency: int | None = None, verify_weights: bool = True,
              progress: bool | None = None, drafter: str | pathlib.Path | None = None,
-             **config: Any) -> "Engine":
+             **config: Any) -> Engine:
         """Loads `model` (artifact or HF checkpoint directory; None = the embedded default).
 
         purpose="causal_scoring": an Engine that scores texts (`score`, `rolling`,
@@ -143,7 +143,7 @@ class Engine:
         pcfg = dataclasses.replace(pcfg, **{k: v for k, v in defaults.items() if k not in given})
         loaded = load_model(model, dtype=pcfg.dtype, verify=verify_weights)
         try:
-            frontend = Frontend.load(loaded.path)
+            frontend = Frontend.load(loaded.path, loaded.config)
         except FileNotFoundError as e:
             raise CheckpointError(f"cannot serve {loaded.path}: {e}") from None
         params, draft_cfg = loaded.params, None
@@ -166,7 +166,7 @@ class Engine:
                   jax_backend(), pcfg.dtype, pcfg.attention_impl, pcfg.max_concurrency)
         return cls(core, frontend, loaded.path)
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -12,6 +12,9 @@ What it writes:
   vocabulary. Every weight is perturbed (`make_reference.perturb`) so norms and biases matter.
 - `preprocessor_config.json`, `video_preprocessor_config.json`: the processor settings of the
   model (patch 8, mean/std 0.5; 1,024-16,384 pixels an image, 4,096-65,536 a video).
+- `tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`: a byte-level tokenizer
+  (ids 0..255 are the bytes) with the chat control tokens and the vision tokens at the model's
+  ids, and the official Qwen3.5 chat template (from `../shared/data`).
 - `images/`: test images drawn here (no downloads), of different sizes, aspect ratios and modes
   (RGB, RGBA, L, P; PNG and JPEG).
 - `preprocess.json`: for every image and three processor settings (the model's; Qwen3-VL's
@@ -46,6 +49,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from scripts.make_reference import DENSE, perturb
 
 OUT = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "vision"
+SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 SEED, GREEDY = 5, 6
 VISION_START, VISION_END, IMAGE, VIDEO = 378, 379, 380, 381
 VISION = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
@@ -103,6 +107,36 @@ IMAGES = {  # name -> (width, height, seed, mode)
     "photo_640x480.jpg": (640, 480, 9, "RGB"),
 }
 FRAMES = [f"frame{i}_64x48.png" for i in range(4)]
+
+
+def write_frontend() -> None:
+    """A byte-level tokenizer whose ids 0..255 are the bytes, the chat control tokens, and the
+    vision tokens at the model's ids; the official Qwen3.5 chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, extra = {}, 0
+    for b in range(256):  # GPT-2's byte -> unicode table
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    specials += [f"<|extra_{i}|>" for i in range(VISION_START - 256 - len(specials))]
+    specials += ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t in ("<think>", "</think>")])
+    assert tok.token_to_id("<|image_pad|>") == IMAGE and tok.get_vocab_size() == 384
+    tok.save(str(OUT / "tokenizer.json"))
+    (OUT / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, indent=2) + "\n")
+    template = SHARED / "qwen-tokenizer" / "qwen3.5" / "chat_template.jinja"
+    (OUT / "chat_template.jinja").write_text(template.read_text())
 
 
 def write_images() -> None:
@@ -218,6 +252,7 @@ def main() -> None:
     model.tie_weights()
     OUT.mkdir(parents=True, exist_ok=True)
     write_images()
+    write_frontend()
     model.config.save_pretrained(OUT)
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(state, str(OUT / "model.safetensors"), metadata={"format": "pt"})

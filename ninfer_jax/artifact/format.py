@@ -49,7 +49,7 @@ DRAFTER = "drafter"  # the subdirectory holding a DFlash drafter checkpoint, whe
 FRONTEND_FILES = (
     "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model",
     "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
-    "generation_config.json",
+    "generation_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
 )
 
 Spec = tuple[tuple[int, ...], str]  # (shape, dtype name)

@@ -39,6 +39,7 @@ from ninfer_jax.engine.spec_stats import SpeculativeCounter, SpeculativeStats
 from ninfer_jax.engine.tiers import ContextTiers, TierStats
 from ninfer_jax.engine.transactions import TransactionStats, Transition
 from ninfer_jax.errors import ConfigError
+from ninfer_jax.frontend.media import identity_of
 from ninfer_jax.frontend.output_session import FinishReason as TextFinish
 from ninfer_jax.frontend.output_session import ending_ids
 from ninfer_jax.frontend.prompt import PreparedPrompt
@@ -513,7 +514,7 @@ class EngineCore:
         a read, or a new one) commits, and the result waits in `r.materialized` to be adopted.
         False if it cannot start now (no transaction is started for that)."""
         reuse = self.reuse and r.reuse
-        source = self.catalog.lookup(r.prompt.token_ids, r.session_key, r.cache_scope) \
+        source = self.catalog.lookup(r.prompt.identity, r.session_key, r.cache_scope) \
             if reuse else None
 
         def ask(evictable=()):
@@ -537,8 +538,9 @@ class EngineCore:
         sealed = answer.plan
         if r.txn is None:
             r.txn = self.resources.begin(Transition.MATERIALIZE, r.request_id)
+        media = {"media": r.prompt.media} if r.prompt.media else {}
         seq = self.program.materialize(sealed, r.prompt.token_ids, r.sampling,
-                                       self._stop_ids(r.sampling))
+                                       self._stop_ids(r.sampling), **media)
         if reuse:
             self.catalog.record_use(source)
             # The publication slot (DESIGN §7): the slot its turn checkpoint will take, so its
@@ -561,7 +563,7 @@ class EngineCore:
         (a Reload), or None. Probes the store once per request, and only when the request
         could start (the reload takes no capacity an active request was promised: it is
         planned like any admission, from pages nobody reserved and inactive checkpoints)."""
-        source = self.catalog.lookup(r.prompt.token_ids, r.session_key, r.cache_scope)
+        source = self.catalog.lookup(r.prompt.identity, r.session_key, r.cache_scope)
         above = 0 if source is None else source.frontier
         if r.prompt_tokens - 1 <= above:
             return None
@@ -571,7 +573,7 @@ class EngineCore:
             return None
         r.store_probed = True
         start = time.perf_counter()
-        found = self.tiers.find(r.prompt.token_ids, r.cache_scope, above)
+        found = self.tiers.find(r.prompt.identity, r.cache_scope, above)
         return None if found is None else self.tiers.start_reload(found, start)
 
     def _conclude_reload(self, r: RequestRecord) -> None:
@@ -583,7 +585,7 @@ class EngineCore:
             return
         # The blocks are read before evicting on the device: a victim not yet in the store is
         # written there first, and that write may evict the blocks just found.
-        source = self.catalog.lookup(r.prompt.token_ids, r.session_key, r.cache_scope)
+        source = self.catalog.lookup(r.prompt.identity, r.session_key, r.cache_scope)
         victims = self.catalog.eviction_order(keep=source) if r.may_evict else []
         for victim in victims:
             if self.program.can_import(found.frontier):
@@ -592,6 +594,10 @@ class EngineCore:
         if not self.program.can_import(found.frontier):
             return
         place = self.resources.begin(Transition.PLACE, r.request_id)
+        if r.prompt.identity_ids is not None:  # the store holds identities: the real prefix
+            f = found.frontier
+            image = dataclasses.replace(image, tokens=tuple(r.prompt.token_ids[:f]),
+                                        media=r.prompt.media_before(f))
         ckpt = self.program.import_checkpoint(image)
         self.resources.adopt(place.commit(checkpoint=ckpt, tokens=found.tokens,
                                           scope=r.cache_scope))
@@ -620,7 +626,7 @@ class EngineCore:
             return None
         if tokens is None:
             tokens = self.program.tokens(r.seq)[:-1]
-        tokens = tuple(tokens)
+        tokens = identity_of(tokens, r.prompt.identity_ids, len(tokens))  # what lookup compares
         if len(tokens) != self.program.frontier(r.seq):
             raise InvariantError(f"request {r.request_id}: retain of {len(tokens)} tokens at "
                                  f"frontier {self.program.frontier(r.seq)}")

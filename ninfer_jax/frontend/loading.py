@@ -20,11 +20,13 @@ from ninfer_jax.frontend.chat_template import (
 )
 from ninfer_jax.frontend.grammar import GrammarCompiler
 from ninfer_jax.frontend.hf_backend import HfTokenizer
+from ninfer_jax.frontend.media import VisionTokens
 from ninfer_jax.frontend.output_session import OutputSession, initial_channel
 from ninfer_jax.frontend.prompt import PreparedPrompt, prepare
 from ninfer_jax.frontend.qwen_bpe import SPECIAL_TOKENS_FILE, QwenBpeTokenizer
 from ninfer_jax.frontend.sentencepiece_backend import SentencePieceTokenizer
 from ninfer_jax.frontend.tokenizer import DEFAULT_EOS_TOKENS, Tokenizer
+from ninfer_jax.frontend.vision import VisionProcessorConfig
 
 HF_TOKENIZER_FILE = "tokenizer.json"
 SENTENCEPIECE_FILE = "tokenizer.model"
@@ -66,10 +68,30 @@ class Frontend:
 
     tokenizer: Tokenizer
     chat_template: ChatTemplate | None = None
+    # A model with a vision tower: its vision tokens and processor settings (messages may then
+    # hold images and videos); None: text only.
+    vision: VisionTokens | None = None
 
     @classmethod
-    def load(cls, directory: str | pathlib.Path) -> Frontend:
-        return cls(load_tokenizer(directory), load_chat_template(directory))
+    def load(cls, directory: str | pathlib.Path, model_config: Any = None,
+             allowed_media_dir: str | pathlib.Path | None = None) -> Frontend:
+        """The frontend of a model directory. `model_config` (its ModelConfig): with a usable
+        vision tower, the processor settings are read too (`preprocessor_config.json`) and
+        checked against the tower. `allowed_media_dir`: local media paths must be inside it."""
+        tokenizer = load_tokenizer(directory)
+        vision = None
+        cfg = model_config
+        if cfg is not None and cfg.vision is not None and \
+                max(cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id,
+                    cfg.vision_end_token_id) < tokenizer.vocab_size and \
+                min(cfg.image_token_id, cfg.video_token_id) >= 0:
+            processor = VisionProcessorConfig.from_dir(directory)
+            processor.check_model(cfg.vision)
+            vision = VisionTokens(
+                cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id,
+                cfg.vision_end_token_id, processor,
+                None if allowed_media_dir is None else pathlib.Path(allowed_media_dir).resolve())
+        return cls(tokenizer, load_chat_template(directory), vision)
 
     def prepare(
         self,
@@ -93,6 +115,7 @@ class Frontend:
             enable_thinking=enable_thinking,
             tools=tools,
             allow_control_tokens=allow_control_tokens,
+            vision=self.vision,
         )
 
     def grammar(self, vocab_size: int | None = None) -> GrammarCompiler:

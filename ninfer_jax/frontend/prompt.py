@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from ninfer_jax.frontend.chat_template import ChatTemplate
+from ninfer_jax.frontend.media import PartError, VisionTokens, expand, extract_media
 from ninfer_jax.frontend.tokenizer import Tokenizer
 
 # Unicode noncharacters (never in interchanged text) that mark special-token text inside content.
@@ -66,10 +67,23 @@ class PreparedPrompt:
     text: str | None = None
     media: tuple[Any, ...] = ()
     reuse_boundary: int | None = None
+    # With media: token_ids with every image/video placeholder replaced by an id of its
+    # medium's digest (`media.expand`), what prefix lookup compares; None: token_ids.
+    identity_ids: tuple[int, ...] | None = None
+    media_starts: tuple[int, ...] = ()  # each medium's first placeholder position
     digest: str = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "digest", token_digest(self.token_ids))
+        object.__setattr__(self, "digest", token_digest(self.identity))
+
+    @property
+    def identity(self) -> tuple[int, ...]:
+        """The ids prefix lookup compares (`identity_ids`, or the token ids)."""
+        return self.token_ids if self.identity_ids is None else self.identity_ids
+
+    def media_before(self, n: int) -> tuple[str, ...]:
+        """The digests of the media whose placeholders start before position n."""
+        return tuple(m.digest for m, at in zip(self.media, self.media_starts) if at < n)
 
     @property
     def num_tokens(self) -> int:
@@ -95,15 +109,22 @@ def _checked_ids(token_ids: Any, vocab_size: int) -> tuple[int, ...]:
     return tuple(checked)
 
 
-def _text_parts(content: list, field: str) -> str:
-    texts = []
+def _text_parts(content: list, field: str) -> str | list:
+    """One string of a list of text parts; a list that holds images/videos (parts already
+    reduced to {"type": "image"} / {"type": "video"} by `media.extract_media`) stays a list
+    for the template, its text parts checked."""
+    texts, keep = [], False
     for j, part in enumerate(content):
+        if isinstance(part, Mapping) and set(part) == {"type"} \
+                and part["type"] in ("image", "video"):
+            keep = True
+            continue
         if not isinstance(part, Mapping) or part.get("type") != "text" \
                 or not isinstance(part.get("text"), str):
             raise PromptError(f"{field}[{j}]", "expected a text part {\"type\": \"text\", "
-                              "\"text\": ...} (other parts are not supported)")
+                              "\"text\": ...}, or an image or video part on a vision model")
         texts.append(part["text"])
-    return "".join(texts)
+    return [dict(p) for p in content] if keep else "".join(texts)
 
 
 def _check_messages(messages: Any) -> list[dict[str, Any]]:
@@ -189,9 +210,12 @@ def prepare(
     enable_thinking: bool | None = None,
     tools: Sequence[Mapping[str, Any]] | None = None,
     allow_control_tokens: bool | None = None,
+    vision: VisionTokens | None = None,
 ) -> PreparedPrompt:
     """A PreparedPrompt from exactly one of `prompt`, `messages` (rendered with `chat_template`)
-    or `prompt_token_ids`. Raises PromptError naming the field for bad input.
+    or `prompt_token_ids`. Raises PromptError naming the field for bad input. `vision`: the
+    model's vision tokens and processor; messages may then hold image and video parts
+    (`frontend.media`).
 
     allow_control_tokens: whether special-token texts in the input become control tokens; None
     means no for messages (only the template writes them) and yes for a raw prompt."""
@@ -217,7 +241,14 @@ def prepare(
         return PreparedPrompt(_checked_ids(prompt_token_ids, tokenizer.vocab_size))
     pattern = tokenizer.special_pattern
     follow_up = None
+    media: list = []
     if messages is not None:
+        if isinstance(messages, Sequence) and not isinstance(messages, (str, bytes)) \
+                and all(isinstance(m, Mapping) for m in messages):
+            try:
+                messages, media = extract_media([dict(m) for m in messages], vision)
+            except PartError as e:
+                raise PromptError(e.field, str(e)) from None
         checked = _check_messages(messages)
         if chat_template is None:
             raise PromptError("messages", "this model has no chat template; pass prompt instead")
@@ -253,7 +284,24 @@ def prepare(
     boundary = None
     if follow_up is not None:
         boundary = _reuse_boundary(tokenizer, token_ids, render, follow_up, escape)
-    return PreparedPrompt(tuple(token_ids), text=text, reuse_boundary=boundary)
+    if not media:
+        return PreparedPrompt(tuple(token_ids), text=text, reuse_boundary=boundary)
+    try:
+        expanded, identity, starts = expand(token_ids, media, vision, tokenizer.encode)
+    except ValueError as e:
+        raise PromptError("messages", str(e)) from None
+    if boundary is not None:  # the same position in the expanded prompt
+        before = [m for m, at in zip(media, _pads(token_ids, vision)) if at < boundary]
+        boundary = len(expand(token_ids[:boundary], before, vision, tokenizer.encode)[0])
+    return PreparedPrompt(tuple(expanded), text=text, media=tuple(m for m, _ in media),
+                          reuse_boundary=boundary, identity_ids=tuple(identity),
+                          media_starts=tuple(starts))
+
+
+def _pads(token_ids: Sequence[int], vision: VisionTokens) -> list[int]:
+    """Positions of the image/video pads the template wrote."""
+    return [p for p, t in enumerate(token_ids)
+            if t in (vision.image_token_id, vision.video_token_id)]
 
 
 # A stand-in for the unknown answer and next message: a symbol no tokenizer merges with the

@@ -1,0 +1,239 @@
+"""Images and videos inside chat messages: from message parts to the prompt's media and tokens.
+
+Owns (DESIGN §2, Frontend) what a vision prompt is beyond its text: each image or video part of
+a message becomes a `VisionInput` (Pillow preprocessing, `frontend/vision.py`) with the sha256 of
+its source, the part itself becomes the template's `{"type": "image"}` / `{"type": "video"}`
+(the chat template writes `<|vision_start|><|image_pad|><|vision_end|>`), and after tokenizing,
+each pad the template wrote is expanded as transformers' Qwen3-VL processor does: an image's pad
+into one pad per merged patch; a video's into, for each temporal patch, its timestamp text
+`<t seconds>` (the mean time of the patch's frames, one decimal) then `<|vision_start|>`, one
+video pad per merged patch of a frame, `<|vision_end|>`.
+
+The prompt's identity (prefix reuse): the same token ids with every placeholder replaced by an
+id derived from its medium's digest and its index in the medium (ids in [2^30, 2^31), never
+a real token), so two prompts with the same text and other images share no prefix past the first
+image, and a follow-up turn with the same image reuses it.
+
+A part may hold: a PIL image; a path (str or pathlib.Path, under `allowed_dir` when one is
+set); encoded bytes; a data URL (`data:image/png;base64,...`); for a video a list of frames
+(any of the image forms) with optional `fps` (frames a second of the given frames, default 2).
+Errors are `PromptError`s naming the part (`messages[1].content[0]`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import hashlib
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ninfer_jax.frontend.vision import (
+    MediaError,
+    VisionInput,
+    VisionProcessorConfig,
+    open_image,
+    process_image,
+    process_video,
+)
+
+IDENTITY_BASE = 1 << 30  # identity ids are in [2^30, 2^31): int32 like every token id
+IMAGE_KEYS = ("image", "image_url")
+MAX_MEDIA_BYTES = 64 << 20  # one encoded image
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionTokens:
+    """The model's vision token ids and processor settings (a model with a vision tower)."""
+
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    processor: VisionProcessorConfig
+    allowed_dir: pathlib.Path | None = None  # local paths must be inside it (None: any)
+
+
+class PartError(Exception):
+    """A bad media part; `field` names it (the Frontend raises it as a PromptError)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _kind(part: Mapping[str, Any]) -> str | None:
+    t = part.get("type")
+    if t in ("image", "image_url") or (t is None and any(k in part for k in IMAGE_KEYS)):
+        return "image"
+    if t in ("video", "video_url") or (t is None and "video" in part):
+        return "video"
+    return None
+
+
+def _bytes_of(source: Any, field: str, allowed: pathlib.Path | None) -> tuple[Any, str]:
+    """(a PIL image, the sha256 of its source) from one image form."""
+    from PIL import Image
+
+    if isinstance(source, Mapping) and "url" in source:  # OpenAI's {"url": ...}
+        source = source["url"]
+    if isinstance(source, Image.Image):
+        h = hashlib.sha256(f"{source.mode}{source.size}".encode())
+        h.update(source.tobytes())
+        return source, h.hexdigest()
+    if isinstance(source, str) and source.startswith("data:"):
+        head, _, payload = source.partition(",")
+        if ";base64" not in head:
+            raise PartError(field, "a data URL must be base64 (data:image/...;base64,...)")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise PartError(field, f"bad base64 in the data URL ({e})") from None
+    elif isinstance(source, (str, pathlib.Path)):
+        text = str(source)
+        if text.startswith(("http://", "https://")):
+            raise PartError(field, "fetching media over http(s) is off; pass a data URL, a "
+                                    "file or the image itself")
+        path = pathlib.Path(text.removeprefix("file://"))
+        try:
+            path = path.resolve(strict=True)
+        except (OSError, RuntimeError):
+            raise PartError(field, f"no such file {text!r}") from None
+        if allowed is not None and not path.is_relative_to(allowed):
+            raise PartError(field, f"{text!r} is outside the allowed media directory")
+        if path.stat().st_size > MAX_MEDIA_BYTES:
+            raise PartError(field, f"{text!r} is larger than {MAX_MEDIA_BYTES} bytes")
+        data = path.read_bytes()
+    elif isinstance(source, (bytes, bytearray, memoryview)):
+        data = bytes(source)
+    else:
+        raise PartError(field, f"expected a PIL image, a path, bytes or a data URL, got "
+                                f"{type(source).__name__}")
+    if len(data) > MAX_MEDIA_BYTES:
+        raise PartError(field, f"the image is larger than {MAX_MEDIA_BYTES} bytes")
+    try:
+        return open_image(data, field), hashlib.sha256(data).hexdigest()
+    except MediaError as e:
+        raise PartError(field, str(e).removeprefix(f"{field}: ")) from None
+
+
+def _medium(part: Mapping[str, Any], kind: str, field: str, vt: VisionTokens
+            ) -> tuple[VisionInput, list[float]]:
+    """The part's VisionInput and (videos) each temporal patch's timestamp in seconds."""
+    if kind == "image":
+        key = next((k for k in IMAGE_KEYS if k in part), None)
+        if key is None:
+            raise PartError(field, "an image part needs an 'image' (or 'image_url') field")
+        image, digest = _bytes_of(part[key], f"{field}.{key}", vt.allowed_dir)
+        try:
+            return process_image(image, vt.processor, digest, part=field), []
+        except MediaError as e:
+            raise PartError(field, str(e).removeprefix(f"{field}: ")) from None
+    frames = part.get("video")
+    if isinstance(frames, (str, bytes, Mapping)) or not isinstance(frames, Sequence):
+        raise PartError(f"{field}.video", "a video is a list of frames (images)")
+    fps = part.get("fps", 2.0)
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
+        raise PartError(f"{field}.fps", f"must be a positive number, got {fps!r}")
+    loaded = [_bytes_of(f, f"{field}.video[{i}]", vt.allowed_dir) for i, f in enumerate(frames)]
+    digest = hashlib.sha256("".join(d for _, d in loaded).encode()).hexdigest()
+    try:
+        video = process_video([img for img, _ in loaded], vt.processor, digest, part=field)
+    except MediaError as e:
+        raise PartError(field, str(e).removeprefix(f"{field}: ")) from None
+    return video, timestamps(len(frames), float(fps), vt.processor.temporal_patch_size)
+
+
+def extract_media(messages: list[dict[str, Any]], vt: VisionTokens | None
+                  ) -> tuple[list[dict[str, Any]], list[tuple[VisionInput, list[float]]]]:
+    """(messages with each media part replaced by the template's bare part, the media in
+    order with each video's temporal-patch timestamps). Raises PartError naming the part."""
+    out, media = [], []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            kind = _kind(part) if isinstance(part, Mapping) else None
+            if kind is None:
+                parts.append(part)
+                continue
+            field = f"messages[{i}].content[{j}]"
+            if vt is None:
+                raise PartError(field, "this model takes no images or videos")
+            if message.get("role") == "system":
+                raise PartError(field, f"a system message cannot hold {kind}s")
+            media.append(_medium(part, kind, field, vt))
+            parts.append({"type": kind})
+        out.append({**message, "content": parts})
+    return out, media
+
+
+def timestamps(num_frames: int, fps: float, temporal: int) -> list[float]:
+    """Each temporal patch's time: the mean of its first and last frame's (frame i at i / fps,
+    the last frame repeated to fill the patch), as transformers' Qwen3-VL processor computes it."""
+    idx = list(range(num_frames))
+    idx += [idx[-1]] * (-len(idx) % temporal)
+    times = [i / fps for i in idx]
+    return [(times[k] + times[k + temporal - 1]) / 2 for k in range(0, len(times), temporal)]
+
+
+def _identity_ids(digest: str, n: int) -> list[int]:
+    """The identity ids of a medium's n placeholders: 30 bits of sha256(digest, index) each,
+    above every real token id."""
+    seed = bytes.fromhex(digest)
+    return [IDENTITY_BASE + (int.from_bytes(hashlib.sha256(
+        seed + k.to_bytes(4, "little")).digest()[:4], "little") >> 2) for k in range(n)]
+
+
+def expand(token_ids: Sequence[int], media: list[tuple[VisionInput, list[float]]],
+           vt: VisionTokens, encode_text) -> tuple[list[int], list[int], list[int]]:
+    """(the prompt with every pad the template wrote expanded, its identity ids, where each
+    medium's first placeholder is). Raises ValueError when the template wrote other pads than
+    the media need."""
+    pads = [p for p, t in enumerate(token_ids) if t in (vt.image_token_id, vt.video_token_id)]
+    if len(pads) != len(media):
+        raise ValueError(f"the chat template wrote {len(pads)} image/video placeholders for "
+                         f"{len(media)} media")
+    ids: list[int] = []
+    identity: list[int] = []
+    starts: list[int] = []
+    last = 0
+    for p, (m, stamps) in zip(pads, media):
+        want = vt.image_token_id if m.kind == "image" else vt.video_token_id
+        if token_ids[p] != want:
+            raise ValueError(f"placeholder at {p} is not the {m.kind}'s")
+        text = list(token_ids[last:p])
+        ids += text
+        identity += text
+        keys = _identity_ids(m.digest, m.num_tokens)
+        if m.kind == "image":
+            starts.append(len(ids))
+            ids += [want] * m.num_tokens
+            identity += keys
+        else:
+            per_patch = m.num_tokens // m.grid[0]
+            for n, stamp in enumerate(stamps):
+                head = encode_text(f"<{stamp:.1f} seconds>") + [vt.vision_start_token_id]
+                ids += head
+                identity += head
+                if not n:
+                    starts.append(len(ids))
+                ids += [want] * per_patch + [vt.vision_end_token_id]
+                identity += keys[n * per_patch:(n + 1) * per_patch] + [vt.vision_end_token_id]
+        last = p + 1
+    ids += token_ids[last:]
+    identity += token_ids[last:]
+    return ids, identity, starts
+
+
+def identity_of(ids: Sequence[int], identity: Sequence[int] | None, n: int) -> tuple[int, ...]:
+    """The identity of the first n tokens of a sequence whose prompt identity is `identity`
+    (None: a text prompt; generated tokens are their own identity)."""
+    if identity is None:
+        return tuple(ids[:n])
+    return tuple(identity[:n]) + tuple(ids[len(identity):n])

@@ -1,0 +1,146 @@
+"""Images through the Engine's Python API on the `vision` fixture (its byte-level tokenizer and
+the official Qwen3.5 chat template): chat messages with image parts are rendered, the template's
+placeholders expanded, and the answer equals a Program run on the same prompt and media. Prefix
+reuse keys prompts by their images: a follow-up turn with the same image reuses the first
+turn's checkpoint, the same text with another image does not, and outputs equal reuse off.
+Bad media are refused naming the part."""
+
+from __future__ import annotations
+
+import base64
+import functools
+
+import pytest
+
+from ninfer_jax.api import Engine
+from ninfer_jax.engine.events import RejectedError
+from ninfer_jax.frontend import PromptError
+from ninfer_jax.program.config import ProgramConfig
+from ninfer_jax.program.program import Program
+from ninfer_jax.sampling_params import SamplingParams
+from tests.conftest import FIXTURES
+
+DIR = FIXTURES / "vision"
+IMAGES = DIR / "images"
+SETTINGS = {"max_concurrency": 2, "max_seq_len": 256, "prefill_chunk": 16,
+            "max_vision_patches": 512}
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
+
+
+@functools.cache
+def engine(reuse: bool) -> Engine:
+    return Engine.open(DIR, prefix_reuse=reuse, **SETTINGS)
+
+
+def teardown_module():
+    for reuse in (True, False):
+        engine(reuse).close()
+
+
+def ask(image, text: str = "What is in the picture?") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image", "image": image},
+                                         {"type": "text", "text": text}]}]
+
+
+def test_image_placeholders_expand_and_identity_follows_the_image():
+    f = engine(False).frontend
+    a = f.prepare(messages=ask(str(IMAGES / "grad_64x48.png")))
+    assert a.token_ids.count(380) == 12 and len(a.media) == 1 and a.media[0].grid == (1, 6, 8)
+    data = (IMAGES / "grad_64x48.png").read_bytes()
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    for same in (data, url, f"file://{IMAGES / 'grad_64x48.png'}"):
+        b = f.prepare(messages=ask(same))
+        assert b.token_ids == a.token_ids and b.identity == a.identity and b.digest == a.digest
+    other = f.prepare(messages=ask(str(IMAGES / "frame0_64x48.png")))  # the same size
+    assert other.token_ids == a.token_ids and other.identity != a.identity
+    first = a.token_ids.index(380)
+    assert other.identity[:first] == a.identity[:first]
+
+
+def _program_answer(prompt) -> list[int]:
+    e = engine(False)
+    prog = Program(e.core.program.cfg, e.core.program.params,
+                   ProgramConfig(max_concurrency=1, page_size=16, num_pages=32, max_seq_len=256,
+                                 prefill_chunk=16, max_vision_patches=512))
+    h = prog.materialize(prog.plan_admission(len(prompt.token_ids), 6), prompt.token_ids,
+                         media=prompt.media)
+    while (batch := prog.prefill(h)) is None:
+        pass
+    prog.commit(batch, [1])
+    for _ in range(5):
+        prog.commit(prog.decode([h]), [1])
+    out = prog.tokens(h)[len(prompt.token_ids):]
+    prog.close()
+    return out
+
+
+def test_the_answer_equals_the_program_on_the_same_prompt():
+    messages = ask(str(IMAGES / "shapes_200x120.png"))
+    result = engine(False).generate(messages=messages, sampling=GREEDY)
+    prompt = engine(False).frontend.prepare(messages=messages)
+    assert result.usage.prompt_tokens == len(prompt.token_ids)
+    assert list(result.token_ids) == _program_answer(prompt)
+
+
+def test_a_follow_up_with_the_same_image_reuses_and_another_image_does_not():
+    def turns(e, image2):
+        first = ask(str(IMAGES / "grad_64x48.png"))
+        r1 = e.generate(messages=first, sampling=GREEDY)
+        follow = first + [{"role": "assistant", "content": r1.text},
+                          {"role": "user", "content": "And its colours?"}]
+        r2 = e.generate(messages=follow, sampling=GREEDY)
+        swapped = ask(str(IMAGES / image2))
+        r3 = e.generate(messages=swapped, sampling=GREEDY)
+        return r1, r2, r3
+
+    on = turns(engine(True), "frame1_64x48.png")
+    off = turns(engine(False), "frame1_64x48.png")
+    assert [r.token_ids for r in on] == [r.token_ids for r in off]
+    prompt = engine(True).frontend.prepare(messages=ask(str(IMAGES / "grad_64x48.png")))
+    image_end = prompt.token_ids.index(379)  # vision end: the image is inside the reused prefix
+    assert on[1].usage.cached_tokens > image_end
+    assert on[2].usage.cached_tokens <= prompt.token_ids.index(380)  # none of the image
+    assert all(r.usage.cached_tokens == 0 for r in off)
+
+
+def test_bad_media_are_refused_naming_the_part():
+    f = engine(False).frontend
+    with pytest.raises(PromptError, match=r"messages\[0\]\.content\[0\]\.image: no such file"):
+        f.prepare(messages=ask(str(IMAGES / "missing.png")))
+    with pytest.raises(PromptError, match=r"messages\[0\]\.content\[0\]\.image: not a readable"):
+        f.prepare(messages=ask(b"GIF89a truncated"))
+    with pytest.raises(PromptError, match="http\\(s\\) is off"):
+        f.prepare(messages=ask("https://example.com/cat.png"))
+    with pytest.raises(PromptError, match=r"messages\[0\]\.content\[1\]: a system message"):
+        f.prepare(messages=[{"role": "system", "content": [
+            {"type": "text", "text": "x"}, {"type": "image", "image": b""}]}])
+    text_only = Engine.open(max_concurrency=1, max_seq_len=128, verify_weights=False)  # the demo
+    try:
+        with pytest.raises(RejectedError, match=r"messages\[0\]\.content\[0\]: this model "
+                                                "takes no images or videos"):
+            text_only.generate(messages=ask(str(IMAGES / "grad_64x48.png")), sampling=GREEDY)
+    finally:
+        text_only.close()
+
+
+def test_a_checkpoint_with_an_image_comes_back_from_the_host_tier():
+    # one device checkpoint slot: the first turn's checkpoint is evicted to the host tier by
+    # the next request, then reloaded for the follow-up (the store keys it by the image too)
+    e = Engine.open(DIR, prefix_reuse=True, num_checkpoint_slots=1, host_cache_gb=0.05,
+                    **SETTINGS)
+    try:
+        first = ask(str(IMAGES / "grad_64x48.png"))
+        r1 = e.generate(messages=first, sampling=GREEDY)
+        e.generate(messages=ask(str(IMAGES / "frame2_64x48.png"), "Something else."),
+                   sampling=GREEDY)
+        follow = first + [{"role": "assistant", "content": r1.text},
+                          {"role": "user", "content": "And its colours?"}]
+        r2 = e.generate(messages=follow, sampling=GREEDY)
+        tiers = e.stats().tiers
+        ref = engine(False).generate(messages=follow, sampling=GREEDY)
+    finally:
+        e.close()
+    assert r2.token_ids == ref.token_ids
+    prompt = engine(False).frontend.prepare(messages=first)
+    assert r2.usage.cached_tokens > prompt.token_ids.index(379)
+    assert tiers.reloads >= 1, tiers
