@@ -67,7 +67,7 @@ class Engine:
     def open(cls, model: str | pathlib.Path | None = None, *, purpose: str = "generation",
              max_concurrency: int | None = None, verify_weights: bool = True,
              progress: bool | None = None, drafter: str | pathlib.Path | None = None,
-             **config: Any) -> Engine:
+             local_media: bool | str | pathlib.Path = True, **config: Any) -> Engine:
         """Loads `model` (artifact or HF checkpoint directory; None = the embedded default).
 
         purpose="causal_scoring": an Engine that scores texts (`score`, `rolling`,
@@ -96,7 +96,11 @@ class Engine:
         or NINFER_JAX_CACHE_DIR=off), so the next process loads them instead of compiling.
         Context store (prefix checkpoints beyond the device, `context_store.py`):
         context_store (a topology dict or JSON file, or "off"; default: a host-memory tier of
-        1 GiB), or the shortcuts host_cache_gb, disk_cache_dir, redis_url."""
+        1 GiB), or the shortcuts host_cache_gb, disk_cache_dir, redis_url.
+        Vision (a model with a vision tower): messages may hold image and video parts
+        (`frontend.media`); max_vision_patches bounds one prompt's patches (Program);
+        local_media: which local image paths messages may name (True: any, False: none, a
+        directory: those inside it; `ninfer serve` passes its --allowed_media_dir or False)."""
         from ninfer_jax.compile_cache import ensure_persistent_cache
         from ninfer_jax.loader import load_model
         from ninfer_jax.program.config import ProgramConfig
@@ -143,7 +147,7 @@ class Engine:
         pcfg = dataclasses.replace(pcfg, **{k: v for k, v in defaults.items() if k not in given})
         loaded = load_model(model, dtype=pcfg.dtype, verify=verify_weights)
         try:
-            frontend = Frontend.load(loaded.path, loaded.config)
+            frontend = Frontend.load(loaded.path, loaded.config, local_media)
         except FileNotFoundError as e:
             raise CheckpointError(f"cannot serve {loaded.path}: {e}") from None
         params, draft_cfg = loaded.params, None
@@ -229,9 +233,12 @@ class Engine:
                enable_thinking: bool | None = None, deadline_s: float | None = None,
                queue_timeout_s: float | None = None, cache_salt: str | None = None,
                allow_control_tokens: bool | None = None, prefix_reuse: bool = True,
-               _loop=None) -> RequestHandle:
+               prepared: Any = None, _loop=None) -> RequestHandle:
         """Queues one request; returns its handle. Bad input raises RejectedError at once, before
         the request takes any capacity.
+
+        prepared: a PreparedPrompt from `frontend.prepare` (its media and reuse boundary kept),
+        instead of prompt / messages / prompt_token_ids.
 
         session: a prefix-reuse hint (the conversation's key). cache_salt: the request reuses
         and leaves prefix checkpoints only among requests with the same salt (a tenant).
@@ -241,8 +248,12 @@ class Engine:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RejectedError("invalid", f"cache_salt must be a string or None, got "
                                 f"{type(cache_salt).__name__}", "cache_salt")
-        prepared = self._prepare(prompt, messages, prompt_token_ids, enable_thinking,
-                                 allow_control_tokens)
+        if prepared is None:
+            prepared = self._prepare(prompt, messages, prompt_token_ids, enable_thinking,
+                                     allow_control_tokens)
+        elif (prompt, messages, prompt_token_ids) != (None, None, None):
+            raise RejectedError("invalid", "prepared is instead of prompt, messages and "
+                                "prompt_token_ids; pass one", "prompt")
         return self.core.submit(prepared, _sampling(sampling), session_key=session,
                                 deadline_s=deadline_s, queue_timeout_s=queue_timeout_s,
                                 cache_scope=cache_salt, prefix_reuse=prefix_reuse,

@@ -236,6 +236,11 @@ class EngineCore:
             self.program.check_admissible(n, sampling.max_new_tokens)
         except ValueError as e:
             raise RejectedError("too_long", f"max_new_tokens: {e}", "max_new_tokens") from None
+        if prompt.media:
+            try:
+                self.program.check_media(prompt.token_ids, prompt.media)
+            except ValueError as e:
+                raise RejectedError("invalid", f"messages: {e}", "messages") from None
 
     def _release_capacity(self) -> None:
         with self._lock:

@@ -74,10 +74,11 @@ class Frontend:
 
     @classmethod
     def load(cls, directory: str | pathlib.Path, model_config: Any = None,
-             allowed_media_dir: str | pathlib.Path | None = None) -> Frontend:
+             local_media: bool | str | pathlib.Path = True) -> Frontend:
         """The frontend of a model directory. `model_config` (its ModelConfig): with a usable
         vision tower, the processor settings are read too (`preprocessor_config.json`) and
-        checked against the tower. `allowed_media_dir`: local media paths must be inside it."""
+        checked against the tower. `local_media`: which local image paths messages may name
+        (True any, False none, a directory: inside it)."""
         tokenizer = load_tokenizer(directory)
         vision = None
         cfg = model_config
@@ -90,7 +91,8 @@ class Frontend:
             vision = VisionTokens(
                 cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id,
                 cfg.vision_end_token_id, processor,
-                None if allowed_media_dir is None else pathlib.Path(allowed_media_dir).resolve())
+                local_media if isinstance(local_media, bool)
+                else pathlib.Path(local_media).resolve())
         return cls(tokenizer, load_chat_template(directory), vision)
 
     def prepare(

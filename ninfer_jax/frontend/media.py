@@ -14,8 +14,8 @@ id derived from its medium's digest and its index in the medium (ids in [2^30, 2
 a real token), so two prompts with the same text and other images share no prefix past the first
 image, and a follow-up turn with the same image reuses it.
 
-A part may hold: a PIL image; a path (str or pathlib.Path, under `allowed_dir` when one is
-set); encoded bytes; a data URL (`data:image/png;base64,...`); for a video a list of frames
+A part may hold: a PIL image; a path (str, `file://` URL or pathlib.Path; see
+`VisionTokens.local_media`); encoded bytes; a data URL (`data:image/png;base64,...`); for a video a list of frames
 (any of the image forms) with optional `fps` (frames a second of the given frames, default 2).
 Errors are `PromptError`s naming the part (`messages[1].content[0]`).
 """
@@ -53,7 +53,9 @@ class VisionTokens:
     vision_start_token_id: int
     vision_end_token_id: int
     processor: VisionProcessorConfig
-    allowed_dir: pathlib.Path | None = None  # local paths must be inside it (None: any)
+    # Local paths: True any, False none (a server without --allowed_media_dir), or a directory
+    # they must be inside.
+    local_media: bool | pathlib.Path = True
 
 
 class PartError(Exception):
@@ -73,7 +75,7 @@ def _kind(part: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _bytes_of(source: Any, field: str, allowed: pathlib.Path | None) -> tuple[Any, str]:
+def _bytes_of(source: Any, field: str, allowed: bool | pathlib.Path) -> tuple[Any, str]:
     """(a PIL image, the sha256 of its source) from one image form."""
     from PIL import Image
 
@@ -96,12 +98,15 @@ def _bytes_of(source: Any, field: str, allowed: pathlib.Path | None) -> tuple[An
         if text.startswith(("http://", "https://")):
             raise PartError(field, "fetching media over http(s) is off; pass a data URL, a "
                                     "file or the image itself")
+        if allowed is False:
+            raise PartError(field, "local files are off (a server reads them only under its "
+                                   "--allowed_media_dir); pass a data URL")
         path = pathlib.Path(text.removeprefix("file://"))
         try:
             path = path.resolve(strict=True)
         except (OSError, RuntimeError):
             raise PartError(field, f"no such file {text!r}") from None
-        if allowed is not None and not path.is_relative_to(allowed):
+        if allowed is not True and not path.is_relative_to(allowed):
             raise PartError(field, f"{text!r} is outside the allowed media directory")
         if path.stat().st_size > MAX_MEDIA_BYTES:
             raise PartError(field, f"{text!r} is larger than {MAX_MEDIA_BYTES} bytes")
@@ -126,7 +131,7 @@ def _medium(part: Mapping[str, Any], kind: str, field: str, vt: VisionTokens
         key = next((k for k in IMAGE_KEYS if k in part), None)
         if key is None:
             raise PartError(field, "an image part needs an 'image' (or 'image_url') field")
-        image, digest = _bytes_of(part[key], f"{field}.{key}", vt.allowed_dir)
+        image, digest = _bytes_of(part[key], f"{field}.{key}", vt.local_media)
         try:
             return process_image(image, vt.processor, digest, part=field), []
         except MediaError as e:
@@ -137,7 +142,7 @@ def _medium(part: Mapping[str, Any], kind: str, field: str, vt: VisionTokens
     fps = part.get("fps", 2.0)
     if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
         raise PartError(f"{field}.fps", f"must be a positive number, got {fps!r}")
-    loaded = [_bytes_of(f, f"{field}.video[{i}]", vt.allowed_dir) for i, f in enumerate(frames)]
+    loaded = [_bytes_of(f, f"{field}.video[{i}]", vt.local_media) for i, f in enumerate(frames)]
     digest = hashlib.sha256("".join(d for _, d in loaded).encode()).hexdigest()
     try:
         video = process_video([img for img, _ in loaded], vt.processor, digest, part=field)

@@ -69,6 +69,8 @@ flags.DEFINE_integer("max_connections", 512, "serve: open connections at most; a
                      "closed at once")
 flags.DEFINE_list("allowed_origins", [], "serve: browser origins allowed by CORS, comma-separated "
                   "(`*` or https://host[:port]); CORS is off when empty")
+flags.DEFINE_string("allowed_media_dir", None, "serve: a directory whose images requests may "
+                    "name by file:// URL (a vision model); without it only data URLs are read")
 flags.DEFINE_bool("traceback", False, "print the traceback of an internal error")
 app.define_help_flags()
 
@@ -163,7 +165,8 @@ def _serve() -> int:
                      **generate.store_settings(),
                      header_timeout_s=FLAGS.header_timeout_s, body_timeout_s=FLAGS.body_timeout_s,
                      keepalive_timeout_s=FLAGS.keepalive_timeout_s,
-                     max_connections=FLAGS.max_connections, allowed_origins=origins)
+                     max_connections=FLAGS.max_connections, allowed_origins=origins,
+                     local_media=FLAGS.allowed_media_dir or False)
 
 
 def _export_hf() -> int:

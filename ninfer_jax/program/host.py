@@ -240,6 +240,11 @@ class HostProgram(abc.ABC):
         for a prompt with images/videos; raises InfeasibleError when they do not fit."""
         raise InfeasibleError("this Program takes no images or videos")
 
+    def check_media(self, prompt_ids: Sequence[int], media: Sequence) -> None:
+        """Raises InfeasibleError unless a prompt with these images/videos can be admitted
+        (what `materialize` would refuse about them), naming why."""
+        self._prepare_media([int(t) for t in prompt_ids], tuple(media))
+
     def _run_encode(self, seq: SeqRecord) -> Any:
         """The vision embeddings [M, H] of the sequence's media."""
         raise InfeasibleError("this Program takes no images or videos")

@@ -131,6 +131,8 @@ def test_official_client_parses_the_stream(server):
     ({"max_tokens": 5, "messages": []}, "messages"),
     ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+     "messages[0].content[0].source"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document"}]}]},
      "messages[0].content[0].type"),
     ({"max_tokens": 5, "messages": MESSAGES, "temperature": "hot"}, "temperature"),
     ({"max_tokens": 5, "messages": MESSAGES, "stop_sequences": [""]}, "stop_sequences[0]"),

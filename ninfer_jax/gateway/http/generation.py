@@ -137,7 +137,7 @@ async def submit(engine: Any, req: GenerationRequest, prepared: Any, sampling: S
                  metrics: Metrics, received_at: float) -> Generation:
     """Submits a prepared request; a refusal maps to 400/429/503."""
     try:
-        handle = await engine.asubmit(prompt_token_ids=prepared.token_ids, sampling=sampling,
+        handle = await engine.asubmit(prepared=prepared, sampling=sampling,
                                       session=req.session, cache_salt=req.cache_scope)
     except RejectedError as e:
         raise from_rejected(e, prompt_field=req.prompt_field,

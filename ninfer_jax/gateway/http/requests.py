@@ -232,6 +232,37 @@ def session_of(body: Fields, header: str | None, key: str = "user") -> str | Non
     return check_text(header, "x-session-id") if header else body.string(key)
 
 
+def openai_content(m: Fields, role: str) -> str | list[dict[str, Any]]:
+    """A chat message's content: a string, text parts (joined), or for a user message text and
+    `image_url` parts ({"url": a data URL, or file://... on a server started with
+    --allowed_media_dir}), kept as parts for the Frontend, which decodes and checks the media
+    (errors name the part)."""
+    value = m.required("content")
+    if role != "user" or not isinstance(value, list) or not any(
+            isinstance(p, dict) and p.get("type") == "image_url" for p in value):
+        return m.text_content("content")
+    parts: list[dict[str, Any]] = []
+    for i, raw in enumerate(value):
+        p = Fields(raw, f"{m.name('content')}[{i}]")
+        kind = p.string("type", required=True)
+        if kind == "text":
+            parts.append({"type": "text", "text": p.string("text", required=True)})
+        elif kind == "image_url":
+            image = p.obj("image_url")
+            if image is None:
+                raise ApiError.invalid(p.name("image_url"), "must be an object {\"url\": ...}")
+            url = image.string("url", required=True)
+            if not url.startswith(("data:", "file://")):
+                raise ApiError.invalid(image.name("url"), "must be a data URL (data:image/...;"
+                                       "base64,...) or a file:// URL; fetching over http(s) is "
+                                       "off", code="unsupported_content")
+            parts.append({"type": "image_url", "image_url": url})
+        else:
+            raise ApiError.invalid(p.name("type"), f"only text and image_url parts are "
+                                   f"supported, got {kind!r:.40}", code="unsupported_content")
+    return parts
+
+
 def parse_chat(obj: Any, session_header: str | None) -> GenerationRequest:
     """`POST /v1/chat/completions`."""
     body = Fields(obj)
@@ -259,7 +290,7 @@ def parse_chat(obj: Any, session_header: str | None) -> GenerationRequest:
             raise ApiError.invalid(m.name("tool_calls"), "only assistant messages have tool calls")
         empty = calls is not None and not m.has("content")  # content null with tool calls
         message: dict[str, Any] = {"role": _CHAT_ROLES[role],
-                                   "content": "" if empty else m.text_content("content")}
+                                   "content": "" if empty else openai_content(m, role)}
         if calls is not None:
             message["tool_calls"] = calls
         if role == "tool":

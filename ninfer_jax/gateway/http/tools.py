@@ -163,12 +163,22 @@ def anthropic_content(m: Fields, role: str) -> list[dict[str, Any]]:
     if not isinstance(value, list):
         raise ApiError.invalid(m.name("content"), "expected a string or an array of content "
                                "blocks", code="invalid_type")
-    texts, thinking, calls, results = [], [], [], []
+    texts, thinking, calls, results, images = [], [], [], [], []
     for i, raw in enumerate(value):
         b = Fields(raw, f"{m.name('content')}[{i}]")
         kind = b.string("type", required=True)
         if kind == "text":
             texts.append(b.string("text", required=True))
+            images.append({"type": "text", "text": texts[-1]})
+        elif kind == "image" and role == "user":
+            source = b.obj("source")
+            if source is None or source.string("type", required=True) != "base64":
+                raise ApiError.invalid(b.name("source"), "an image block needs a base64 "
+                                       "source (fetching URLs is off)",
+                                       code="unsupported_content")
+            media_type = source.string("media_type", required=True)
+            data = source.string("data", required=True)
+            images.append({"type": "image", "image": f"data:{media_type};base64,{data}"})
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             if kind == "thinking":  # the model's reasoning goes back into the template
                 thinking.append(b.string("thinking", required=True))
@@ -191,6 +201,8 @@ def anthropic_content(m: Fields, role: str) -> list[dict[str, Any]]:
             raise ApiError.invalid(b.name("type"), f"{kind!r:.40} blocks are not supported in "
                                    f"a {role} message", code="unsupported_content")
     out: list[dict[str, Any]] = list(results)
+    if any(p["type"] == "image" for p in images):  # text and images in order, for the Frontend
+        return out + [{"role": role, "content": images}]
     if texts or calls or thinking or not results:
         message: dict[str, Any] = {"role": role, "content": "".join(texts)}
         if thinking:
