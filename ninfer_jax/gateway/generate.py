@@ -36,6 +36,9 @@ from ninfer_jax.sampling_params import MAX_SEED, MAX_TOP_K, SamplingParams, Samp
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("prompt", [], "generate: a prompt (repeat the flag for several)")
 flags.DEFINE_string("messages", None, "generate: a JSON file with a list of chat messages")
+flags.DEFINE_multi_string("image", [], "generate: an image file for the prompt (a vision model; "
+                          "repeat for several): each --prompt becomes a chat message holding "
+                          "the images, then its text")
 flags.DEFINE_string("input_jsonl", None,
                     "generate: a JSONL file, one request per line: {\"prompt\": ...} or "
                     "{\"messages\": [...]}; answers go to stdout as JSONL")
@@ -187,6 +190,10 @@ def _requests() -> tuple[Iterable[tuple[int, dict[str, Any] | str]], bool]:
         check_unicode(FLAGS.prompt, "--prompt")
     except RecordError as e:
         raise app.UsageError(f"{e} (the command line is not UTF-8)") from None
+    if FLAGS.image:
+        images = [{"type": "image", "image": path} for path in FLAGS.image]
+        return [(i, {"messages": [{"role": "user", "content": [
+            *images, {"type": "text", "text": p}]}]}) for i, p in enumerate(FLAGS.prompt)], False
     return [(i, {"prompt": p}) for i, p in enumerate(FLAGS.prompt)], False
 
 
@@ -306,16 +313,19 @@ def run_generate() -> int:
 
 
 def run_chat(stdin: BinaryIO | None = None) -> int:
-    """Interactive multi-turn chat; `/reset` clears the history, `/exit` or EOF ends. A turn
-    that cannot run (not UTF-8, refused by the Engine) is reported and skipped; the chat ends
-    with a CommandError when any turn failed."""
+    """Interactive multi-turn chat; `/reset` clears the history, `/image PATH` attaches an
+    image to the next message (a vision model), `/exit` or EOF ends. A turn that cannot run
+    (not UTF-8, refused by the Engine) is reported and skipped; the chat ends with a
+    CommandError when any turn failed."""
     stdin = sys.stdin.buffer if stdin is None else stdin
     interactive = stdin.isatty()  # the "> " prompt only for a person at a terminal
     sampling = _sampling()
-    history: list[dict[str, str]] = []
+    history: list[dict[str, Any]] = []
+    images: list[dict[str, str]] = []  # attached to the next message
     failed = 0
     with _open_engine() as engine:
-        print("[ninfer] chat: type a message; /reset clears history, /exit quits", file=sys.stderr)
+        print("[ninfer] chat: type a message; /image PATH attaches an image, /reset clears "
+              "history, /exit quits", file=sys.stderr)
         while True:
             if interactive:
                 print("> ", end="", file=sys.stderr, flush=True)
@@ -332,10 +342,22 @@ def run_chat(stdin: BinaryIO | None = None) -> int:
                 break
             if line.strip() == "/reset":
                 history.clear()
+                images.clear()
+                continue
+            if line.startswith("/image"):
+                path = line[len("/image"):].strip()
+                if not path:
+                    print("[ninfer] usage: /image PATH", file=sys.stderr)
+                    continue
+                images.append({"type": "image", "image": path})
+                print(f"[ninfer] {path} attached to the next message", file=sys.stderr)
                 continue
             if not line.strip():
                 continue
-            history.append({"role": "user", "content": line.rstrip("\n")})
+            text = line.rstrip("\n")
+            content = [*images, {"type": "text", "text": text}] if images else text
+            images = []
+            history.append({"role": "user", "content": content})
             if not _chat_turn(engine, history, sampling):
                 history.pop()
                 failed += 1
@@ -344,7 +366,7 @@ def run_chat(stdin: BinaryIO | None = None) -> int:
     return 0
 
 
-def _chat_turn(engine, history: list[dict[str, str]], sampling: SamplingParams) -> bool:
+def _chat_turn(engine, history: list[dict[str, Any]], sampling: SamplingParams) -> bool:
     """Runs one turn, streaming the answer; appends it to `history`. False if it failed."""
     start = time.perf_counter()
     outcome = _submit(lambda msgs: engine.submit(messages=msgs, sampling=sampling,

@@ -46,6 +46,29 @@ def test_chat_keeps_history_and_reuses_it():
     assert "cached 0" in turns[0] and "cached 0" not in turns[1]  # the second turn hit
 
 
+def test_generate_and_chat_take_images_on_a_vision_model():
+    from ninfer_jax.api import Engine
+    from ninfer_jax.sampling_params import SamplingParams
+    from tests.conftest import FIXTURES
+
+    model, image = FIXTURES / "vision", FIXTURES / "vision" / "images" / "grad_64x48.png"
+    args = (f"--model={model}", "--max_new_tokens=6", "--temperature=0", "--max_seq_len=256",
+            "--max_concurrency=1", "--enable_thinking=false")
+    out = _ninfer("generate", f"--image={image}", "--prompt=What is it?", *args)
+    assert out.returncode == 0, out.stderr
+    with Engine.open(model, max_concurrency=1, max_seq_len=256) as e:
+        want = e.generate(messages=[{"role": "user", "content": [
+            {"type": "image", "image": str(image)}, {"type": "text", "text": "What is it?"}]}],
+            enable_thinking=False, sampling=SamplingParams(max_new_tokens=6, temperature=0))
+    assert out.stdout.rstrip("\n") == want.text
+    chat = _ninfer("chat", *args, stdin=f"/image {image}\nWhat is it?\n/image /no/such.png\n"
+                                        "And now?\nok\n/exit\n")
+    assert chat.returncode != 0  # the turn naming a missing file failed, the others ran
+    assert "messages[2].content[0].image: no such file '/no/such.png'" in chat.stderr
+    assert sum("TTFT" in line for line in chat.stderr.splitlines()) == 2
+    assert chat.stdout.splitlines()[0] == want.text
+
+
 # One of every kind of JSONL line that cannot run, each of which must get its own error line.
 BAD_LINES = [
     b"",  # blank
