@@ -325,17 +325,26 @@ class Program(HostProgram):
             used[m.kind] += m.num_tokens
         return rope, at.astype(np.int32), tuple(starts)
 
-    def _run_encode(self, seq: SeqRecord):
+    def encode_media(self, media) -> np.ndarray:
+        """The vision tower's embeddings [M, H] of images/videos (VisionInput, packed in order:
+        M is their placeholder count), through the smallest compiled bucket that holds them."""
+        if not self.vision_on:
+            raise InfeasibleError("this Program takes no images or videos")
         v = self.cfg.vision
-        grids = [m.grid for m in seq.media]
-        n = sum(m.patches.shape[0] for m in seq.media)
-        bucket = next(b for b in self.pcfg.vision_buckets if b >= n)
-        layout = vision_layout(grids, v, bucket)
+        n = sum(m.patches.shape[0] for m in media)
+        bucket = next((b for b in self.pcfg.vision_buckets if b >= n), None)
+        if bucket is None:
+            raise InfeasibleError(f"{n} patches, more than max_vision_patches "
+                                  f"{self.pcfg.max_vision_patches}")
+        layout = vision_layout([m.grid for m in media], v, bucket)
         patches = np.zeros((bucket, v.patch_dim), np.float32)
-        patches[:n] = np.concatenate([m.patches for m in seq.media])
+        patches[:n] = np.concatenate([m.patches for m in media])
         out = self.executables(StepKey(StepKind.VISION_ENCODE, 1, bucket), self.params,
                                VisionEncodeInputs(patches, *layout.arrays()))
         return np.asarray(out)[: n // v.merge_unit]
+
+    def _run_encode(self, seq: SeqRecord):
+        return self.encode_media(seq.media)
 
     def _vision_rows(self, seq: SeqRecord | None, start: int, n: int) -> dict:
         """The prefill chunk's vision fields (none without the vision path): MRoPE positions
