@@ -351,6 +351,8 @@ class Engine:
                 f"max_concurrency {pcfg.max_concurrency}")
         if pcfg.speculative != "off":
             line += f", speculative {pcfg.speculative} K={pcfg.num_speculative_tokens}"
+        if getattr(self.core.program, "vision_on", False):
+            line += f", vision up to {pcfg.max_vision_patches} patches a prompt"
         return line
 
     @property

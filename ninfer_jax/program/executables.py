@@ -132,6 +132,13 @@ class ExecutableTable:
             self._pending.pop(key, None)
         return executable
 
+    def memory(self, key: StepKey) -> dict[str, int]:
+        """The compiled executable's buffer sizes in bytes (XLA's memory analysis): arguments,
+        outputs, and temporaries (its working memory beside the pools). Waits for its compile."""
+        m = self._get(key).memory_analysis()
+        return {"argument": int(m.argument_size_in_bytes), "output": int(m.output_size_in_bytes),
+                "temp": int(m.temp_size_in_bytes)}
+
     def __call__(self, key: StepKey, *args: Any) -> Any:
         return self._get(key)(*args)
 

@@ -343,6 +343,17 @@ class Program(HostProgram):
                                VisionEncodeInputs(patches, *layout.arrays()))
         return np.asarray(out)[: n // v.merge_unit]
 
+    def vision_workspace_bytes(self) -> int:
+        """The Vision region: the vision encoder's working memory at its largest bucket
+        (its patches, embeddings and XLA temporaries), allocated per call beside the pools,
+        never from the KV pages. 0 without the vision path. Waits for the encoder's compile."""
+        if not self.vision_on:
+            return 0
+        m = self.executables.memory(StepKey(StepKind.VISION_ENCODE, 1,
+                                            self.pcfg.vision_buckets[-1]))
+        weights = sum(a.nbytes for a in jax.tree.leaves(self.params["vision"]))
+        return m["argument"] - weights + m["output"] + m["temp"]
+
     def _run_encode(self, seq: SeqRecord):
         return self.encode_media(seq.media)
 

@@ -148,3 +148,37 @@ def test_encoder_buckets_and_refusals():
     with pytest.raises(InfeasibleError, match="no images or videos: the model has no vision"):
         plain.materialize(plain.plan_admission(len(ids), 4), ids, media=media("one_image"))
     plain.close()
+
+
+def test_the_vision_region_is_the_encoder_working_memory_at_its_largest_bucket():
+    prog = program()
+    region = prog.vision_workspace_bytes()
+    v = prog.cfg.vision
+    n = prog.pcfg.vision_buckets[-1]
+    # at least its inputs (patches and layout) and its output, more than the KV pages never
+    assert region >= n * v.patch_dim * 4 + n // v.merge_unit * prog.cfg.hidden_size * 4
+    text = load_model(FIXTURES / "dense")
+    plain = Program(text.config, text.params, ProgramConfig(max_concurrency=1, num_pages=16,
+                                                            max_seq_len=64, prefill_chunk=16))
+    assert plain.vision_workspace_bytes() == 0
+    plain.close()
+
+
+def test_bfloat16_images_stay_close_to_float32():
+    import jax.numpy as jnp
+
+    m = load_model(DIR)
+    pcfg = ProgramConfig(max_concurrency=1, page_size=8, num_pages=32, max_seq_len=128,
+                         prefill_chunk=16, max_vision_patches=512, dtype="bfloat16")
+    prog = Program(m.config, m.params, pcfg)
+    items = media("two_images")
+    got = prog.encode_media(items).astype(np.float32)
+    want = program().encode_media(items)
+    assert prog.params["vision"]["patch_w"].dtype == jnp.bfloat16
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() < 0.05 * scale  # bf16 weights and activations
+    h = _start(prog, "two_images")  # the bf16 path runs end to end
+    _decode(prog, [h], 2)
+    assert len(prog.tokens(h)) == len(ref()["two_images/ids"]) + 3
+    prog.release(h)
+    prog.close()
