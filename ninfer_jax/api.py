@@ -67,7 +67,8 @@ class Engine:
     def open(cls, model: str | pathlib.Path | None = None, *, purpose: str = "generation",
              max_concurrency: int | None = None, verify_weights: bool = True,
              progress: bool | None = None, drafter: str | pathlib.Path | None = None,
-             local_media: bool | str | pathlib.Path = True, **config: Any) -> Engine:
+             local_media: bool | str | pathlib.Path = True, media_fetch_timeout_s: float = 0.0,
+             **config: Any) -> Engine:
         """Loads `model` (artifact or HF checkpoint directory; None = the embedded default).
 
         purpose="causal_scoring": an Engine that scores texts (`score`, `rolling`,
@@ -100,7 +101,9 @@ class Engine:
         Vision (a model with a vision tower): messages may hold image and video parts
         (`frontend.media`); max_vision_patches bounds one prompt's patches (Program);
         local_media: which local image paths messages may name (True: any, False: none, a
-        directory: those inside it; `ninfer serve` passes its --allowed_media_dir or False)."""
+        directory: those inside it; `ninfer serve` passes its --allowed_media_dir or False);
+        media_fetch_timeout_s: http(s) image URLs are fetched within it, up to 64 MiB each
+        (0, the default: never)."""
         from ninfer_jax.compile_cache import ensure_persistent_cache
         from ninfer_jax.loader import load_model
         from ninfer_jax.program.config import ProgramConfig
@@ -147,7 +150,12 @@ class Engine:
         pcfg = dataclasses.replace(pcfg, **{k: v for k, v in defaults.items() if k not in given})
         loaded = load_model(model, dtype=pcfg.dtype, verify=verify_weights)
         try:
-            frontend = Frontend.load(loaded.path, loaded.config, local_media)
+            if isinstance(media_fetch_timeout_s, bool) or not isinstance(
+                    media_fetch_timeout_s, (int, float)) or not 0 <= media_fetch_timeout_s < 3600:
+                raise ConfigError(f"media_fetch_timeout_s must be seconds in [0, 3600), got "
+                                  f"{media_fetch_timeout_s!r:.40}")
+            frontend = Frontend.load(loaded.path, loaded.config, local_media,
+                                     media_fetch_timeout_s)
         except FileNotFoundError as e:
             raise CheckpointError(f"cannot serve {loaded.path}: {e}") from None
         params, draft_cfg = loaded.params, None

@@ -74,11 +74,13 @@ class Frontend:
 
     @classmethod
     def load(cls, directory: str | pathlib.Path, model_config: Any = None,
-             local_media: bool | str | pathlib.Path = True) -> Frontend:
+             local_media: bool | str | pathlib.Path = True,
+             media_fetch_timeout_s: float = 0.0) -> Frontend:
         """The frontend of a model directory. `model_config` (its ModelConfig): with a usable
         vision tower, the processor settings are read too (`preprocessor_config.json`) and
         checked against the tower. `local_media`: which local image paths messages may name
-        (True any, False none, a directory: inside it)."""
+        (True any, False none, a directory: inside it). `media_fetch_timeout_s`: http(s) image
+        URLs are fetched within it (0: not at all)."""
         tokenizer = load_tokenizer(directory)
         vision = None
         cfg = model_config
@@ -92,7 +94,7 @@ class Frontend:
                 cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id,
                 cfg.vision_end_token_id, processor,
                 local_media if isinstance(local_media, bool)
-                else pathlib.Path(local_media).resolve())
+                else pathlib.Path(local_media).resolve(), float(media_fetch_timeout_s))
         return cls(tokenizer, load_chat_template(directory), vision)
 
     def prepare(

@@ -56,6 +56,9 @@ class VisionTokens:
     # Local paths: True any, False none (a server without --allowed_media_dir), or a directory
     # they must be inside.
     local_media: bool | pathlib.Path = True
+    # http(s) URLs: fetched within this many seconds (0: never fetched), at most
+    # MAX_MEDIA_BYTES each.
+    fetch_timeout_s: float = 0.0
 
 
 class PartError(Exception):
@@ -75,7 +78,30 @@ def _kind(part: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _bytes_of(source: Any, field: str, allowed: bool | pathlib.Path) -> tuple[Any, str]:
+def _fetch(url: str, field: str, timeout_s: float) -> bytes:
+    """The body of an http(s) URL: within timeout_s in all, at most MAX_MEDIA_BYTES."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            chunks, size = [], 0
+            while chunk := r.read(1 << 16):
+                size += len(chunk)
+                if size > MAX_MEDIA_BYTES:
+                    raise PartError(field, f"{url!r} is larger than {MAX_MEDIA_BYTES} bytes")
+                if time.monotonic() > deadline:
+                    raise PartError(field, f"fetching {url!r} took over {timeout_s:g} s")
+                chunks.append(chunk)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise PartError(field, f"cannot fetch {url!r} ({e})") from None
+    return b"".join(chunks)
+
+
+def _bytes_of(source: Any, field: str, allowed: bool | pathlib.Path,
+              fetch_timeout_s: float = 0.0) -> tuple[Any, str]:
     """(a PIL image, the sha256 of its source) from one image form."""
     from PIL import Image
 
@@ -96,8 +122,14 @@ def _bytes_of(source: Any, field: str, allowed: bool | pathlib.Path) -> tuple[An
     elif isinstance(source, (str, pathlib.Path)):
         text = str(source)
         if text.startswith(("http://", "https://")):
-            raise PartError(field, "fetching media over http(s) is off; pass a data URL, a "
-                                    "file or the image itself")
+            if not fetch_timeout_s:
+                raise PartError(field, "fetching media over http(s) is off; pass a data URL, "
+                                       "a file or the image itself")
+            data = _fetch(text, field, fetch_timeout_s)
+            try:
+                return open_image(data, field), hashlib.sha256(data).hexdigest()
+            except MediaError as e:
+                raise PartError(field, str(e).removeprefix(f"{field}: ")) from None
         if allowed is False:
             raise PartError(field, "local files are off (a server reads them only under its "
                                    "--allowed_media_dir); pass a data URL")
@@ -131,7 +163,8 @@ def _medium(part: Mapping[str, Any], kind: str, field: str, vt: VisionTokens
         key = next((k for k in IMAGE_KEYS if k in part), None)
         if key is None:
             raise PartError(field, "an image part needs an 'image' (or 'image_url') field")
-        image, digest = _bytes_of(part[key], f"{field}.{key}", vt.local_media)
+        image, digest = _bytes_of(part[key], f"{field}.{key}", vt.local_media,
+                                  vt.fetch_timeout_s)
         try:
             return process_image(image, vt.processor, digest, part=field), []
         except MediaError as e:
@@ -142,7 +175,8 @@ def _medium(part: Mapping[str, Any], kind: str, field: str, vt: VisionTokens
     fps = part.get("fps", 2.0)
     if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
         raise PartError(f"{field}.fps", f"must be a positive number, got {fps!r}")
-    loaded = [_bytes_of(f, f"{field}.video[{i}]", vt.local_media) for i, f in enumerate(frames)]
+    loaded = [_bytes_of(f, f"{field}.video[{i}]", vt.local_media, vt.fetch_timeout_s)
+              for i, f in enumerate(frames)]
     digest = hashlib.sha256("".join(d for _, d in loaded).encode()).hexdigest()
     try:
         video = process_video([img for img, _ in loaded], vt.processor, digest, part=field)

@@ -71,6 +71,8 @@ flags.DEFINE_list("allowed_origins", [], "serve: browser origins allowed by CORS
                   "(`*` or https://host[:port]); CORS is off when empty")
 flags.DEFINE_string("allowed_media_dir", None, "serve: a directory whose images requests may "
                     "name by file:// URL (a vision model); without it only data URLs are read")
+flags.DEFINE_float("media_fetch_timeout_s", 0.0, "serve: fetch http(s) image URLs within this "
+                   "many seconds, 64 MiB at most (0: never fetch)", lower_bound=0.0)
 flags.DEFINE_bool("traceback", False, "print the traceback of an internal error")
 app.define_help_flags()
 
@@ -166,7 +168,8 @@ def _serve() -> int:
                      header_timeout_s=FLAGS.header_timeout_s, body_timeout_s=FLAGS.body_timeout_s,
                      keepalive_timeout_s=FLAGS.keepalive_timeout_s,
                      max_connections=FLAGS.max_connections, allowed_origins=origins,
-                     local_media=FLAGS.allowed_media_dir or False)
+                     local_media=FLAGS.allowed_media_dir or False,
+                     media_fetch_timeout_s=FLAGS.media_fetch_timeout_s)
 
 
 def _export_hf() -> int:

@@ -144,3 +144,49 @@ def test_a_checkpoint_with_an_image_comes_back_from_the_host_tier():
     prompt = engine(False).frontend.prepare(messages=first)
     assert r2.usage.cached_tokens > prompt.token_ids.index(379)
     assert tiers.reloads >= 1, tiers
+
+
+def test_http_images_are_fetched_only_when_enabled_within_time_and_size():
+    import http.server
+    import threading
+    import time
+
+    from ninfer_jax.frontend import Frontend
+    from ninfer_jax.frontend import media as media_module
+
+    png = (IMAGES / "grad_64x48.png").read_bytes()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = {"/cat.png": png, "/big.png": b"x" * (media_module.MAX_MEDIA_BYTES + 1),
+                    "/slow.png": png}.get(self.path)
+            if body is None:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.path == "/slow.png":
+                time.sleep(1.5)
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        cfg = engine(False).core.program.cfg
+        on = Frontend.load(DIR, cfg, media_fetch_timeout_s=1.0)
+        fetched = on.prepare(messages=ask(f"{url}/cat.png"))
+        local = on.prepare(messages=ask(png))
+        assert fetched.identity == local.identity  # the digest of the same bytes
+        for path, why in (("/big.png", "larger than"), ("/slow.png", "timed out|took over"),
+                          ("/none.png", "HTTP Error 404")):
+            with pytest.raises(PromptError, match=rf"messages\[0\]\.content\[0\]\.image: .*({why})"):
+                on.prepare(messages=ask(url + path))
+        with pytest.raises(PromptError, match=r"over http\(s\) is off"):
+            engine(False).frontend.prepare(messages=ask(f"{url}/cat.png"))
+    finally:
+        server.shutdown()

@@ -89,7 +89,7 @@ BAD = {
     "not an image": ("data:text/plain;base64," + base64.b64encode(b"hello").decode(),
                      "not a readable image"),
     "too thin": (_png(Image.new("RGB", (2010, 10))), "aspect ratio 201 exceeds 200"),
-    "over http": ("https://example.com/cat.png", "fetching over http"),
+    "over http": ("https://example.com/cat.png", "fetching media over http(s) is off"),
     "outside the directory": (f"file://{DIR / 'config.json'}", "outside the allowed media"),
     "too many patches": ([_png(Image.new("RGB", (512, 512)))] * 3,
                          "768 patches, more than max_vision_patches 512"),

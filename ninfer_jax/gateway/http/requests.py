@@ -234,9 +234,9 @@ def session_of(body: Fields, header: str | None, key: str = "user") -> str | Non
 
 def openai_content(m: Fields, role: str) -> str | list[dict[str, Any]]:
     """A chat message's content: a string, text parts (joined), or for a user message text and
-    `image_url` parts ({"url": a data URL, or file://... on a server started with
-    --allowed_media_dir}), kept as parts for the Frontend, which decodes and checks the media
-    (errors name the part)."""
+    `image_url` parts ({"url": a data URL, file://... on a server started with
+    --allowed_media_dir, http(s)://... with --media_fetch_timeout_s}), kept as parts for the
+    Frontend, which fetches, decodes and checks the media (errors name the part)."""
     value = m.required("content")
     if role != "user" or not isinstance(value, list) or not any(
             isinstance(p, dict) and p.get("type") == "image_url" for p in value):
@@ -252,10 +252,11 @@ def openai_content(m: Fields, role: str) -> str | list[dict[str, Any]]:
             if image is None:
                 raise ApiError.invalid(p.name("image_url"), "must be an object {\"url\": ...}")
             url = image.string("url", required=True)
-            if not url.startswith(("data:", "file://")):
+            if not url.startswith(("data:", "file://", "http://", "https://")):
                 raise ApiError.invalid(image.name("url"), "must be a data URL (data:image/...;"
-                                       "base64,...) or a file:// URL; fetching over http(s) is "
-                                       "off", code="unsupported_content")
+                                       "base64,...), a file:// URL, or an http(s) URL on a "
+                                       "server started with --media_fetch_timeout_s",
+                                       code="unsupported_content")
             parts.append({"type": "image_url", "image_url": url})
         else:
             raise ApiError.invalid(p.name("type"), f"only text and image_url parts are "
