@@ -113,3 +113,24 @@ def test_the_server_is_healthy_after_bad_media(server):
     s = wait_idle(_engine(server))
     assert (s.outstanding, s.active, s.waiting) == (0, 0, 0), s
     assert s.free_lanes == s.total_lanes
+
+
+def test_a_video_as_frames_and_a_video_file_refused(server):
+    frames = [IMAGES / f"frame{i}_64x48.png" for i in range(4)]
+    urls = ["data:image/png;base64," + base64.b64encode(f.read_bytes()).decode() for f in frames]
+    body = {"model": MODEL, "max_tokens": 6, "temperature": 0, "messages": [
+        {"role": "user", "content": [{"type": "video", "video": urls, "fps": 4},
+                                     {"type": "text", "text": QUESTION}]}]}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    want = _engine(server).generate(messages=[{"role": "user", "content": [
+        {"type": "video", "video": [f.read_bytes() for f in frames], "fps": 4},
+        {"type": "text", "text": QUESTION}]}], sampling=SamplingParams(max_new_tokens=6,
+                                                                       temperature=0))
+    message = r.json()["choices"][0]["message"]
+    assert (message["content"], message.get("reasoning_content", "")) == (
+        want.text, want.reasoning_text)
+    assert r.json()["usage"]["prompt_tokens"] == want.usage.prompt_tokens
+    body["messages"][0]["content"][0] = {"type": "video_url", "video_url": {"url": "x.mp4"}}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and "send the frames" in r.json()["error"]["message"]

@@ -239,7 +239,8 @@ def openai_content(m: Fields, role: str) -> str | list[dict[str, Any]]:
     Frontend, which fetches, decodes and checks the media (errors name the part)."""
     value = m.required("content")
     if role != "user" or not isinstance(value, list) or not any(
-            isinstance(p, dict) and p.get("type") == "image_url" for p in value):
+            isinstance(p, dict) and p.get("type") in ("image_url", "video", "video_url")
+            for p in value):
         return m.text_content("content")
     parts: list[dict[str, Any]] = []
     for i, raw in enumerate(value):
@@ -251,17 +252,32 @@ def openai_content(m: Fields, role: str) -> str | list[dict[str, Any]]:
             image = p.obj("image_url")
             if image is None:
                 raise ApiError.invalid(p.name("image_url"), "must be an object {\"url\": ...}")
-            url = image.string("url", required=True)
-            if not url.startswith(("data:", "file://", "http://", "https://")):
-                raise ApiError.invalid(image.name("url"), "must be a data URL (data:image/...;"
-                                       "base64,...), a file:// URL, or an http(s) URL on a "
-                                       "server started with --media_fetch_timeout_s",
-                                       code="unsupported_content")
-            parts.append({"type": "image_url", "image_url": url})
+            parts.append({"type": "image_url", "image_url": _media_url(image)})
+        elif kind == "video":  # frames: {"type": "video", "video": [url, ...], "fps": 2}
+            frames = p.array("video", required=True)
+            urls = [_media_url(Fields({"url": f}, f"{p.name('video')}[{j}]"))
+                    for j, f in enumerate(frames)]
+            fps = p.number("fps")
+            parts.append({"type": "video", "video": urls, **({} if fps is None else
+                                                                {"fps": fps})})
+        elif kind == "video_url":
+            raise ApiError.invalid(p.name("type"), "video files are not decoded here; send "
+                                   "the frames: {\"type\": \"video\", \"video\": [image URLs], "
+                                   "\"fps\": frames a second}", code="unsupported_content")
         else:
-            raise ApiError.invalid(p.name("type"), f"only text and image_url parts are "
+            raise ApiError.invalid(p.name("type"), f"only text, image_url and video parts are "
                                    f"supported, got {kind!r:.40}", code="unsupported_content")
     return parts
+
+
+def _media_url(f: Fields) -> str:
+    """An image URL the Frontend reads (data:, file://, http(s)://)."""
+    url = f.string("url", required=True)
+    if not url.startswith(("data:", "file://", "http://", "https://")):
+        raise ApiError.invalid(f.name("url"), "must be a data URL (data:image/...;base64,...), "
+                               "a file:// URL, or an http(s) URL on a server started with "
+                               "--media_fetch_timeout_s", code="unsupported_content")
+    return url
 
 
 def parse_chat(obj: Any, session_header: str | None) -> GenerationRequest:
