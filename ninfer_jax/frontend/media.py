@@ -15,8 +15,9 @@ a real token), so two prompts with the same text and other images share no prefi
 image, and a follow-up turn with the same image reuses it.
 
 A part may hold: a PIL image; a path (str, `file://` URL or pathlib.Path; see
-`VisionTokens.local_media`); encoded bytes; a data URL (`data:image/png;base64,...`); for a video a list of frames
-(any of the image forms) with optional `fps` (frames a second of the given frames, default 2).
+`VisionTokens.local_media`); encoded bytes; a data URL (`data:image/png;base64,...`). A video:
+a file in any of those forms, decoded with PyAV and sampled at `fps` frames a second (default
+2, 4..768 frames), or a list of frames (any image form), `fps` then being their rate.
 Errors are `PromptError`s naming the part (`messages[1].content[0]`).
 """
 
@@ -26,6 +27,7 @@ import base64
 import binascii
 import dataclasses
 import hashlib
+import io
 import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -37,6 +39,7 @@ from ninfer_jax.frontend.vision import (
     open_image,
     process_image,
     process_video,
+    sample_frames,
 )
 
 IDENTITY_BASE = 1 << 30  # identity ids are in [2^30, 2^31): int32 like every token id
@@ -105,12 +108,23 @@ def _bytes_of(source: Any, field: str, allowed: bool | pathlib.Path,
     """(a PIL image, the sha256 of its source) from one image form."""
     from PIL import Image
 
-    if isinstance(source, Mapping) and "url" in source:  # OpenAI's {"url": ...}
-        source = source["url"]
     if isinstance(source, Image.Image):
         h = hashlib.sha256(f"{source.mode}{source.size}".encode())
         h.update(source.tobytes())
         return source, h.hexdigest()
+    data = _source_bytes(source, field, allowed, fetch_timeout_s)
+    try:
+        return open_image(data, field), hashlib.sha256(data).hexdigest()
+    except MediaError as e:
+        raise PartError(field, str(e).removeprefix(f"{field}: ")) from None
+
+
+def _source_bytes(source: Any, field: str, allowed: bool | pathlib.Path,
+                  fetch_timeout_s: float) -> bytes:
+    """The encoded bytes of a medium given as bytes, a data URL, a path / file:// URL or (with
+    fetching on) an http(s) URL."""
+    if isinstance(source, Mapping) and "url" in source:  # OpenAI's {"url": ...}
+        source = source["url"]
     if isinstance(source, str) and source.startswith("data:"):
         head, _, payload = source.partition(",")
         if ";base64" not in head:
@@ -125,11 +139,7 @@ def _bytes_of(source: Any, field: str, allowed: bool | pathlib.Path,
             if not fetch_timeout_s:
                 raise PartError(field, "fetching media over http(s) is off; pass a data URL, "
                                        "a file or the image itself")
-            data = _fetch(text, field, fetch_timeout_s)
-            try:
-                return open_image(data, field), hashlib.sha256(data).hexdigest()
-            except MediaError as e:
-                raise PartError(field, str(e).removeprefix(f"{field}: ")) from None
+            return _fetch(text, field, fetch_timeout_s)
         if allowed is False:
             raise PartError(field, "local files are off (a server reads them only under its "
                                    "--allowed_media_dir); pass a data URL")
@@ -149,11 +159,8 @@ def _bytes_of(source: Any, field: str, allowed: bool | pathlib.Path,
         raise PartError(field, f"expected a PIL image, a path, bytes or a data URL, got "
                                 f"{type(source).__name__}")
     if len(data) > MAX_MEDIA_BYTES:
-        raise PartError(field, f"the image is larger than {MAX_MEDIA_BYTES} bytes")
-    try:
-        return open_image(data, field), hashlib.sha256(data).hexdigest()
-    except MediaError as e:
-        raise PartError(field, str(e).removeprefix(f"{field}: ")) from None
+        raise PartError(field, f"the medium is larger than {MAX_MEDIA_BYTES} bytes")
+    return data
 
 
 def _medium(part: Mapping[str, Any], kind: str, field: str, vt: VisionTokens
@@ -170,19 +177,65 @@ def _medium(part: Mapping[str, Any], kind: str, field: str, vt: VisionTokens
         except MediaError as e:
             raise PartError(field, str(e).removeprefix(f"{field}: ")) from None
     frames = part.get("video")
-    if isinstance(frames, (str, bytes, Mapping)) or not isinstance(frames, Sequence):
-        raise PartError(f"{field}.video", "a video is a list of frames (images)")
     fps = part.get("fps", 2.0)
     if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
         raise PartError(f"{field}.fps", f"must be a positive number, got {fps!r}")
-    loaded = [_bytes_of(f, f"{field}.video[{i}]", vt.local_media, vt.fetch_timeout_s)
-              for i, f in enumerate(frames)]
-    digest = hashlib.sha256("".join(d for _, d in loaded).encode()).hexdigest()
+    if isinstance(frames, (str, pathlib.Path, bytes, bytearray, Mapping)):  # a video file
+        data = _source_bytes(frames, f"{field}.video", vt.local_media, vt.fetch_timeout_s)
+        images, indices, rate = decode_video(data, f"{field}.video", float(fps))
+        digest = hashlib.sha256(data).hexdigest()
+    elif isinstance(frames, Sequence):  # the frames themselves, `fps` a second
+        loaded = [_bytes_of(f, f"{field}.video[{i}]", vt.local_media, vt.fetch_timeout_s)
+                  for i, f in enumerate(frames)]
+        images, indices, rate = [img for img, _ in loaded], list(range(len(loaded))), float(fps)
+        digest = hashlib.sha256("".join(d for _, d in loaded).encode()).hexdigest()
+    else:
+        raise PartError(f"{field}.video", "a video is a file (path, bytes, URL) or a list of "
+                                          "frames (images)")
     try:
-        video = process_video([img for img, _ in loaded], vt.processor, digest, part=field)
+        video = process_video(images, vt.processor, digest, part=field)
     except MediaError as e:
         raise PartError(field, str(e).removeprefix(f"{field}: ")) from None
-    return video, timestamps(len(frames), float(fps), vt.processor.temporal_patch_size)
+    return video, timestamps(indices, rate, vt.processor.temporal_patch_size)
+
+
+MAX_DECODED_FRAMES = 100_000  # frames read from one video file at most
+
+
+def decode_video(data: bytes, field: str, fps: float) -> tuple[list[Any], list[int], float]:
+    """(the sampled frames as PIL images, their indices in the video, the video's frame rate)
+    of an encoded video file: `fps` frames a second (`sample_frames`), decoded with PyAV, only
+    the sampled frames kept."""
+    try:
+        import av
+    except ImportError:
+        raise PartError(field, "decoding video files needs PyAV (pip install "
+                               "'ninfer-jax[video]'); or send the frames as images") from None
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            stream = container.streams.video[0]
+            rate = float(stream.average_rate or 0) or None
+            total = stream.frames or sum(1 for _ in container.decode(video=0))
+        if total > MAX_DECODED_FRAMES:
+            raise PartError(field, f"the video has {total} frames, more than "
+                                   f"{MAX_DECODED_FRAMES}")
+        try:
+            indices = [int(i) for i in sample_frames(total, rate, fps=fps)]
+        except MediaError as e:
+            raise PartError(field, str(e)) from None
+        wanted, frames = set(indices), {}
+        with av.open(io.BytesIO(data)) as container:
+            for i, frame in enumerate(container.decode(video=0)):
+                if i in wanted:
+                    frames[i] = frame.to_image()
+                if i >= indices[-1]:
+                    break
+    except (av.error.FFmpegError, IndexError, ValueError, OSError) as e:
+        raise PartError(field, f"not a readable video ({e})") from None
+    indices = [i for i in indices if i in frames]  # a container that overstated its frames
+    if not indices:
+        raise PartError(field, "not a readable video (no frames decoded)")
+    return [frames[i] for i in indices], indices, rate or 24.0
 
 
 def extract_media(messages: list[dict[str, Any]], vt: VisionTokens | None
@@ -212,10 +265,11 @@ def extract_media(messages: list[dict[str, Any]], vt: VisionTokens | None
     return out, media
 
 
-def timestamps(num_frames: int, fps: float, temporal: int) -> list[float]:
+def timestamps(indices: Sequence[int], fps: float, temporal: int) -> list[float]:
     """Each temporal patch's time: the mean of its first and last frame's (frame i at i / fps,
-    the last frame repeated to fill the patch), as transformers' Qwen3-VL processor computes it."""
-    idx = list(range(num_frames))
+    the last frame repeated to fill the patch), as transformers' Qwen3-VL processor computes
+    it from the sampled frames' indices."""
+    idx = list(indices)
     idx += [idx[-1]] * (-len(idx) % temporal)
     times = [i / fps for i in idx]
     return [(times[k] + times[k + temporal - 1]) / 2 for k in range(0, len(times), temporal)]

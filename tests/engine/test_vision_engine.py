@@ -190,3 +190,53 @@ def test_http_images_are_fetched_only_when_enabled_within_time_and_size():
             engine(False).frontend.prepare(messages=ask(f"{url}/cat.png"))
     finally:
         server.shutdown()
+
+
+def mp4_of(frames, rate: int) -> bytes:
+    """An MPEG-4 video of the image files, `rate` frames a second (PyAV)."""
+    import io
+
+    import av
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as c:
+        s = c.add_stream("mpeg4", rate=rate)
+        s.width, s.height, s.pix_fmt = 64, 48, "yuv420p"
+        for path in frames:
+            with Image.open(path) as image:
+                frame = av.VideoFrame.from_ndarray(np.asarray(image.convert("RGB")),
+                                                   format="rgb24")
+            for packet in s.encode(frame):
+                c.mux(packet)
+        for packet in s.encode():
+            c.mux(packet)
+    return buf.getvalue()
+
+
+def test_a_video_file_is_sampled_at_fps_with_its_timestamps(tmp_path):
+    from ninfer_jax.frontend.media import decode_video
+    from ninfer_jax.frontend.vision import process_video
+
+    data = mp4_of([IMAGES / f"frame{i % 4}_64x48.png" for i in range(20)], rate=10)
+    (tmp_path / "clip.mp4").write_bytes(data)
+    f = engine(False).frontend
+    p = f.prepare(messages=[{"role": "user", "content": [
+        {"type": "video", "video": str(tmp_path / "clip.mp4")},
+        {"type": "text", "text": "What happens?"}]}])
+    frames, indices, rate = decode_video(data, "v", 2.0)
+    assert indices == [0, 6, 13, 19] and rate == 10.0  # 2 s of video at 2 frames a second
+    want = process_video(frames, f.vision.processor)
+    assert (p.media[0].patches == want.patches).all()
+    assert p.media[0].grid == want.grid == (2, 6, 8)
+    text = f.tokenizer.decode(list(p.token_ids))
+    assert "<0.3 seconds>" in text and "<1.6 seconds>" in text  # (0 + 0.6) / 2, (1.3 + 1.9) / 2
+    r = engine(False).generate(messages=[{"role": "user", "content": [
+        {"type": "video", "video": data}, {"type": "text", "text": "What happens?"}]}],
+        sampling=GREEDY)
+    assert r.usage.prompt_tokens == len(p.token_ids) and r.error is None
+    with pytest.raises(PromptError, match=r"messages\[0\]\.content\[0\]\.video: not a "
+                                          r"readable video"):
+        f.prepare(messages=[{"role": "user", "content": [
+            {"type": "video", "video": data[: len(data) // 3]}]}])

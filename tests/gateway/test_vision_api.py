@@ -115,7 +115,7 @@ def test_the_server_is_healthy_after_bad_media(server):
     assert s.free_lanes == s.total_lanes
 
 
-def test_a_video_as_frames_and_a_video_file_refused(server):
+def test_a_video_as_frames_and_as_a_file(server):
     frames = [IMAGES / f"frame{i}_64x48.png" for i in range(4)]
     urls = ["data:image/png;base64," + base64.b64encode(f.read_bytes()).decode() for f in frames]
     body = {"model": MODEL, "max_tokens": 6, "temperature": 0, "messages": [
@@ -131,6 +131,17 @@ def test_a_video_as_frames_and_a_video_file_refused(server):
     assert (message["content"], message.get("reasoning_content", "")) == (
         want.text, want.reasoning_text)
     assert r.json()["usage"]["prompt_tokens"] == want.usage.prompt_tokens
-    body["messages"][0]["content"][0] = {"type": "video_url", "video_url": {"url": "x.mp4"}}
+    mp4 = "data:video/mp4;base64," + base64.b64encode(_mp4()).decode()
+    body["messages"][0]["content"][0] = {"type": "video_url", "video_url": {"url": mp4}}
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
-    assert r.status_code == 400 and "send the frames" in r.json()["error"]["message"]
+    assert r.status_code == 200, r.text
+    body["messages"][0]["content"][0]["video_url"]["url"] = (
+        "data:video/mp4;base64," + base64.b64encode(b"\x00\x00 not a video").decode())
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and "not a readable video" in r.json()["error"]["message"]
+
+
+def _mp4() -> bytes:
+    from tests.engine.test_vision_engine import mp4_of
+
+    return mp4_of([IMAGES / f"frame{i}_64x48.png" for i in range(4)] * 5, rate=10)

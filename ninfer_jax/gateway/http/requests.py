@@ -260,10 +260,13 @@ def openai_content(m: Fields, role: str) -> str | list[dict[str, Any]]:
             fps = p.number("fps")
             parts.append({"type": "video", "video": urls, **({} if fps is None else
                                                                 {"fps": fps})})
-        elif kind == "video_url":
-            raise ApiError.invalid(p.name("type"), "video files are not decoded here; send "
-                                   "the frames: {\"type\": \"video\", \"video\": [image URLs], "
-                                   "\"fps\": frames a second}", code="unsupported_content")
+        elif kind == "video_url":  # a video file, sampled at `fps` (default 2) a second
+            video = p.obj("video_url")
+            if video is None:
+                raise ApiError.invalid(p.name("video_url"), "must be an object {\"url\": ...}")
+            fps = p.number("fps")
+            parts.append({"type": "video", "video": _media_url(video),
+                          **({} if fps is None else {"fps": fps})})
         else:
             raise ApiError.invalid(p.name("type"), f"only text, image_url and video parts are "
                                    f"supported, got {kind!r:.40}", code="unsupported_content")
