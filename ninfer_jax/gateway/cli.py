@@ -73,10 +73,16 @@ flags.DEFINE_string("allowed_media_dir", None, "serve: a directory whose images 
                     "name by file:// URL (a vision model); without it only data URLs are read")
 flags.DEFINE_float("media_fetch_timeout_s", 0.0, "serve: fetch http(s) image URLs within this "
                    "many seconds, 64 MiB at most (0: never fetch)", lower_bound=0.0)
+flags.DEFINE_enum("model_preset", None, ["qwen3_6_27b", "qwen3_6_35b_a3b"],
+                  "plan: a published Qwen3.6 size instead of --model")
+flags.DEFINE_integer("tensor_parallel", 1, "plan: devices the model is split over (the "
+                     "head-sharded layout; planned only)", lower_bound=1)
+flags.DEFINE_float("device_gb", 141.0, "plan: memory of one device in GB (141: an H200)",
+                   lower_bound=0.001)
 flags.DEFINE_bool("traceback", False, "print the traceback of an internal error")
 app.define_help_flags()
 
-COMMANDS = ("convert", "logits", "generate", "chat", "serve", "export-hf", "score")
+COMMANDS = ("convert", "logits", "generate", "chat", "serve", "export-hf", "score", "plan")
 EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 1, 2, 3, 130
 
 
@@ -189,9 +195,42 @@ def _export_hf() -> int:
     return 0
 
 
+def _plan() -> int:
+    import dataclasses
+
+    from ninfer_jax.models.qwen3_6.config import ModelConfig
+    from ninfer_jax.presets import PRESETS
+    from ninfer_jax.program.config import ProgramConfig
+    from ninfer_jax.program.plan import format_plan, memory_plan
+
+    if (FLAGS.model_preset is None) == (FLAGS.model is None):
+        raise app.UsageError("plan needs exactly one of --model_preset=NAME and --model=DIR "
+                             "(an HF checkpoint directory)")
+    if FLAGS.model_preset is not None:
+        name, cfg = FLAGS.model_preset, PRESETS[FLAGS.model_preset]
+    else:
+        name, cfg = FLAGS.model, ModelConfig.from_hf_dir(FLAGS.model)
+    dtype = "bfloat16" if FLAGS.dtype == "auto" else FLAGS.dtype  # planned for accelerators
+    settings = generate.speculative_settings()
+    if settings.get("speculative") == "dflash":
+        raise app.UsageError("plan covers --speculative=off and mtp (a DFlash drafter's "
+                             "context pools are not planned yet)")
+    if settings:
+        settings.setdefault("num_speculative_tokens", 1)  # Engine.open's MTP default
+    pcfg = ProgramConfig(max_concurrency=FLAGS.max_concurrency, max_seq_len=FLAGS.max_seq_len,
+                         dtype=dtype, attention_impl="reference", **settings)
+    # what Engine.open allocates by default: two sequences' pages a lane, 4 checkpoints a lane
+    pcfg = dataclasses.replace(pcfg, num_pages=2 * pcfg.max_concurrency * pcfg.max_pages_per_seq,
+                               num_checkpoint_slots=4 * pcfg.max_concurrency)
+    plan = memory_plan(cfg, pcfg, tensor_parallel=FLAGS.tensor_parallel,
+                       device_bytes=int(FLAGS.device_gb * 1e9))
+    print(format_plan(name, cfg, pcfg, plan))
+    return 0
+
+
 _RUNNERS = {"convert": _convert, "logits": _logits, "generate": generate.run_generate,
             "chat": generate.run_chat, "serve": _serve, "score": score.run_score,
-            "export-hf": _export_hf}
+            "export-hf": _export_hf, "plan": _plan}
 
 
 def _error(status: int, message: str) -> int:
