@@ -84,15 +84,12 @@ class Frontend:
         tokenizer = load_tokenizer(directory)
         vision = None
         cfg = model_config
-        if cfg is not None and cfg.vision is not None and \
-                max(cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id,
-                    cfg.vision_end_token_id) < tokenizer.vocab_size and \
-                min(cfg.image_token_id, cfg.video_token_id) >= 0:
+        if cfg is not None and cfg.takes_media and \
+                max(cfg.vision_token_ids) < tokenizer.vocab_size:
             processor = VisionProcessorConfig.from_dir(directory)
             processor.check_model(cfg.vision)
             vision = VisionTokens(
-                cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id,
-                cfg.vision_end_token_id, processor,
+                *cfg.vision_token_ids, processor,
                 local_media if isinstance(local_media, bool)
                 else pathlib.Path(local_media).resolve(), float(media_fetch_timeout_s))
         return cls(tokenizer, load_chat_template(directory), vision)

@@ -135,8 +135,7 @@ class Program(HostProgram):
             speculative=pcfg.speculative))
         self.cfg, self.pcfg = cfg, pcfg
         # The vision path: a tower whose special tokens are in the vocabulary, and buckets.
-        self.vision_on = cfg.vision is not None and "vision" in params \
-            and bool(pcfg.vision_buckets) and _vision_usable(cfg)
+        self.vision_on = cfg.takes_media and "vision" in params and bool(pcfg.vision_buckets)
         params = jax.tree.map(lambda a: jax.numpy.asarray(a, pcfg.dtype), params)
         self.params = unstack_layers(params, cfg) if pcfg.resolved_layer_loop() == "unrolled" \
             else params
@@ -213,7 +212,7 @@ class Program(HostProgram):
             for n in pcfg.vision_buckets:
                 self.executables.compile(
                     StepKey(StepKind.VISION_ENCODE, 1, n), bind(vision_encode_step, cfg=cfg),
-                    self.params, VisionEncodeInputs(
+                    self.params["vision"], VisionEncodeInputs(
                         patches=np.zeros((n, v.patch_dim), np.float32),
                         pos_index=np.zeros((n, 4), np.int32),
                         pos_weight=np.zeros((n, 4), np.float32),
@@ -339,7 +338,7 @@ class Program(HostProgram):
         layout = vision_layout([m.grid for m in media], v, bucket)
         patches = np.zeros((bucket, v.patch_dim), np.float32)
         patches[:n] = np.concatenate([m.patches for m in media])
-        out = self.executables(StepKey(StepKind.VISION_ENCODE, 1, bucket), self.params,
+        out = self.executables(StepKey(StepKind.VISION_ENCODE, 1, bucket), self.params["vision"],
                                VisionEncodeInputs(patches, *layout.arrays()))
         return np.asarray(out)[: n // v.merge_unit]
 
@@ -493,14 +492,6 @@ class Program(HostProgram):
         for row, seq in enumerate(seqs):
             table[row, : len(seq.pages)] = seq.pages
         return table
-
-
-def _vision_usable(cfg: ModelConfig) -> bool:
-    try:
-        cfg.check_vision()
-    except ConfigError:
-        return False
-    return True
 
 
 def _image_pools(pools: Pools) -> list:

@@ -456,9 +456,10 @@ def import_state_step(pools: Pools, inputs: StateImport) -> Pools:
                                ck_dv=write_rows(pools.ck_dv, ck, inputs.dv))
 
 
-def vision_encode_step(params: dict, inputs: VisionEncodeInputs, *, cfg: ModelConfig
+def vision_encode_step(vision_params: dict, inputs: VisionEncodeInputs, *, cfg: ModelConfig
                        ) -> jax.Array:
-    """The vision tower on one bucket of patches: merged embeddings [N / merge_unit, H] in the
-    weights' dtype (rows from padding are meaningless). Touches no pool."""
-    return encode(params["vision"], cfg.vision, inputs.patches, inputs.pos_index,
+    """The vision tower (its weights only) on one bucket of patches: merged embeddings
+    [N / merge_unit, H] in the weights' dtype (rows from padding are meaningless). Touches no
+    pool."""
+    return encode(vision_params, cfg.vision, inputs.patches, inputs.pos_index,
                   inputs.pos_weight, inputs.rope_hw, inputs.segment)

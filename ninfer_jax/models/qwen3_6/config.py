@@ -181,17 +181,19 @@ class ModelConfig:
                 f"1..num_experts ({self.num_experts})"
             )
 
-    def check_vision(self) -> None:
-        """Raises a ConfigError unless images and videos can be used with this model (a vision
-        tower, and its special tokens inside the vocabulary; a text checkpoint repackaged with
-        a tiny vocabulary may carry the tower but not the tokens)."""
-        if self.vision is None:
-            raise ConfigError("this model has no vision tower (config.json has no vision_config)")
-        for name in ("image_token_id", "video_token_id", "vision_start_token_id",
-                     "vision_end_token_id"):
-            if not 0 <= getattr(self, name) < self.vocab_size:
-                raise ConfigError(f"{name} ({getattr(self, name)}) is not a token id of this "
-                                  f"model's vocabulary (0..{self.vocab_size - 1})")
+    @property
+    def vision_token_ids(self) -> tuple[int, int, int, int]:
+        """(image, video, vision start, vision end) token ids."""
+        return (self.image_token_id, self.video_token_id, self.vision_start_token_id,
+                self.vision_end_token_id)
+
+    @property
+    def takes_media(self) -> bool:
+        """Whether images and videos can be used with this model: a vision tower, and its
+        special tokens inside the vocabulary (a text checkpoint repackaged with a tiny
+        vocabulary may carry the tower but not the tokens)."""
+        return self.vision is not None and all(
+            0 <= t < self.vocab_size for t in self.vision_token_ids)
 
     # Derived sizes -------------------------------------------------------------------------
     @property
