@@ -4,6 +4,12 @@ Owns resolving a path to (config, params) in the requested dtype and a jitted fu
 `logits`. It keeps no engine state: the Program builds its own step functions from the same
 config and params. By default the weights are verified while loading (an artifact's tensor
 digests, every tensor's finiteness); `verify=False` is the fast path that skips both.
+
+Loading streams (`load_params`): one params leaf at a time is read (a format-4 artifact's file,
+or an HF checkpoint's tensors, a stacked leaf layer by layer into one array), cast to the dtype
+on the host, handed to a `placement` (default `jax.device_put`) and dropped before the next, so
+host memory holds about one leaf beyond what the placements keep. Artifacts of formats 1-3
+(orbax) are restored whole first.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pathlib
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +27,10 @@ from ninfer_jax.artifact import format as artifact_format
 from ninfer_jax.artifact.hf import SafetensorsSource, checkpoint_dir, is_hf_checkpoint, read_config
 from ninfer_jax.errors import CheckpointError, ConfigError
 from ninfer_jax.models.qwen3_6 import ModelConfig, forward
-from ninfer_jax.models.qwen3_6.weights import params_from_hf
+from ninfer_jax.models.qwen3_6.weights import hf_plan, params_from_hf
+
+# (key path in the params pytree, e.g. ("attention", "mixer", "q"), host array) -> device array
+Placement = Callable[[tuple[str, ...], np.ndarray], jax.Array]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # The embedded default: the demo model shipped as package data (scripts/train_demo.py).
@@ -71,31 +81,68 @@ class LoadedModel:
         return np.asarray(_logits(self.params, self.config, jnp.asarray(ids, jnp.int32)))
 
 
+def _device_put(_path: tuple[str, ...], host: np.ndarray) -> jax.Array:
+    """The default placement: waits for the transfer, so that the host copy is free before the
+    next leaf is read (an asynchronous one would still hold it)."""
+    return jax.device_put(host).block_until_ready()
+
+
 def load_model(path: str | pathlib.Path | None = None, dtype: str = "float32",
-               verify: bool = True) -> LoadedModel:
+               verify: bool = True, placement: Placement | None = None) -> LoadedModel:
     """Loads an artifact directory or an HF checkpoint directory in `dtype` (float32|bfloat16);
-    with no path, the embedded demo model (`DEFAULT_MODEL`).
+    with no path, the embedded demo model (`DEFAULT_MODEL`). See `load_params` for
+    `placement` and the memory it takes.
 
     verify: check every tensor's digest (artifacts) and that it holds no NaN/inf (artifacts and
     HF checkpoints); a failure is a CheckpointError naming the tensor. `verify=False` skips the
     hashing and scanning (shapes and dtypes are always checked) and is needed for artifacts of
     format_version 1, which record no digests.
     """
-    root = checkpoint_dir(DEFAULT_MODEL if path is None else path)
-    jdtype = _dtype(dtype)
+    return load_params(DEFAULT_MODEL if path is None else path, dtype, placement, verify=verify)
+
+
+def load_params(path: str | pathlib.Path, dtype: str = "float32",
+                placement: Placement | None = None, *, verify: bool = True) -> LoadedModel:
+    """Streams the model package at `path` (artifact or HF checkpoint directory) into device
+    buffers: for each params leaf in turn, its host array is read, cast to `dtype` in numpy and
+    passed to `placement(key_path, host_array)` (default: `jax.device_put(host_array)`, waited
+    for), whose result becomes the leaf; the host array is dropped before the next leaf is read. A leaf's
+    digest and finiteness are checked (`verify`) before it is placed. Host memory beyond what
+    the placements keep: about the largest leaf (a stacked [L, ...] leaf whole: the unit
+    handed to `placement`) plus one source tensor; formats 1-3 hold the whole model (orbax).
+    On the CPU backend the default placement's buffers are host memory too."""
+    root = checkpoint_dir(path)
+    np_dtype = np.dtype(_dtype(dtype))
+    place = placement if placement is not None else _device_put
     if artifact_format.is_artifact(root):
-        cfg, np_params, manifest = artifact_format.read_artifact(root, verify=verify)
-        params = jax.tree.map(lambda a: jnp.asarray(a, jdtype), np_params)
-        notes = tuple(manifest.get("notes", ()))
+        reader = artifact_format.open_artifact(root, verify=verify)
+        cfg, notes, treedef = reader.config, tuple(reader.manifest.get("notes", ())), reader.treedef
+        read = functools.partial(reader.read, dtype=np_dtype)
+        paths = reader.paths()
     elif is_hf_checkpoint(root):
-        cfg, np_params, notes = read_hf(root, dtype, verify=verify)
-        params = jax.tree.map(jnp.asarray, np_params)
+        cfg = ModelConfig.from_hf_dict(read_config(root))
+        plan = hf_plan(cfg, SafetensorsSource(root, check_finite=verify))
+        notes, paths, treedef = tuple(plan.notes), plan.paths(), plan.treedef
+
+        def read(p):
+            return plan.read(p, cast=lambda a: a.astype(np_dtype, copy=False))
     else:
         raise CheckpointError(
             f"{str(root)!r} is neither an artifact (no manifest.json) nor an HF checkpoint "
             "(config.json + *.safetensors)"
         )
-    return LoadedModel(config=cfg, params=params, path=root, notes=tuple(notes))
+    # Each host array lives only until its placement returns.
+    params = jax.tree_util.tree_unflatten(treedef, [place(p, read(p)) for p in paths])
+    return LoadedModel(config=cfg, params=params, path=root, notes=notes)
+
+
+def model_config(path: str | pathlib.Path | None = None) -> ModelConfig:
+    """The ModelConfig of the package at `path` (None: the embedded default), read from its
+    manifest or config.json alone (no weights)."""
+    root = checkpoint_dir(DEFAULT_MODEL if path is None else path)
+    if artifact_format.is_artifact(root):
+        return ModelConfig.from_dict(artifact_format.read_manifest(root)["config"])
+    return ModelConfig.from_hf_dict(read_config(root))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,10 @@
-"""HF checkpoint -> artifact conversion (`ninfer convert`)."""
+"""HF checkpoint -> artifact conversion (`ninfer convert`).
+
+Streams: every name and shape is checked first (`weights.hf_plan`), then each params leaf is
+made one source tensor at a time (a stacked [L, ...] leaf layer by layer), cast, hashed and
+written before the next tensor is read (`format.write_leaves`). Host memory holds about one
+source tensor and its cast copy, whatever the checkpoint's size.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from ninfer_jax.artifact import staging
 from ninfer_jax.artifact.hf import SafetensorsSource, checkpoint_dir, read_config
 from ninfer_jax.errors import CheckpointError
 from ninfer_jax.models.qwen3_6 import ModelConfig
-from ninfer_jax.models.qwen3_6.weights import params_from_hf
+from ninfer_jax.models.qwen3_6.weights import hf_plan
 from ninfer_jax.progress import bar
 
 SOURCE_DTYPES = {"float32", "bfloat16"}
@@ -52,12 +58,20 @@ def convert(hf_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str = "f
     cfg = ModelConfig.from_hf_dict(read_config(root))
     source = SafetensorsSource(root)
     target = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
-    with bar(progress, sum(1 for _ in source.keys()), "reading tensors", "tensor") as b:
-        params, notes = params_from_hf(cfg, _Counted(source, b), cast=lambda a: a.astype(target))
-        b.update(b.total - b.n)  # tensors the model does not use (e.g. a vision tower)
-    sources = {f.name: artifact_format.sha256_file(f) for f in [root / "config.json", *source.files]}
-    path = artifact_format.write_artifact(out, cfg, params, dtype=dtype, sources=sources,
-                                          frontend_dir=root, notes=notes, overwrite=overwrite,
-                                          drafter_dir=None if drafter is None
-                                          else checkpoint_dir(drafter))
-    return path, notes
+
+    def cast(a: np.ndarray) -> np.ndarray:
+        return a.astype(target, copy=False)
+
+    with bar(progress, len(list(source.keys())), "reading tensors", "tensor") as b:
+        plan = hf_plan(cfg, _Counted(source, b))
+        leaves = {".".join(path): (plan.shape(path), lambda path=path: plan.pieces(path, cast))
+                  for path in plan.paths()}
+        sources = {f.name: artifact_format.sha256_file(f)
+                   for f in [root / "config.json", *source.files]}
+        path = artifact_format.write_leaves(
+            out, cfg, leaves, num_mtp_layers=plan.num_mtp_layers(), dtype=dtype,
+            sources=sources, frontend_dir=root, notes=plan.notes, overwrite=overwrite,
+            drafter_dir=None if drafter is None else checkpoint_dir(drafter))
+        # Tensors the model does not use (e.g. a vision tower); a fused gate_up is read twice.
+        b.update(max(0, b.total - b.n))
+    return path, plan.notes

@@ -5,7 +5,8 @@ Owns the tensor naming of a params pytree (dotted paths, as orbax names its arra
 order, in its stored dtype), then sha256 of the concatenated chunk digests. The
 chunks of every tensor hash on a thread pool (hashlib and numpy release the GIL), so a stacked
 tensor of many GB does not hash on one core. Each chunk is also checked for NaN/inf in the same
-pass. Shape and dtype are recorded beside the digest, not inside it.
+pass. `Digest` computes the same digest from a tensor fed in pieces (streamed writes and reads).
+Shape and dtype are recorded beside the digest, not inside it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ninfer_jax.errors import CheckpointError
 
 ALGORITHM = "sha256 of 64 MiB chunks, then sha256 of the chunk digests"
 CHUNK_BYTES = 64 << 20
+FINITE_BYTES = 16 << 20  # `Digest` scans for NaN/inf this much at a time
 
 
 def tensor_name(path: tuple) -> str:
@@ -74,6 +76,44 @@ def scan(tensors: dict[str, np.ndarray], *,
         parts[name].append(part)
     sums = {name: hashlib.sha256(b"".join(p)).hexdigest() for name, p in parts.items()}
     return (sums if digest else {}), nonfinite
+
+
+def all_finite(array: np.ndarray) -> bool:
+    """Whether `array` holds no NaN/inf, scanned FINITE_BYTES at a time on this thread (the
+    scan's temporaries stay that small; `scan`'s pool keeps freed chunks in its threads'
+    malloc arenas)."""
+    flat = np.ascontiguousarray(array).reshape(-1)
+    step = max(1, FINITE_BYTES // max(1, flat.itemsize))
+    return all(_finite(flat[start:start + step]) for start in range(0, flat.size, step))
+
+
+class Digest:
+    """The digest and finiteness of one tensor fed in pieces (its C-order bytes in order, cut
+    anywhere): the same digest `scan` gives for the whole tensor."""
+
+    def __init__(self, dtype):
+        itemsize = np.dtype(dtype).itemsize
+        self._step = max(1, CHUNK_BYTES // max(1, itemsize)) * itemsize  # `_chunks`' cut
+        self._parts: list[bytes] = []
+        self._hash, self._filled = hashlib.sha256(), 0
+        self.finite = True
+
+    def update(self, piece: np.ndarray) -> None:
+        flat = np.ascontiguousarray(piece).reshape(-1)
+        self.finite = self.finite and all_finite(flat)
+        data = memoryview(flat.view(np.uint8))
+        while len(data):
+            take = min(self._step - self._filled, len(data))
+            self._hash.update(data[:take])
+            self._filled += take
+            data = data[take:]
+            if self._filled == self._step:
+                self._parts.append(self._hash.digest())
+                self._hash, self._filled = hashlib.sha256(), 0
+
+    def hexdigest(self) -> str:
+        tail = [self._hash.digest()] if self._filled or not self._parts else []
+        return hashlib.sha256(b"".join(self._parts + tail)).hexdigest()
 
 
 def check_finite(tensors: dict[str, np.ndarray], where: str) -> None:

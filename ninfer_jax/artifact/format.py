@@ -4,16 +4,22 @@
                       files' sha256, the frontend resources present, notes (what was skipped);
                       since format 2 also every tensor's shape, dtype and digest
                       (`artifact/digests.py`) and the exact list of files written
-    weights/          the params pytree saved with orbax; since format 3 linear weights are
-                      nn.Linear's [out, in] (formats 1 and 2 stored [in, out]: they load
-                      through `weights.from_legacy_layout`)
+    weights/          since format 4 one safetensors file per params leaf,
+                      `weights/<dotted name>.safetensors` holding that one tensor (written and
+                      read a piece at a time, `tensorfile`); formats 1-3 saved the pytree with
+                      orbax. Since format 3 linear weights are nn.Linear's [out, in] (formats 1
+                      and 2 stored [in, out]: they load through `weights.from_legacy_layout`)
     <frontend files>  tokenizer files and chat template, copied when the source has them
 
 Owns writing and reading that layout. Writing goes through `staging.staged_dir` (a temporary
-directory beside `out`, renamed into place). Reading compares three records of every tensor —
-what the manifest's config implies, what the manifest lists, what orbax stored — before
-restoring, because orbax restores the stored shape and casts the stored dtype whatever the
-target says; then, unless `verify=False`, it checks every tensor's digest and finiteness.
+directory beside `out`, renamed into place) and streams: `write_leaves` takes each leaf as
+pieces (e.g. one layer of a stacked [L, ...] leaf at a time), hashing and writing each piece
+before the next is made, so it holds about one piece. Reading (`open_artifact`) compares three
+records of every tensor — what the manifest's config implies, what the manifest lists, what the
+weights store — before any data is read (orbax would restore the stored shape and cast the
+stored dtype whatever the target says); then `ArtifactReader.read` reads one leaf at a time,
+checking its digest and finiteness (unless `verify=False`) before handing it out. Formats 1-3
+(orbax) are restored whole when opened.
 Format 1 (no digests) loads only with `verify=False`: a default that promises verified weights
 must not quietly load unverifiable ones (`python -m ninfer_jax.artifact.upgrade DIR` adds them
 and rewrites older layouts as format 3).
@@ -26,20 +32,23 @@ import json
 import os
 import pathlib
 import shutil
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from ninfer_jax.artifact import digests, staging
+from ninfer_jax.artifact import digests, staging, tensorfile
 from ninfer_jax.errors import CheckpointError
 from ninfer_jax.models.qwen3_6.config import ModelConfig
 from ninfer_jax.models.qwen3_6.weights import from_legacy_layout, param_shapes
 
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)  # 1: no digests and no file list; 1 and 2: [in, out] linears
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)  # 1: no digests and no file list; 1 and 2: [in, out] linears
 DIGESTS_SINCE = 2
+LAYOUT_SINCE = 3  # linear weights [out, in]
+FILES_SINCE = 4  # weights/<name>.safetensors, one per leaf (before: an orbax checkpoint)
 FAMILY = "qwen3_6"
 MANIFEST = "manifest.json"
 WEIGHTS = "weights"
@@ -131,21 +140,41 @@ def _num_mtp_layers(params: dict) -> int:
     return len(params["mtp"]["layers"]["input_norm"]) if "mtp" in params else 0
 
 
+Leaf = tuple[tuple[int, ...], Callable[[], Iterable[np.ndarray]]]  # (shape, pieces)
+
+
 def write_artifact(out: str | pathlib.Path, cfg: ModelConfig, params: dict, *, dtype: str,
                    sources: dict[str, str], frontend_dir: pathlib.Path | None,
                    notes: list[str], overwrite: bool = False,
                    drafter_dir: pathlib.Path | None = None) -> pathlib.Path:
+    """Writes an artifact directory at `out` from a params pytree in memory (see `write_leaves`
+    for the rest)."""
+    tensors = {name: np.asarray(a) for name, a in digests.named_leaves(params).items()}
+    leaves = {name: (a.shape, lambda a=a: [np.ascontiguousarray(a)])
+              for name, a in tensors.items()}
+    return write_leaves(out, cfg, leaves, num_mtp_layers=_num_mtp_layers(params), dtype=dtype,
+                        sources=sources, frontend_dir=frontend_dir, notes=notes,
+                        overwrite=overwrite, drafter_dir=drafter_dir)
+
+
+def write_leaves(out: str | pathlib.Path, cfg: ModelConfig, leaves: dict[str, Leaf], *,
+                 num_mtp_layers: int, dtype: str, sources: dict[str, str],
+                 frontend_dir: pathlib.Path | None, notes: list[str], overwrite: bool = False,
+                 drafter_dir: pathlib.Path | None = None,
+                 where: str = "the params") -> pathlib.Path:
     """Writes an artifact directory at `out` (see `staging` for what may be replaced).
+
+    leaves: {dotted name: (shape, pieces)}, `pieces()` yielding C-contiguous arrays of `dtype`
+    whose bytes in order are the tensor's; names and shapes are checked against `cfg` first,
+    then each leaf is written, hashed and scanned piece by piece (a NaN/inf is a
+    CheckpointError naming the tensor in `where`, and nothing is left at `out`).
     `drafter_dir`: a DFlash drafter checkpoint (public layout) to carry under `drafter/`; it is
     read and checked against `cfg` first, then its files are copied as they are."""
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     staging.check_target(out, overwrite=overwrite, foreign=foreign, holds=HOLDS)
-    tensors = {name: np.asarray(a) for name, a in digests.named_leaves(params).items()}
-    _check_specs({n: (a.shape, a.dtype.name) for n, a in tensors.items()},
-                 expected_tensors(cfg, _num_mtp_layers(params), dtype), "the params")
-    digests.check_finite(tensors, "the params")
-    sums, _ = digests.scan(tensors)
+    _check_specs({n: (shape, dtype) for n, (shape, _) in leaves.items()},
+                 expected_tensors(cfg, num_mtp_layers, dtype), where)
     drafter_files = _drafter_files(drafter_dir, cfg) if drafter_dir is not None else []
     with staging.staged_dir(out, overwrite=overwrite, foreign=foreign, holds=HOLDS) as tmp:
         if drafter_files:
@@ -158,22 +187,36 @@ def write_artifact(out: str | pathlib.Path, cfg: ModelConfig, params: dict, *, d
                 if (frontend_dir / name).is_file():
                     shutil.copy2(frontend_dir / name, tmp / name)
                     frontend.append(name)
-        with ocp.StandardCheckpointer() as ckpt:
-            ckpt.save(tmp / WEIGHTS, params)
+        (tmp / WEIGHTS).mkdir()
+        records = {}
+        for name, (shape, pieces) in leaves.items():
+            digest = digests.Digest(np.dtype(dtype))
+
+            def hashed(pieces=pieces, digest=digest):
+                for piece in pieces():
+                    digest.update(piece)
+                    yield piece
+
+            tensorfile.write(tmp / WEIGHTS / f"{name}.safetensors", name, tuple(shape),
+                             np.dtype(dtype), hashed())
+            if not digest.finite:
+                raise CheckpointError(f"tensor {name!r} in {where} holds NaN or inf values")
+            records[name] = {"shape": list(shape), "dtype": np.dtype(dtype).name,
+                             "digest": digest.hexdigest()}
         write_manifest(tmp, {
             "format_version": FORMAT_VERSION,
             "family": FAMILY,
             "variant": cfg.variant,
             "dtype": dtype,
             "config": cfg.to_dict(),
-            "num_mtp_layers": _num_mtp_layers(params),
+            "num_mtp_layers": num_mtp_layers,
             "frontend_files": frontend,
             "drafter_files": [f"{DRAFTER}/{f.name}" for f in drafter_files],
             "sources": {**sources, **{f"{DRAFTER}/{f.name}": sha256_file(f)
                                       for f in drafter_files}},
             "notes": notes,
             "tensor_digest": digests.ALGORITHM,
-            "tensors": tensor_records(tensors, sums),
+            "tensors": records,
             "files": sorted(f.relative_to(tmp).as_posix() for f in tmp.rglob("*") if f.is_file()),
         })
     return pathlib.Path(out).absolute()
@@ -239,19 +282,92 @@ def _stored_spec(name: str, meta: Any, weights: pathlib.Path) -> Spec:
     return tuple(meta.shape), np.dtype(meta.dtype).name
 
 
-def read_artifact(path: str | pathlib.Path, *,
-                  verify: bool = True) -> tuple[ModelConfig, dict, dict[str, Any]]:
-    """(config, params as numpy arrays in the stored dtype, manifest) of the artifact at `path`.
+def _stored_files(weights: pathlib.Path, expected: dict[str, Spec]
+                  ) -> dict[str, tensorfile.Entry]:
+    """{name: Entry} of format 4's one-tensor files, their headers checked against `expected`."""
+    entries, found = {}, {}
+    for file in sorted(weights.glob("*.safetensors")):
+        header = tensorfile.read_header(file)
+        name = file.name[: -len(".safetensors")]
+        if list(header) != [name]:
+            raise CheckpointError(f"{file} must hold exactly the tensor {name!r}, holds "
+                                  f"{sorted(header)[:3]}")
+        entry = header[name]
+        if entry.np_dtype is None:
+            raise CheckpointError(f"tensor {name!r} in {weights} has dtype {entry.dtype}")
+        entries[name], found[name] = entry, (entry.shape, entry.np_dtype.name)
+    _check_specs(found, expected, str(weights))
+    return entries
 
-    Every tensor's shape and dtype are checked before restoring; with `verify`, every digest
-    and finiteness after (digests are of the tensors as stored). Any disagreement is a
-    CheckpointError naming the tensor. Params of an older layout come back in today's.
-    """
+
+class ArtifactReader:
+    """An artifact opened for reading, every record checked (see `open_artifact`): `.config`,
+    `.manifest`, `.paths()` and `.read(path)`, one leaf at a time."""
+
+    def __init__(self, root: pathlib.Path, cfg: ModelConfig, manifest: dict, verify: bool,
+                 entries: dict[str, tensorfile.Entry] | None, restored: dict | None):
+        self.root, self.config, self.manifest, self.verify = root, cfg, manifest, verify
+        self._entries, self._restored = entries, restored
+        shapes = param_shapes(cfg, manifest.get("num_mtp_layers", 0))
+        flat = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+        self._shapes = {tuple(k.key for k in path): tuple(s) for path, s in flat[0]}
+        self.treedef = jax.tree_util.tree_structure(shapes, is_leaf=lambda x: isinstance(x, tuple))
+
+    def paths(self) -> list[tuple[str, ...]]:
+        """Every leaf's key path in the params pytree, in pytree order."""
+        return list(self._shapes)
+
+    def shape(self, path: tuple[str, ...]) -> tuple[int, ...]:
+        return self._shapes[path]
+
+    def read(self, path: tuple[str, ...], dtype=None) -> np.ndarray:
+        """The leaf at `path` as a new array in `dtype` (default: the stored one), its digest and
+        finiteness checked first when verifying. Format 4 reads it now, in 64 MiB pieces (cast
+        piece by piece: no second whole copy); older formats hand out (and forget) a leaf
+        restored when the artifact was opened."""
+        name = ".".join(path)
+        if self._restored is not None:
+            leaf = self._restored.pop(name)
+            return leaf if dtype is None else leaf.astype(dtype, copy=False)
+        entry = self._entries[name]
+        stored = entry.np_dtype
+        out = np.empty(entry.shape, stored if dtype is None else dtype)
+        flat = out.reshape(-1)
+        step = max(1, digests.CHUNK_BYTES // stored.itemsize)
+        digest = digests.Digest(stored)
+        scratch = None if out.dtype == stored else np.empty(min(step, flat.size), stored)
+        for start in range(0, flat.size, step):
+            n = min(step, flat.size - start)
+            piece = flat[start:start + n] if scratch is None else scratch[:n]
+            tensorfile.read_bytes_into(entry, piece, start * stored.itemsize)
+            if self.verify:
+                digest.update(piece)
+            if scratch is not None:
+                flat[start:start + n] = piece
+        if self.verify:
+            record = self.manifest["tensors"][name]["digest"]
+            found = digest.hexdigest()
+            if found != record:
+                raise CheckpointError(
+                    f"tensor {name!r} does not match its digest in {self.root / MANIFEST} "
+                    f"(recorded {record}, found {found}): the weights are damaged or were "
+                    "changed after they were written")
+            if not digest.finite:
+                raise CheckpointError(f"tensor {name!r} in {self.root / WEIGHTS} holds NaN or "
+                                      "inf values")
+        return out
+
+
+def open_artifact(path: str | pathlib.Path, *, verify: bool = True) -> ArtifactReader:
+    """The artifact at `path`, opened: its manifest read, and every tensor's shape and dtype
+    checked against what the config implies (in the manifest and in the stored weights) before
+    any data is read. Any disagreement is a CheckpointError naming the tensor. Formats 1-3 are
+    restored whole here (orbax), verified when `verify`, and come back in today's layout."""
     root = pathlib.Path(path).absolute()
     file = root / MANIFEST
     manifest = read_manifest(root)
     version = manifest["format_version"]
-    legacy = version < FORMAT_VERSION
+    legacy = version < LAYOUT_SINCE
     if verify and version < DIGESTS_SINCE:
         raise CheckpointError(
             f"{file}: format_version {version} records no tensor digests, so "
@@ -265,6 +381,26 @@ def read_artifact(path: str | pathlib.Path, *,
     weights = root / WEIGHTS
     if not weights.is_dir():
         raise CheckpointError(f"artifact {str(path)!r} has no {WEIGHTS}/ directory")
+    if version >= FILES_SINCE:
+        return ArtifactReader(root, cfg, manifest, verify, _stored_files(weights, expected), None)
+    params = _restore(root, weights, cfg, manifest, expected, legacy, verify)
+    return ArtifactReader(root, cfg, manifest, verify, None, digests.named_leaves(params))
+
+
+def read_artifact(path: str | pathlib.Path, *,
+                  verify: bool = True) -> tuple[ModelConfig, dict, dict[str, Any]]:
+    """(config, params as numpy arrays in the stored dtype, manifest) of the artifact at `path`,
+    whole (`open_artifact` reads one leaf at a time). Checks as `open_artifact` and
+    `ArtifactReader.read` do; params of an older layout come back in today's."""
+    reader = open_artifact(path, verify=verify)
+    leaves = [reader.read(p) for p in reader.paths()]
+    return reader.config, jax.tree_util.tree_unflatten(reader.treedef, leaves), reader.manifest
+
+
+def _restore(root: pathlib.Path, weights: pathlib.Path, cfg: ModelConfig, manifest: dict,
+             expected: dict[str, Spec], legacy: bool, verify: bool) -> dict:
+    """The params of an orbax artifact (formats 1-3), whole, checked and in today's layout."""
+    file = root / MANIFEST
     try:
         with ocp.StandardCheckpointer() as ckpt:
             stored = digests.named_leaves(ckpt.metadata(weights).item_metadata.tree)
@@ -279,7 +415,7 @@ def read_artifact(path: str | pathlib.Path, *,
         with ocp.StandardCheckpointer() as ckpt:
             params = ckpt.restore(weights, target)
     except Exception as e:  # orbax raises several types for damaged data
-        raise CheckpointError(f"cannot restore the weights of {str(path)!r}: {e}") from e
+        raise CheckpointError(f"cannot restore the weights of {str(root)!r}: {e}") from e
     if verify:
         tensors = {n: np.asarray(a) for n, a in digests.named_leaves(params).items()}
         found, nonfinite = digests.scan(tensors)
@@ -291,5 +427,4 @@ def read_artifact(path: str | pathlib.Path, *,
                     "changed after they were written")
         if nonfinite:
             raise CheckpointError(f"tensor {nonfinite[0]!r} in {weights} holds NaN or inf values")
-    return cfg, from_legacy_layout(params) if legacy else params, manifest
-
+    return from_legacy_layout(params) if legacy else params

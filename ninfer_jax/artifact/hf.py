@@ -1,7 +1,9 @@
 """Reading Hugging Face checkpoint directories: config.json plus single-file or sharded safetensors.
 
 Owns file discovery, the shard index and lazy tensor access, and (with `check_finite`) refusing
-a tensor that holds NaN or inf, by name. It knows tensor names only as strings; the schema,
+a tensor that holds NaN or inf, by name. Each `get` reads one tensor into a fresh array with
+plain file reads (`tensorfile`); nothing stays mapped, so a reader that drops each tensor holds
+about one tensor, whatever the checkpoint's size. It knows tensor names only as strings; the schema,
 with its shapes and dtypes, lives in `models/qwen3_6/weights.py`.
 """
 
@@ -12,9 +14,9 @@ import pathlib
 from collections.abc import Iterator
 
 import numpy as np
-from safetensors import safe_open
 
-from ninfer_jax.artifact.digests import check_finite as _check_finite
+from ninfer_jax.artifact import tensorfile
+from ninfer_jax.artifact.digests import all_finite
 from ninfer_jax.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -52,39 +54,37 @@ class SafetensorsSource:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError) as e:
                 raise CheckpointError(f"{index} is not a valid shard index: {e}") from e
-            self._file_of = {name: root / shard for name, shard in weight_map.items()}
-            missing = sorted({str(f) for f in self._file_of.values() if not f.is_file()})
+            file_of = {name: root / shard for name, shard in weight_map.items()}
+            missing = sorted({str(f) for f in file_of.values() if not f.is_file()})
             if missing:
                 raise CheckpointError(f"shard files named in {INDEX} are missing: {missing}")
+            headers = {f: tensorfile.read_header(f) for f in sorted(set(file_of.values()))}
+            self._entries = {}
+            for name, f in file_of.items():
+                if name not in headers[f]:
+                    raise CheckpointError(f"{INDEX} places tensor {name!r} in {str(f)!r}, "
+                                          "which does not hold it")
+                self._entries[name] = headers[f][name]
         else:
             files = sorted(root.glob("*.safetensors"))
             if not files:
                 raise CheckpointError(f"no *.safetensors files in {str(root)!r}")
-            self._file_of = {}
+            self._entries = {}
             for f in files:
-                for name in self._open(f).keys():  # noqa: SIM118 (safe_open is not a dict)
-                    self._file_of[name] = f
-        self.files = sorted(set(self._file_of.values()))
-        self._handles: dict[pathlib.Path, object] = {}
-
-    def _open(self, file: pathlib.Path):
-        try:
-            return safe_open(str(file), framework="numpy")
-        except Exception as e:  # safetensors raises its own error types for bad headers
-            raise CheckpointError(f"cannot read safetensors file {str(file)!r}: {e}") from e
+                self._entries.update(tensorfile.read_header(f))
+        self.files = sorted({e.file for e in self._entries.values()})
 
     def keys(self) -> Iterator[str]:
-        return iter(self._file_of)
+        return iter(self._entries)
 
     def get(self, name: str) -> np.ndarray:
-        if name not in self._file_of:
+        """The tensor `name` as a new array (read now; no mapping is kept)."""
+        if name not in self._entries:
             raise CheckpointError(f"missing tensor {name!r}")
-        file = self._file_of[name]
-        if file not in self._handles:
-            self._handles[file] = self._open(file)
-        tensor = self._handles[file].get_tensor(name)
-        if self.check_finite:
-            _check_finite({name: tensor}, str(file))
+        entry = self._entries[name]
+        tensor = tensorfile.read(entry)
+        if self.check_finite and not all_finite(tensor):
+            raise CheckpointError(f"tensor {name!r} in {entry.file!s} holds NaN or inf values")
         return tensor
 
 

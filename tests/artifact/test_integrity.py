@@ -66,7 +66,9 @@ def _flip_a_byte_of(path: pathlib.Path, name: str) -> None:
 
 def test_the_demo_loads_verified_and_equals_the_fast_path(art, demo):
     manifest = json.loads((DEFAULT_MODEL / "manifest.json").read_text())
-    assert manifest["format_version"] == format_.FORMAT_VERSION
+    # The shipped demo is format 3 (orbax), still read; format 4 (one safetensors file per
+    # leaf, streamed) is covered by test_streaming_load.py.
+    assert manifest["format_version"] == 3 < format_.FORMAT_VERSION
     assert set(manifest["tensors"]) == set(demo)
     verified = _named(load_model(art).params)
     assert verified.keys() == demo.keys()

@@ -57,9 +57,14 @@ class _Reader:
     def has(self, name: str) -> bool:
         return name in self.keys
 
-    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def get(self, name: str, shape: tuple[int, ...]) -> _Tensor:
+        """The tensor `name` of `shape`, to be read when its leaf is (see `_Tensor`)."""
         if name not in self.keys:
             raise CheckpointError(f"missing tensor {name!r}")
+        self.used.add(name)
+        return _Tensor(self, name, tuple(shape))
+
+    def read(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         arr = self.source.get(name)
         if arr.dtype.name not in FLOAT_DTYPES:
             raise CheckpointError(
@@ -70,12 +75,78 @@ class _Reader:
             raise CheckpointError(
                 f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(shape)}"
             )
-        self.used.add(name)
         return arr
 
-    def linear(self, name: str, out_dim: int, in_dim: int) -> np.ndarray:
+    def linear(self, name: str, out_dim: int, in_dim: int) -> _Tensor:
         """An nn.Linear weight [out, in], as it is stored."""
         return self.get(name, (out_dim, in_dim))
+
+
+# Lazy leaves: what a params leaf is made of, read only when the leaf is. Each node knows its
+# shape; `pieces(cast)` yields C-contiguous arrays whose bytes, in order, are the leaf's, so a
+# stacked [L, ...] leaf is produced one layer at a time.
+class _Tensor:
+    """One HF tensor as stored."""
+
+    def __init__(self, reader: _Reader, name: str, shape: tuple[int, ...]):
+        self.reader, self.name, self.shape = reader, name, shape
+
+    def pieces(self, cast):
+        yield np.ascontiguousarray(cast(self.reader.read(self.name, self.shape)))
+
+
+class _Map:
+    """`fn` (a rearrangement: transpose, slice) of one node's array; `shape` is the result's."""
+
+    def __init__(self, node, fn: Callable[[np.ndarray], np.ndarray], shape: tuple[int, ...]):
+        self.node, self.fn, self.shape = node, fn, shape
+
+    def pieces(self, cast):
+        yield np.ascontiguousarray(self.fn(_materialize(self.node, cast)))
+
+
+class _Stack:
+    """Nodes of one shape stacked on a new leading axis."""
+
+    def __init__(self, nodes):
+        self.nodes, self.shape = tuple(nodes), (len(nodes), *nodes[0].shape)
+
+    def pieces(self, cast):
+        for node in self.nodes:
+            yield from node.pieces(cast)
+
+
+class _Part:
+    """A leaf of a subtree built whole by another module's reader (the vision tower's
+    `vision_params_from_hf`): the subtree is read when its first leaf is, and each leaf is
+    dropped from it once handed out."""
+
+    def __init__(self, whole: dict, path: tuple, shape: tuple[int, ...]):
+        self.whole, self.path, self.shape = whole, path, shape
+
+    def pieces(self, cast):
+        if "tree" not in self.whole:
+            self.whole["tree"] = dict(jax.tree_util.tree_flatten_with_path(self.whole["build"]())[0])
+        yield np.ascontiguousarray(cast(self.whole["tree"].pop(self.path)))
+
+
+_NODES = (_Tensor, _Map, _Stack, _Part)
+
+
+def _materialize(node, cast) -> np.ndarray:
+    """The node's whole array: its pieces written one by one into one new array."""
+    pieces = node.pieces(cast)
+    first = next(pieces)
+    if first.shape == node.shape:  # a single piece is the whole
+        return first
+    out = np.empty(node.shape, first.dtype)
+    flat, at = out.reshape(-1), first.size
+    flat[:at] = first.reshape(-1)
+    del first
+    for piece in pieces:
+        flat[at:at + piece.size] = piece.reshape(-1)
+        at += piece.size
+    return out
 
 
 def _mlp(r: _Reader, pre: str, cfg: ModelConfig) -> dict:
@@ -90,10 +161,10 @@ def _mlp(r: _Reader, pre: str, cfg: ModelConfig) -> dict:
     e, i, s = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     fused = f"{pre}mlp.experts.gate_up_proj"
     if r.has(fused):
-        gate_up = r.get(fused, (e, 2 * i, h))
+        gate_up = r.get(fused, (e, 2 * i, h))  # read once for each half
         experts = {
-            "gate": np.ascontiguousarray(gate_up[:, :i]),
-            "up": np.ascontiguousarray(gate_up[:, i:]),
+            "gate": _Map(gate_up, lambda a: a[:, :i], (e, i, h)),
+            "up": _Map(gate_up, lambda a: a[:, i:], (e, i, h)),
             "down": r.get(f"{pre}mlp.experts.down_proj", (e, h, i)),
         }
     else:
@@ -103,7 +174,7 @@ def _mlp(r: _Reader, pre: str, cfg: ModelConfig) -> dict:
              r.linear(f"{pre}mlp.experts.{j}.down_proj.weight", h, i))
             for j in range(e)
         ]
-        experts = {k: np.stack([p[n] for p in per]) for n, k in enumerate(("gate", "up", "down"))}
+        experts = {k: _Stack([p[n] for p in per]) for n, k in enumerate(("gate", "up", "down"))}
     return {
         "router": r.linear(f"{pre}mlp.gate.weight", e, h),
         "experts": experts,
@@ -146,7 +217,7 @@ def _linear_layer(r: _Reader, pre: str, cfg: ModelConfig) -> dict:
             "in_z": r.linear(f"{a}in_proj_z.weight", hv * dv, h),
             "in_b": r.linear(f"{a}in_proj_b.weight", hv, h),
             "in_a": r.linear(f"{a}in_proj_a.weight", hv, h),
-            "conv": np.ascontiguousarray(conv[:, 0, :].T),
+            "conv": _Map(conv, lambda c: c[:, 0, :].T, (k, cfg.conv_dim)),
             "dt_bias": r.get(f"{a}dt_bias", (hv,)),
             "A_log": r.get(f"{a}A_log", (hv,)),
             "norm": r.get(f"{a}norm.weight", (dv,)),
@@ -158,7 +229,7 @@ def _linear_layer(r: _Reader, pre: str, cfg: ModelConfig) -> dict:
 
 def _stack(layers: list[dict]) -> dict:
     """Stacks per-layer dicts on a new leading axis; no layers of a kind gives {}."""
-    return jax.tree.map(lambda *a: np.stack(a), *layers) if layers else {}
+    return jax.tree.map(lambda *a: _Stack(a), *layers) if layers else {}
 
 
 def _mtp(r: _Reader, cfg: ModelConfig) -> dict | None:
@@ -176,15 +247,51 @@ def _mtp(r: _Reader, cfg: ModelConfig) -> dict | None:
     }
 
 
-def params_from_hf(cfg: ModelConfig, source: TensorSource,
-                   cast: Callable[[np.ndarray], np.ndarray] = lambda a: a
-                   ) -> tuple[dict, list[str]]:
-    """Reads the params pytree (numpy leaves) from HF-named tensors.
+class HFPlan:
+    """What every params leaf is made of in one HF checkpoint, checked before any tensor data is
+    read: every name the schema needs is present, none is unknown, every leaf has the schema's
+    shape. Data is read leaf by leaf (`read`, `pieces`), so a caller that keeps one leaf at a
+    time holds at most that leaf and one source tensor; tensor shapes and dtypes are checked as
+    each is read. `notes` say what was skipped (e.g. the vision tower)."""
 
-    Returns (params, notes): notes say what was skipped (e.g. the vision tower). Tensors of the
-    text model that the schema does not know raise, so a checkpoint is never half-read. `cast`
-    only ever sees floating-point arrays (see `_Reader.get`).
-    """
+    def __init__(self, tree: dict, notes: list[str]):
+        self.tree, self.notes = tree, notes  # tree: the params pytree with lazy nodes as leaves
+        flat, self.treedef = jax.tree_util.tree_flatten_with_path(
+            tree, is_leaf=lambda x: isinstance(x, _NODES))
+        self._leaves = {tuple(k.key for k in path): node for path, node in flat}
+
+    def paths(self) -> list[tuple[str, ...]]:
+        """Every leaf's key path in the params pytree, e.g. ("attention", "mixer", "q"), in
+        pytree order."""
+        return list(self._leaves)
+
+    def shape(self, path: tuple[str, ...]) -> tuple[int, ...]:
+        return self._leaves[path].shape
+
+    def pieces(self, path: tuple[str, ...], cast=lambda a: a):
+        """The leaf as C-contiguous arrays (`cast` applied to each source tensor) whose bytes in
+        order are the leaf's: one per layer (per expert) for a stacked leaf."""
+        return self._leaves[path].pieces(cast)
+
+    def read(self, path: tuple[str, ...], cast=lambda a: a) -> np.ndarray:
+        """The whole leaf as one new array."""
+        return _materialize(self._leaves[path], cast)
+
+    def num_mtp_layers(self) -> int:
+        return self.shape(("mtp", "layers", "input_norm"))[0] if "mtp" in self.tree else 0
+
+
+def _vision_names(v) -> list[str]:
+    from ninfer_jax.models.qwen3_6.vision import HF_MERGER, HF_NAMES, HF_PATCH_W
+
+    blocks = [HF_NAMES[k].format(i=i) for k in vision_param_shapes(v)["blocks"]
+              for i in range(v.depth)]
+    return [HF_PATCH_W, HF_NAMES["patch_b"], HF_NAMES["pos_embed"], *blocks, *HF_MERGER.values()]
+
+
+def hf_plan(cfg: ModelConfig, source: TensorSource) -> HFPlan:
+    """The HFPlan of `source` for `cfg`; tensors of the text model that the schema does not know
+    raise, so a checkpoint is never half-read."""
     r = _Reader(source)
     pre = text_prefix(r.keys)
     h, v = cfg.hidden_size, cfg.vocab_size
@@ -211,9 +318,17 @@ def params_from_hf(cfg: ModelConfig, source: TensorSource,
     notes = []
     visual = sorted(k for k in r.keys if k.startswith(VISION_PREFIX))
     if cfg.vision is not None:
-        params["vision"] = vision_params_from_hf(
-            lambda name, shape: r.get(VISION_PREFIX + name, shape), cfg.vision)
-        visual = []  # every one is read now; an unknown one is reported below
+        for name in _vision_names(cfg.vision):
+            r.get(VISION_PREFIX + name, ())  # present and consumed; read with the tower below
+        whole = {"build": lambda: vision_params_from_hf(
+            lambda name, shape: r.read(VISION_PREFIX + name, shape), cfg.vision)}
+        flat = jax.tree_util.tree_flatten_with_path(
+            vision_param_shapes(cfg.vision), is_leaf=lambda x: isinstance(x, tuple))[0]
+        params["vision"] = jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(vision_param_shapes(cfg.vision),
+                                         is_leaf=lambda x: isinstance(x, tuple)),
+            [_Part(whole, path, tuple(shape)) for path, shape in flat])
+        visual = []  # every one is consumed now; an unknown one is reported below
     elif visual:
         notes.append(f"skipped the vision tower ({len(visual)} tensors under {VISION_PREFIX!r}"
                      f"; config.json has no vision_config)")
@@ -223,8 +338,24 @@ def params_from_hf(cfg: ModelConfig, source: TensorSource,
             f"{len(unknown)} tensors are not part of the {cfg.variant} Qwen3.6 schema for this "
             f"config, e.g. {unknown[:3]}"
         )
-    check_param_shapes(cfg, params)
-    return jax.tree.map(cast, params), notes
+    check_param_shapes(cfg, jax.tree.map(lambda n: np.broadcast_to(np.float32(0), n.shape),
+                                         params, is_leaf=lambda x: isinstance(x, _NODES)))
+    return HFPlan(params, notes)
+
+
+def params_from_hf(cfg: ModelConfig, source: TensorSource,
+                   cast: Callable[[np.ndarray], np.ndarray] = lambda a: a
+                   ) -> tuple[dict, list[str]]:
+    """Reads the params pytree (numpy leaves) from HF-named tensors, whole (`hf_plan` reads
+    leaf by leaf).
+
+    Returns (params, notes): notes say what was skipped (e.g. the vision tower). Tensors of the
+    text model that the schema does not know raise, so a checkpoint is never half-read. `cast`
+    only ever sees floating-point arrays (see `_Reader.read`).
+    """
+    plan = hf_plan(cfg, source)
+    leaves = [plan.read(path, cast) for path in plan.paths()]
+    return jax.tree_util.tree_unflatten(plan.treedef, leaves), plan.notes
 
 
 def param_shapes(cfg: ModelConfig, num_mtp_layers: int = 0, legacy: bool = False) -> dict:
