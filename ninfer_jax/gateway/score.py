@@ -3,8 +3,11 @@
     ninfer score --input=IN.jsonl --output=OUT.jsonl [--text_field=text] [--context_field=F]
                  [--window=N --stride=S] [--model=DIR]
     ninfer score --perplexity=FILE.txt [--window=N --stride=S] [--model=DIR]
+    ninfer score --input=IN.jsonl --output=OUT.jsonl --num_processes=N --process_id=P
+                 --coordinator=HOST:PORT   (one command per process, the same flags otherwise)
 
-Owns reading records, writing results, the progress bar (stderr) and resumption. Output line i
+Owns the command's flags and its messages; the job itself (records, results, resumption) is
+`gateway/score_job.py`, a job split across processes `gateway/score_parts.py`. Output line i
 answers input line i: `{"index", "num_tokens", "sum_logprob", "is_greedy", "token_logprobs"}`,
 or `{"index", "error"}` for a bad record (not UTF-8, not JSON, missing or empty field, invalid
 Unicode, too long without a window), and the job goes on. The input is read as bytes and each
@@ -18,13 +21,17 @@ last line, keeps every complete one and resumes at the first missing record, and
 another job is refused. Chunks are fixed runs of `--chunk_records` records counted from the
 start of the input, and a resumed run recomputes the whole chunk it resumes in, so its numbers
 are bit-identical to an uninterrupted run's.
+
+With --num_processes=N > 1 the N processes join through `jax.distributed` at --coordinator
+(process 0's address; process 0 serves it), each scores its chunks (chunk c: process c % N) on its
+own devices into a part file, and process 0 merges the parts: the output is byte-identical to a
+one-process run's. Restart every process with the same command to resume.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import sys
 import time
@@ -32,15 +39,8 @@ from typing import Any
 
 from absl import app, flags
 
-from ninfer_jax.gateway.files import (
-    CommandError,
-    RecordError,
-    check_unicode,
-    iter_lines,
-    os_reason,
-    parse_record,
-    read_text,
-)
+from ninfer_jax.gateway import score_job
+from ninfer_jax.gateway.files import CommandError, read_text
 from ninfer_jax.program.config import resolve_dtype
 
 FLAGS = flags.FLAGS
@@ -60,11 +60,16 @@ flags.DEFINE_integer("max_batch_tokens", 4096, "score: tokens per device call", 
 flags.DEFINE_integer("chunk_records", 64, "score: records per fsynced output chunk",
                      lower_bound=1)
 flags.DEFINE_string("perplexity", None, "score: print the corpus perplexity of this text file")
+flags.DEFINE_integer("num_processes", 1, "score: processes sharing the job through "
+                     "jax.distributed (1: no jax.distributed); run one command per process",
+                     lower_bound=1)
+flags.DEFINE_integer("process_id", 0, "score: this process's id in [0, --num_processes)",
+                     lower_bound=0)
+flags.DEFINE_string("coordinator", None, "score: HOST:PORT of the jax.distributed coordinator, "
+                    "served by process 0 (needed with --num_processes > 1)")
 
 # Every flag that changes a job's results: recorded in its job file, checked on resume.
-RESULT_FLAGS = ("text_field", "context_field", "window", "stride", "max_len", "max_batch_tokens",
-                "dtype", "chunk_records")
-_INT64 = 1 << 63
+RESULT_FLAGS = score_job.RESULT_SETTINGS
 
 
 def _open_scorer():
@@ -80,142 +85,54 @@ def _open_scorer():
     return scorer
 
 
-def _field(record: dict[str, Any], name: str) -> Any:
-    """A text (valid Unicode) or a list of integer token ids; RecordError otherwise."""
-    value = record[name]
-    if isinstance(value, str):
-        check_unicode(value, repr(name))
-    elif isinstance(value, list):
-        if not all(isinstance(t, int) and not isinstance(t, bool) and -_INT64 <= t < _INT64
-                   for t in value):
-            raise RecordError(f"{name!r} must hold integer token ids")
-    else:
-        raise RecordError(f"{name!r} must be a string or a list of token ids")
-    return value
-
-
-def _item(scorer, line: bytes):
-    """A checked ScoreRequest for one input line; raises RecordError or ScoreInputError."""
-    from ninfer_jax.scoring import ScoreInputError
-
-    record = parse_record(line)
-    if FLAGS.text_field not in record:
-        raise ScoreInputError(f"missing field {FLAGS.text_field!r}")
-    value = _field(record, FLAGS.text_field)
-    context = None  # absent or null: none
-    if FLAGS.context_field and record.get(FLAGS.context_field) is not None:
-        context = _field(record, FLAGS.context_field)
-    if isinstance(value, str):
-        if not value:
-            raise ScoreInputError(f"empty {FLAGS.text_field!r}")
-        return scorer.request(text=value, context=context)
-    return scorer.request(token_ids=value, context=context)
-
-
 def _prepare(scorer, line: bytes) -> Any:
-    """The record's ScoreRequest, or the reason it cannot be scored. Preparing a record touches
-    no shared state, so any failure in it is that record's alone and never stops the job."""
-    from ninfer_jax.scoring import ScoreInputError
-
-    try:
-        return _item(scorer, line)
-    except (RecordError, ScoreInputError) as e:
-        return str(e)
-    except Exception as e:  # noqa: BLE001 - e.g. a tokenizer refusing this record's text
-        return f"{type(e).__name__}: {e}"
+    """The record's ScoreRequest under the parsed flags, or the reason it cannot be scored."""
+    return score_job.prepare(scorer, line, FLAGS.text_field, FLAGS.context_field)
 
 
-def _score_chunk(scorer, chunk: list[tuple[int, bytes]]) -> tuple[list[dict[str, Any]], int]:
-    """Result records of one chunk, in order, and the number of tokens scored."""
-    answers: dict[int, dict[str, Any]] = {}
-    requests, indices = [], []
-    for index, line in chunk:
-        prepared = _prepare(scorer, line)
-        if isinstance(prepared, str):
-            answers[index] = {"index": index, "error": prepared}
-        else:
-            requests.append(prepared)
-            indices.append(index)
-    results = scorer.score_requests(requests)
-    for index, r in zip(indices, results):
-        answers[index] = {"index": index, "num_tokens": r.num_tokens,
-                          "sum_logprob": r.sum_logprob, "is_greedy": r.is_greedy,
-                          "token_logprobs": [float(x) for x in r.token_logprobs]}
-    return [answers[i] for i, _ in chunk], sum(r.num_tokens for r in results)
-
-
-def _identity():
-    from ninfer_jax.artifact.hf import checkpoint_dir
-    from ninfer_jax.gateway.resume import job_identity
-    from ninfer_jax.loader import DEFAULT_MODEL
-
-    model_dir = checkpoint_dir(DEFAULT_MODEL if FLAGS.model is None else FLAGS.model)
-    settings = {f: FLAGS[f].value for f in RESULT_FLAGS}
-    settings["dtype"] = resolve_dtype(settings["dtype"])  # what ran, not "auto"
-    return job_identity(FLAGS.input, model_dir, settings)
+def _check_processes() -> None:
+    """Usage errors of the process flags, before anything waits on another process."""
+    n, pid, coordinator = FLAGS.num_processes, FLAGS.process_id, FLAGS.coordinator
+    if pid >= n:
+        raise app.UsageError(f"--process_id={pid} must be in [0, {n}) (--num_processes={n})")
+    if n == 1:
+        if coordinator:
+            raise app.UsageError("--coordinator needs --num_processes > 1")
+        return
+    if not coordinator:
+        raise app.UsageError(f"--num_processes={n} needs --coordinator=HOST:PORT (the address "
+                             "process 0 serves the job's coordination on)")
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise app.UsageError(f"--coordinator={coordinator!r} must be HOST:PORT with a port in "
+                             "[1, 65535]")
+    if FLAGS.perplexity:
+        raise app.UsageError("--perplexity runs in one process (drop --num_processes)")
 
 
 def run_score() -> int:
-    from ninfer_jax.gateway.resume import prepare_output
-
+    _check_processes()
     if FLAGS.perplexity:
         return _run_perplexity()
     if not FLAGS.input or not FLAGS.output:
         raise app.UsageError("score needs --input=FILE.jsonl and --output=FILE.jsonl "
                              "(or --perplexity=FILE.txt)")
-    from tqdm import tqdm
-
-    identity = _identity()
-    total = identity.num_records
-    done = prepare_output(FLAGS.output, identity)
-    if done == total:
-        print(f"[ninfer] {FLAGS.output} is complete ({total} records)", file=sys.stderr)
+    job = score_job.ScoreJob(
+        FLAGS.input, FLAGS.output, model=FLAGS.model, text_field=FLAGS.text_field,
+        context_field=FLAGS.context_field, window=FLAGS.window, stride=FLAGS.stride,
+        max_len=FLAGS.max_len, max_batch_tokens=FLAGS.max_batch_tokens, dtype=FLAGS.dtype,
+        chunk_records=FLAGS.chunk_records, verify_weights=FLAGS.verify_weights)
+    if FLAGS.num_processes == 1:
+        score_job.run_job(job, _open_scorer)
         return 0
-    scorer = _open_scorer()
-    resume = done - done % FLAGS.chunk_records  # recompute the chunk we resume in
-    errors = tokens = 0
-    start = time.perf_counter()
-    bar = tqdm(total=total, initial=done, unit="rec", file=sys.stderr, dynamic_ncols=True)
-    with bar, _open_output() as out:  # the bar ends its line before any error line
-        chunk: list[tuple[int, bytes]] = []
-        for index, line in iter_lines("input", FLAGS.input):
-            if index < resume:
-                continue
-            chunk.append((index, line))
-            if len(chunk) == FLAGS.chunk_records or index == total - 1:
-                answers, n = _score_chunk(scorer, chunk)
-                new = [a for a in answers if a["index"] >= done]
-                _append(out, "".join(json.dumps(a) + "\n" for a in new).encode())
-                errors += sum("error" in a for a in new)
-                tokens += n
-                bar.update(len(new))
-                bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}",
-                                errors=errors)
-                chunk = []
-    print(f"[ninfer] {total - done} records ({errors} errors), {tokens} tokens in "
-          f"{time.perf_counter() - start:.1f}s -> {FLAGS.output}", file=sys.stderr)
+    from ninfer_jax.gateway import score_parts
+
+    score_parts.join(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
+    try:
+        score_job.run_job(job, _open_scorer)
+    finally:
+        score_parts.leave()
     return 0
-
-
-def _open_output():
-    """The output, unbuffered: bytes reach the file in `_append` or not at all, never later
-    (a buffer flushed at close would fail a second time on a full disk)."""
-    try:
-        return open(FLAGS.output, "ab", buffering=0)
-    except OSError as e:
-        raise CommandError(f"--output {FLAGS.output!r}: cannot write: {os_reason(e)}") from None
-
-
-def _append(out, data: bytes) -> None:
-    """Appends whole lines and makes them durable; a full disk is a CommandError (a later run
-    cuts the torn line it may leave and resumes)."""
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[out.write(view):]
-        os.fsync(out.fileno())
-    except OSError as e:
-        raise CommandError(f"--output {FLAGS.output!r}: cannot write: {os_reason(e)}") from None
 
 
 def _run_perplexity() -> int:
