@@ -1,0 +1,494 @@
+"""The GPU build checked on a CUDA device in one command: one markdown table, non-zero on a mismatch.
+
+    python scripts/gpu_check.py [--hbm_gbps=4800] [--layers=8] [--mtp_k=3] [--reps=5]
+    python scripts/gpu_check.py --cpu_smoke   # the same code at tiny sizes on CPU (interpret mode)
+
+Without a GPU backend (and without --cpu_smoke) it says it needs a GPU and exits 0. Rows:
+
+1. The Pallas decode kernel (`paged_attention_decode(impl="pallas")`, the Program's call)
+   against its jnp reference at 27B attention dims (24 q / 4 kv heads x 256, page 16, a few
+   hundred pages, ragged lengths with 0 and a full table; pool slots no row reads hold NaN), in
+   bf16 and fp32: max abs error (pass: allclose at the kernel tests' per-dtype tolerance) and
+   the median time of each. A prefill kernel's row says "not built" while `pallas_kernels`
+   has none (prefill attention runs the jnp reference).
+2. Decode (B = 1 and max B) and MTP verify rounds (K drafts) of the 27B and 35B-A3B presets
+   through the real Program (bf16, random weights of the real per-layer shapes), cut to
+   `--layers` layers (every 4th full attention). A round is the suite helper
+   `_spec_sides.RoundSide`'s decode + commit, which waits for the step's tokens. The measured
+   time is scaled to the full depth by the bytes a round must move (the layers linearly, the
+   embedding and lm head once) and set against the HBM floor: weights read (MoE: the experts
+   random routing is expected to touch) + K/V read + GDN state read once and written per
+   position, at `--hbm_gbps`.
+3. Prefill of one `prefill_chunk`-token prompt (admit, one chunk, release) on the same
+   Programs, scaled to the full depth by layer count (the lm head runs on one position).
+4. Every executable each Program asked for (prefill, commit, decode for every exact B) is
+   compiled: the table's keys against the expected set, after `wait_compiled()`.
+5. `platform_defaults` for the running backend and what `ProgramConfig()` resolves to.
+6. MoE prefill at the 35B's dims (4 layers): 64 experts top-2 against 2 experts top-2.
+
+All Programs are built first and compiled together (each Program's background thread
+compiles its decode steps while the next Program's prefill compiles), then every timing runs
+with no compile in flight: medians of `--reps` after one warm-up, `time.perf_counter` around
+work that ends in `block_until_ready` or a read of the step's tokens. Status "pass"/"FAIL" for
+checks, "info" for measurements with no target yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import pathlib
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from ninfer_jax.compile_cache import enable_persistent_cache
+from ninfer_jax.models.qwen3_6 import ModelConfig
+from ninfer_jax.models.qwen3_6.weights import init_params, param_shapes
+from ninfer_jax.presets import QWEN3_6_27B, QWEN3_6_35B_A3B, pattern
+from ninfer_jax.program.config import ProgramConfig, platform_defaults
+from ninfer_jax.program.executables import StepKind
+from ninfer_jax.program.program import Program
+from ninfer_jax.testing.configs import tiny_dense, tiny_moe
+from pallas_kernels.paged_attention import paged_attention_decode
+from scripts.benchmarks._spec_sides import RoundSide, _prefill, program_config
+
+H200_HBM_GBPS = 4800.0  # H200 HBM3e, 4.8 TB/s
+TOLERANCES = {"float32": 1e-5, "bfloat16": 2e-2}  # atol and rtol, as tests/pallas_kernels'
+EXPECTED_DEFAULTS = {"gpu": {"dtype": "bfloat16", "attention_impl": "pallas"},
+                     "cpu": {"dtype": "float32", "attention_impl": "reference"}}
+
+CPU_SMOKE = flags.DEFINE_bool("cpu_smoke", False, "run at tiny sizes on CPU (kernels interpreted)")
+SCALE = flags.DEFINE_enum("scale", None, ["full", "tiny"],
+                          "sizes: full (27B/35B dims) or tiny; default full, tiny with cpu_smoke")
+HBM_GBPS = flags.DEFINE_float("hbm_gbps", H200_HBM_GBPS, "HBM bandwidth for the floor, GB/s")
+LAYERS = flags.DEFINE_integer("layers", None, "layers built (a multiple of 4); default 8, tiny 4")
+MTP_K = flags.DEFINE_integer("mtp_k", None, "MTP drafts per verify round; default 3, tiny 1")
+MAX_CONCURRENCY = flags.DEFINE_integer(
+    "max_concurrency", None, "the Programs' max B (decode compiles every B up to it; B=1 and "
+    "it are timed); default 8, tiny 2", lower_bound=1, upper_bound=64)
+REPS = flags.DEFINE_integer("reps", 5, "timed repetitions after one warm-up", lower_bound=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelDims:
+    batch: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    max_pages: int  # per row; the pool holds batch * max_pages + 3 pages
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    models: tuple[tuple[str, ModelConfig, ModelConfig], ...]  # (name, built, full depth)
+    moe_pair: tuple[ModelConfig, ModelConfig]  # 64 experts top-2, 2 experts top-2
+    kernel: KernelDims
+    max_concurrency: int
+    prompt_len: int  # = prefill_chunk: a prompt is one chunk
+    mtp_k: int
+    rounds: int  # decode rounds per repetition
+
+
+def sizes(scale: str, layers: int | None = None, mtp_k: int | None = None,
+          max_concurrency: int | None = None) -> Sizes:
+    """The configs of one run: "full" cuts the presets to `layers`; "tiny" the test configs."""
+    if scale == "full":
+        n = layers or 8
+        models = tuple((name, dataclasses.replace(cfg, layer_types=pattern(n)), cfg)
+                       for name, cfg in (("27B", QWEN3_6_27B), ("35B-A3B", QWEN3_6_35B_A3B)))
+        moe = dataclasses.replace(QWEN3_6_35B_A3B, layer_types=pattern(4), mtp_num_layers=0)
+        kernel = KernelDims(8, 24, 4, 256, 16, 64)
+        return Sizes(models, _moe_pair(moe), kernel, max_concurrency or 8, 512, mtp_k or 3, 16)
+    n = layers or 4
+    dense = tiny_dense(layer_types=pattern(n), mtp_num_layers=1)
+    moe = tiny_moe(layer_types=pattern(n), mtp_num_layers=1)
+    models = (("tiny dense", dense, dataclasses.replace(dense, layer_types=pattern(4 * n))),
+              ("tiny MoE", moe, dataclasses.replace(moe, layer_types=pattern(4 * n))))
+    kernel = KernelDims(5, 6, 2, 64, 8, 7)
+    return Sizes(models, _moe_pair(dataclasses.replace(moe, mtp_num_layers=0)), kernel,
+                 max_concurrency or 2, 32, mtp_k or 1, 2)
+
+
+def _moe_pair(cfg: ModelConfig) -> tuple[ModelConfig, ModelConfig]:
+    return (dataclasses.replace(cfg, num_experts=64, num_experts_per_tok=2),
+            dataclasses.replace(cfg, num_experts=2, num_experts_per_tok=2))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def random_params(cfg: ModelConfig, key: jax.Array, num_mtp_layers: int) -> dict:
+    """`init_params` in bf16 as one executable (eagerly, each leaf's ops compile on their own:
+    about 20 s cold for a tiny config on 2 CPU cores)."""
+    return init_params(cfg, key, jnp.bfloat16, num_mtp_layers)
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_check {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def median_seconds(fn, reps: int, warmup: int = 1) -> float:
+    """Median wall seconds of `fn()` (which must wait for its device work) after `warmup`."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# 1. The decode kernel -------------------------------------------------------------------------
+def kernel_case(d: KernelDims, dtype, seed: int = 0) -> tuple:
+    """(q, k_pages, v_pages, page_tables, lengths) on the device: ragged rows (0, 1, a page,
+    several pages and a part, a full table, random), garbage table entries past each row's
+    pages, NaN in every pool slot no row reads."""
+    rng = np.random.default_rng(seed)
+    full = d.max_pages * d.page_size
+    lens = [0, 1, d.page_size, 3 * d.page_size + 5, full]
+    lens = (lens + rng.integers(1, full + 1, max(d.batch - len(lens), 0)).tolist())[: d.batch]
+    lengths = np.asarray(rng.permutation(lens), np.int32)
+    num_pages = d.batch * d.max_pages + 3
+    shape = (num_pages, d.page_size, d.num_kv_heads, d.head_dim)
+    k, v = rng.standard_normal(shape), rng.standard_normal(shape)
+    tables = rng.permutation(num_pages)[: d.batch * d.max_pages].reshape(d.batch, d.max_pages)
+    used = np.zeros((num_pages, d.page_size), bool)
+    for row, n in enumerate(lengths):
+        pos = np.arange(n)
+        used[tables[row, pos // d.page_size], pos % d.page_size] = True
+        tables[row, -(-n // d.page_size):] = rng.choice([-7, 0, num_pages + 11])
+    k[~used], v[~used] = np.nan, np.nan
+    q = rng.standard_normal((d.batch, d.num_q_heads, d.head_dim))
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+            jnp.asarray(tables, jnp.int32), jnp.asarray(lengths))
+
+
+def kernel_rows(d: KernelDims, reps: int) -> list[tuple]:
+    rows = []
+    for dtype in ("bfloat16", "float32"):
+        args = kernel_case(d, jnp.dtype(dtype))
+        case = (f"{dtype}, B={d.batch}, {d.num_q_heads} q / {d.num_kv_heads} kv x {d.head_dim}, "
+                f"page {d.page_size}, {args[1].shape[0]} pages, "
+                f"lengths {sorted(int(n) for n in args[4])}")
+        try:
+            rows.append(("1 decode kernel", case, *kernel_result(args, dtype, reps)))
+        except Exception as e:  # noqa: BLE001 (a kernel that fails to build is a FAIL row)
+            rows.append(("1 decode kernel", case, failure(e), "FAIL"))
+    rows.append(("1 prefill kernel", "pallas_kernels/paged_attention",
+                 ("not built: prefill (and the verify step's T > 1 rows) use "
+                  "paged_prefill_attention_reference"), "-"))
+    return rows
+
+
+def kernel_result(args: tuple, dtype: str, reps: int) -> tuple[str, str]:
+    """(result, status) of the kernel against the reference on `args`."""
+    fns = {impl: jax.jit(functools.partial(paged_attention_decode, impl=impl))
+           for impl in ("pallas", "reference")}
+    out = {impl: np.asarray(jax.block_until_ready(f(*args)).astype(jnp.float32))
+           for impl, f in fns.items()}
+    err = float(np.max(np.abs(out["pallas"] - out["reference"])))
+    tol = TOLERANCES[dtype]
+    ok = bool(np.all(np.isfinite(out["pallas"]))) and np.allclose(
+        out["pallas"], out["reference"], atol=tol, rtol=tol)
+    ms = {impl: 1e3 * median_seconds(lambda f=f: jax.block_until_ready(f(*args)), 4 * reps)
+          for impl, f in fns.items()}
+    result = (f"max abs err {err:.2e} (tol {tol:g}); kernel {ms['pallas']:.3f} ms, reference "
+              f"{ms['reference']:.3f} ms ({ms['reference'] / ms['pallas']:.2f}x)")
+    return result, "pass" if ok else "FAIL"
+
+
+# 2. Bytes a round must move --------------------------------------------------------------------
+def _numel(tree) -> int:
+    return sum(math.prod(s) for s in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple)))
+
+
+def _layer_elems(cfg: ModelConfig, stacked: dict, tokens: int) -> int:
+    """Weights of stacked layers read for `tokens` tokens: MoE experts only as many as random
+    top-k routing is expected to touch, E * (1 - (1 - k/E)^tokens)."""
+    if not stacked:
+        return 0
+    total = _numel(stacked)
+    if cfg.variant == "moe":
+        frac = 1.0 - (1.0 - cfg.num_experts_per_tok / cfg.num_experts) ** tokens
+        total -= round(_numel(stacked["mlp"]["experts"]) * (1.0 - frac))
+    return total
+
+
+def round_bytes(cfg: ModelConfig, b: int, k: int, ctx: int, itemsize: int = 2) -> int:
+    """The least a decode (k = 0) or MTP verify round of b rows at context ctx reads/writes:
+    weights (the verify: the model over T = k + 1 positions, k drafts each through the head
+    and the lm head, and the head once more over T to rewrite its K/V), attention K/V read
+    (the head's layer once per pass), GDN state read once and written for every position."""
+    t = k + 1
+    s = param_shapes(cfg, num_mtp_layers=cfg.mtp_num_layers if k else 0)
+    head = _numel(s.get("lm_head", s["embed"]))
+    weights = (_layer_elems(cfg, s["linear"], b * t) + _layer_elems(cfg, s["attention"], b * t)
+               + head + b * t * cfg.hidden_size)
+    kv_layers = cfg.num_attention_layers
+    if k:
+        mtp = s["mtp"]
+
+        def mtp_elems(tokens: int) -> int:
+            return _numel(mtp) - _numel(mtp["layers"]) + _layer_elems(cfg, mtp["layers"], tokens)
+
+        weights += k * (mtp_elems(b) + head) + mtp_elems(b * t)
+        kv_layers += (k + 1) * cfg.mtp_num_layers
+    kv = kv_layers * b * ctx * 2 * cfg.num_kv_heads * cfg.head_dim
+    rec = cfg.linear_num_v_heads * cfg.linear_k_dim * cfg.linear_v_dim * 4
+    conv = cfg.conv_dim * (cfg.conv_kernel - 1) * itemsize
+    state = cfg.num_linear_layers * b * (rec + conv) * (1 + t)
+    return (weights + kv) * itemsize + state
+
+
+# Programs --------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Built:
+    name: str  # the model: "27B", "35B-A3B", "MoE"
+    label: str  # "27B decode", "27B verify K=3", "MoE 64x top-2"
+    cfg: ModelConfig
+    full: ModelConfig
+    k: int
+    program: Program | None  # None: its construction failed (error)
+    compile_s: float = 0.0
+    error: str | None = None  # the first failure building or compiling it
+
+
+def failure(e: BaseException) -> str:
+    """A one-line account of `e` for the table (the traceback goes to stderr)."""
+    traceback.print_exception(e, file=sys.stderr)
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first[:240]}"
+
+
+def build_all(s: Sizes, reps: int) -> list[Built]:
+    """Every Program of rows 2-4 and 6, constructed in turn (each compiles its prefill before
+    returning, while the others' background threads compile their decode steps; the verify
+    Programs, with the most to compile, first), then waited for."""
+    total_rounds = s.rounds * (1 + reps)
+    built = []
+
+    def make(name, label, cfg, full, params, k, bmax, extra_tokens):
+        pcfg = dataclasses.replace(
+            program_config(k, bmax, s.prompt_len + extra_tokens, s.prompt_len),
+            dtype="bfloat16", attention_impl="pallas")
+        log(f"building {label} ({cfg.num_layers} layers, max_concurrency {bmax})")
+        try:
+            built.append(Built(name, label, cfg, full, k, Program(cfg, params, pcfg)))
+        except Exception as e:  # noqa: BLE001 (reported in the table; the run goes on)
+            built.append(Built(name, label, cfg, full, k, None, error=failure(e)))
+
+    for i, (name, cfg, full) in enumerate(s.models):
+        log(f"random bf16 weights for {name} ({cfg.num_layers} layers, MTP {cfg.mtp_num_layers})")
+        params = random_params(cfg, jax.random.key(i), cfg.mtp_num_layers)
+        if cfg.mtp_num_layers:
+            make(name, f"{name} verify K={s.mtp_k}", cfg, full, params, s.mtp_k,
+                 s.max_concurrency, 1 + total_rounds * (s.mtp_k + 1))
+        plain = {key: value for key, value in params.items() if key != "mtp"}
+        make(name, f"{name} decode", cfg, full, plain, 0, s.max_concurrency, 1 + total_rounds)
+        del params, plain
+    for j, cfg in enumerate(s.moe_pair):
+        params = random_params(cfg, jax.random.key(10 + j), 0)
+        make("MoE", f"MoE {cfg.num_experts}x top-{cfg.num_experts_per_tok}", cfg, cfg, params,
+             0, 1, 1)
+        del params
+    for b in built:
+        if b.program is None:
+            continue
+        start = time.perf_counter()
+        try:
+            b.program.wait_compiled()
+        except Exception as e:  # noqa: BLE001
+            b.error = failure(e)
+        b.compile_s = sum(b.program.executables.compile_seconds.values())
+        log(f"{b.label}: {'compile failed' if b.error else 'all compiled'} ({b.compile_s:.1f} s "
+            f"of compiles, waited {time.perf_counter() - start:.1f} s more)")
+    return built
+
+
+def executables_row(b: Built) -> tuple:
+    """Row 4: the table's keys against prefill(1), commit(max B), decode(1..max B)."""
+    if b.program is None:
+        return ("4 executables", b.label, f"not built: {b.error}", "FAIL")
+    table, bmax = b.program.executables, b.program.pcfg.max_concurrency
+    want = {(StepKind.PREFILL, 1), (StepKind.COMMIT, bmax)} | {
+        (StepKind.DECODE, n) for n in range(1, bmax + 1)}
+    keys = {(key.kind, key.batch) for key in table.keys()}  # noqa: SIM118 (not a dict)
+    done = {(key.kind, key.batch) for key in table.compile_seconds}
+    missing = sorted(f"{kind.value}({n})" for kind, n in want - (keys & done))
+    by_kind: dict[str, list[int]] = {}
+    for kind, n in sorted(keys, key=lambda x: (x[0].value, x[1])):
+        by_kind.setdefault(kind.value, []).append(n)
+    listed = " ".join(f"{kind}({ns[0]}-{ns[-1]})" if len(ns) > 1 else f"{kind}({ns[0]})"
+                      for kind, ns in by_kind.items())
+    ok = not missing and not table.pending() and b.error is None
+    result = (f"{len(keys)} keys: {listed}; " + ("none missing" if not missing
+                                                 else f"MISSING {', '.join(missing)}")
+              + f"; {b.compile_s:.1f} s of compiles" + (f"; {b.error}" if b.error else ""))
+    return ("4 executables", b.label, result, "pass" if ok else "FAIL")
+
+
+def prefill_ms(b: Built, prompt: list[int], reps: int) -> float:
+    prog = b.program
+
+    def once() -> None:
+        handle = prog.materialize(prog.plan_admission(len(prompt), 1), prompt)
+        _prefill(prog, handle)  # waits for the chunk's token
+        prog.release(handle)
+
+    return 1e3 * median_seconds(once, reps)
+
+
+def round_ms(b: Built, prompts: list[list[int]], s: Sizes, reps: int) -> tuple[float, float]:
+    """(median ms per round, tokens committed per round) over `reps` repetitions of
+    `s.rounds` rounds on all rows, after one warm-up repetition."""
+    side = RoundSide(b.program, b.k, s.rounds, s.rounds * (1 + reps))
+    side.prepare("round", {"prompts": prompts})
+    results = [side.rep("round") for _ in range(1 + reps)][1:]
+    side.finish("round")
+    ms = statistics.median(1e3 * r["seconds"] / s.rounds for r in results)
+    tokens = sum(r["outputs"]["tally"]["committed"] for r in results) / (s.rounds * reps)
+    return ms, tokens
+
+
+def step_rows(b: Built, s: Sizes, reps: int, gbps: float, decode_ms: dict) -> list[tuple]:
+    """Rows 2 and 3 of one Program (prefill on the decode Programs only); a failure while
+    running is a FAIL row."""
+    if b.program is None or b.error:
+        return [(f"2 {'verify' if b.k else 'decode'}", b.label, "not run: see row 4", "FAIL")]
+    try:
+        return _step_rows(b, s, reps, gbps, decode_ms)
+    except Exception as e:  # noqa: BLE001
+        return [(f"2 {'verify' if b.k else 'decode'}", b.label, failure(e), "FAIL")]
+
+
+def _step_rows(b: Built, s: Sizes, reps: int, gbps: float, decode_ms: dict) -> list[tuple]:
+    rng = np.random.default_rng(0)
+    bmax = b.program.pcfg.max_concurrency
+    prompts = rng.integers(0, b.cfg.vocab_size, (bmax, s.prompt_len)).tolist()
+    depth = f"{b.cfg.num_layers} of {b.full.num_layers} layers"
+    rows = []
+    if b.k == 0:
+        ms = prefill_ms(b, prompts[0], reps)
+        full_ms = ms * b.full.num_layers / b.cfg.num_layers
+        result = (f"{ms:.2f} ms at {depth}; est. full depth {full_ms:.1f} ms, "
+                  f"{1e3 * s.prompt_len / full_ms:,.0f} tok/s")
+        rows.append(("3 prefill", f"{b.name}, {s.prompt_len}-token chunk", result, "info"))
+    ctx = s.prompt_len + s.rounds * (1 + reps) // 2
+    for batch in sorted({1, bmax}):
+        ms, tokens = round_ms(b, prompts[:batch], s, reps)
+        built_bytes = round_bytes(b.cfg, batch, b.k, ctx)
+        full_bytes = round_bytes(b.full, batch, b.k, ctx)
+        full_ms = ms * full_bytes / built_bytes
+        floor_ms = 1e3 * full_bytes / (gbps * 1e9)
+        note = ""
+        if b.k:
+            base = decode_ms.get((b.name, batch))
+            note = f"; {tokens / batch:.2f} tokens/row-round (random drafts)" + (
+                f"; {ms / base:.2f}x the decode round" if base else "")
+        else:
+            decode_ms[(b.name, batch)] = ms
+        result = (f"{ms:.2f} ms/round at {depth}; est. full depth {full_ms:.2f} ms, "
+                  f"{1e3 * tokens / full_ms:,.0f} tok/s; floor {floor_ms:.3g} ms "
+                  f"({_bytes(full_bytes)} at {gbps:g} GB/s); {full_ms / floor_ms:.2f}x floor{note}")
+        rows.append((f"2 {'verify' if b.k else 'decode'}", f"{b.label}, B={batch}, ctx {ctx}",
+                     result, "info"))
+    return rows
+
+
+def moe_row(pair: list[Built], s: Sizes, reps: int) -> tuple:
+    cfg = pair[0].cfg
+    case = (f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, expert I "
+            f"{cfg.moe_intermediate_size}, {s.prompt_len} tokens")
+    if any(b.program is None or b.error for b in pair):
+        return ("6 MoE prefill", case, "not run: see row 4", "FAIL")
+    prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, s.prompt_len).tolist()
+    try:
+        many, two = (prefill_ms(b, prompt, reps) for b in pair)
+    except Exception as e:  # noqa: BLE001
+        return ("6 MoE prefill", case, failure(e), "FAIL")
+    result = (f"64 experts top-2 {many:.2f} ms, 2 experts top-2 {two:.2f} ms: "
+              f"{many / two:.2f}x (later target <= 1.3x, not checked)")
+    return ("6 MoE prefill", case, result, "info")
+
+
+def defaults_row() -> tuple:
+    backend = jax.default_backend()
+    got = platform_defaults(backend)
+    pcfg = ProgramConfig()
+    resolved = {"dtype": pcfg.dtype, "attention_impl": pcfg.attention_impl}
+    want = EXPECTED_DEFAULTS.get(backend)
+    ok = want is not None and got == want == resolved
+    result = (f"platform_defaults: {got}; ProgramConfig() resolves {resolved}, layer_loop "
+              f"{pcfg.resolved_layer_loop()}")
+    return ("5 platform defaults", f"backend {backend} ({jax.devices()[0].device_kind})", result,
+            "pass" if ok else "FAIL")
+
+
+def markdown(rows: list[tuple]) -> str:
+    lines = ["| check | case | result | status |", "|---|---|---|---|"]
+    lines += ["| " + " | ".join(str(c).replace("|", "/") for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def run(s: Sizes, scale: str, reps: int, gbps: float) -> int:
+    """Prints the table; returns the exit status (1 if a row failed)."""
+    start = time.perf_counter()
+    rows = [defaults_row()]
+    log("row 1: decode kernel against the reference")
+    rows[:0] = kernel_rows(s.kernel, reps)
+    built = build_all(s, reps)
+    compile_wall = time.perf_counter() - start
+    rows += [executables_row(b) for b in built]
+    decode_ms: dict = {}
+    for b in sorted(built[:-2], key=lambda b: b.k):  # decode first: verify rows compare with it
+        log(f"timing {b.label}")
+        rows += step_rows(b, s, reps, gbps, decode_ms)
+    rows.append(moe_row(built[-2:], s, reps))
+    for b in built:
+        if b.program is not None:
+            b.program.close()
+    rows.sort(key=lambda r: r[0][0])  # by row number, stable within one
+    wall = f"{time.perf_counter() - start:.0f} s ({compile_wall:.0f} s to the last compile)"
+    rows.append(("wall", f"scale {scale}, jax {jax.__version__}", wall, "-"))
+    print(markdown(rows), flush=True)
+    failed = [r for r in rows if r[3] == "FAIL"]
+    if failed:
+        log(f"{len(failed)} FAIL row(s): {', '.join(r[0] + ' / ' + r[1] for r in failed)}")
+    return 1 if failed else 0
+
+
+def main(argv) -> int:
+    del argv
+    if CPU_SMOKE.value:
+        jax.config.update("jax_platforms", "cpu")
+    elif jax.default_backend() != "gpu":
+        print(f"gpu_check needs a GPU (jax's backend here is {jax.default_backend()!r}); run it "
+              f"on a CUDA device, or pass --cpu_smoke to check the script at tiny sizes on CPU.")
+        return 0
+    enable_persistent_cache()
+    scale = SCALE.value or ("tiny" if CPU_SMOKE.value else "full")
+    if LAYERS.value is not None and (LAYERS.value < 4 or LAYERS.value % 4):
+        raise app.UsageError(f"--layers must be a positive multiple of 4, got {LAYERS.value}")
+    s = sizes(scale, LAYERS.value, MTP_K.value, MAX_CONCURRENCY.value)
+    return run(s, scale, REPS.value, HBM_GBPS.value)
+
+
+if __name__ == "__main__":
+    app.run(main)
