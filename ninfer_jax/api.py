@@ -33,7 +33,7 @@ from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError
 
 _PROGRAM_KEYS = ("page_size", "num_pages", "max_seq_len", "prefill_chunk", "attention_impl",
                  "dtype", "num_checkpoint_slots", "speculative", "num_speculative_tokens",
-                 "draft_head", "max_vision_patches")
+                 "draft_head", "max_vision_patches", "tensor_parallel", "moe_sharding")
 DEFAULT_SPECULATIVE_TOKENS = 1  # drafts per round with speculative="mtp" (see WORKSPACE.md)
 _CORE_KEYS = ("max_queue", "queue_timeout_s", "prefix_reuse")
 _STORE_KEYS = ("context_store", "host_cache_gb", "disk_cache_dir", "redis_url")
@@ -98,6 +98,9 @@ class Engine:
         Context store (prefix checkpoints beyond the device, `context_store.py`):
         context_store (a topology dict or JSON file, or "off"; default: a host-memory tier of
         1 GiB), or the shortcuts host_cache_gb, disk_cache_dir, redis_url.
+        Tensor parallel: tensor_parallel (devices the weights, K/V pages and GDN state are
+        split over by head, `program.sharding`; default 1) and moe_sharding ("intermediate" or
+        "expert") (Program).
         Vision (a model with a vision tower): messages may hold image and video parts
         (`frontend.media`); max_vision_patches bounds one prompt's patches (Program);
         local_media: which local image paths messages may name (True: any, False: none, a
@@ -148,7 +151,15 @@ class Engine:
         defaults = {"num_pages": 2 * max_concurrency * pcfg.max_pages_per_seq,
                     "num_checkpoint_slots": 4 * max_concurrency if core_config.prefix_reuse else 0}
         pcfg = dataclasses.replace(pcfg, **{k: v for k, v in defaults.items() if k not in given})
-        loaded = load_model(model, dtype=pcfg.dtype, verify=verify_weights)
+        placement = None
+        if pcfg.tensor_parallel > 1:  # each weight straight to its devices, split
+            from ninfer_jax.loader import model_config
+            from ninfer_jax.program import sharding
+
+            placement = sharding.placement(model_config(model),
+                                           sharding.tp_mesh(pcfg.tensor_parallel),
+                                           pcfg.moe_sharding)
+        loaded = load_model(model, dtype=pcfg.dtype, verify=verify_weights, placement=placement)
         try:
             if isinstance(media_fetch_timeout_s, bool) or not isinstance(
                     media_fetch_timeout_s, (int, float)) or not 0 <= media_fetch_timeout_s < 3600:
@@ -174,8 +185,9 @@ class Engine:
                 program.limits, pcfg.dtype)
             tiers = context_store.open_tiers(store, program, identity)
         core = EngineCore(program, frontend, core_config, tiers)
-        _LOG.info("Engine on %s: dtype %s, attention %s, max_concurrency %d",
-                  jax_backend(), pcfg.dtype, pcfg.attention_impl, pcfg.max_concurrency)
+        _LOG.info("Engine on %s: dtype %s, attention %s, max_concurrency %d, tensor_parallel "
+                  "%d", jax_backend(), pcfg.dtype, pcfg.attention_impl, pcfg.max_concurrency,
+                  pcfg.tensor_parallel)
         return cls(core, frontend, loaded.path)
 
     def __enter__(self) -> Engine:
@@ -357,6 +369,8 @@ class Engine:
                     f"{self.core.limits.max_concurrency}")
         line = (f"{jax_backend()}: dtype {pcfg.dtype}, attention {pcfg.attention_impl}, "
                 f"max_concurrency {pcfg.max_concurrency}")
+        if pcfg.tensor_parallel > 1:
+            line += f", tensor_parallel {pcfg.tensor_parallel}"
         if pcfg.speculative != "off":
             line += f", speculative {pcfg.speculative} K={pcfg.num_speculative_tokens}"
         if getattr(self.core.program, "vision_on", False):

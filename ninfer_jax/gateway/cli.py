@@ -75,8 +75,8 @@ flags.DEFINE_float("media_fetch_timeout_s", 0.0, "serve: fetch http(s) image URL
                    "many seconds, 64 MiB at most (0: never fetch)", lower_bound=0.0)
 flags.DEFINE_enum("model_preset", None, ["qwen3_6_27b", "qwen3_6_35b_a3b"],
                   "plan: a published Qwen3.6 size instead of --model")
-flags.DEFINE_integer("tensor_parallel", 1, "plan: devices the model is split over (the "
-                     "head-sharded layout; planned only)", lower_bound=1)
+flags.DEFINE_integer("tensor_parallel", 1, "generate/chat/serve/plan: devices the model is "
+                     "split over by head (on CPU, that many host devices)", lower_bound=1)
 flags.DEFINE_float("device_gb", 141.0, "plan: memory of one device in GB (141: an H200)",
                    lower_bound=0.001)
 flags.DEFINE_bool("traceback", False, "print the traceback of an internal error")
@@ -170,7 +170,7 @@ def _serve() -> int:
                      api_key=keys or None, max_concurrency=FLAGS.max_concurrency,
                      max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype,
                      verify_weights=FLAGS.verify_weights, **generate.speculative_settings(),
-                     **generate.store_settings(),
+                     **generate.parallel_settings(), **generate.store_settings(),
                      header_timeout_s=FLAGS.header_timeout_s, body_timeout_s=FLAGS.body_timeout_s,
                      keepalive_timeout_s=FLAGS.keepalive_timeout_s,
                      max_connections=FLAGS.max_connections, allowed_origins=origins,

@@ -106,6 +106,20 @@ def _thinking() -> bool | None:
     return None if FLAGS.enable_thinking is None else FLAGS.enable_thinking == "true"
 
 
+def parallel_settings() -> dict:
+    """The Engine's tensor-parallel setting from --tensor_parallel. On CPU the process is given
+    that many host devices (before jax starts its backend), so the split runs anywhere."""
+    if FLAGS.tensor_parallel == 1:
+        return {}
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", FLAGS.tensor_parallel)
+    except RuntimeError:  # the backend has started: the devices it has are what there is
+        pass
+    return {"tensor_parallel": FLAGS.tensor_parallel}
+
+
 def speculative_settings() -> dict:
     """The Engine's speculative settings from --speculative and --num_speculative_tokens."""
     for name in ("drafter", "draft_head"):
@@ -148,7 +162,7 @@ def _open_engine():
     engine = Engine.open(FLAGS.model, max_concurrency=FLAGS.max_concurrency,
                          max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype,
                          prefix_reuse=FLAGS.prefix_reuse, verify_weights=FLAGS.verify_weights,
-                         **speculative_settings(), **store_settings())
+                         **speculative_settings(), **parallel_settings(), **store_settings())
     print(f"[ninfer] model {engine.model_path} ready in {time.perf_counter() - start:.1f}s "
           f"({engine.describe()})", file=sys.stderr)
     return engine

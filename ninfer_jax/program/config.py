@@ -13,6 +13,7 @@ LAYER_LOOPS = ("auto", "unrolled", "scan")
 SPECULATIVE = ("off", "mtp", "dflash")
 MAX_SPECULATIVE_TOKENS = {"mtp": 5, "dflash": 15}  # K per backend
 DRAFT_HEADS = ("full", "selector")  # a DFlash drafter's proposal heads
+MOE_SHARDINGS = ("intermediate", "expert")  # tensor_parallel's split of MoE experts
 MIN_VISION_BUCKET = 64  # the smallest padded patch count the vision encoder compiles for
 
 
@@ -69,6 +70,12 @@ class ProgramConfig:
     # patches run in the smallest that holds them, so padding wastes under half); 0: no
     # vision executables, prompts with media are refused.
     max_vision_patches: int = 4096
+    # Devices the model is split over (`program.sharding`: heads, MLP rows, vocabulary; the
+    # K/V pages and GDN state by head); 1: the default device alone.
+    tensor_parallel: int = 1
+    # With tensor_parallel > 1, how MoE experts split: "intermediate" (every device holds a
+    # slice of every expert) or "expert" (whole experts per device).
+    moe_sharding: str = "intermediate"
 
     def __post_init__(self):
         auto = [name for name in ("dtype", "attention_impl") if getattr(self, name) == AUTO]
@@ -101,6 +108,8 @@ class ProgramConfig:
                 v == "full" or self.speculative == "dflash"),
             "max_vision_patches": lambda v: is_int(v) and (
                 v == 0 or (v >= MIN_VISION_BUCKET and v & (v - 1) == 0)),
+            "tensor_parallel": lambda v: is_int(v) and 1 <= v <= 512,
+            "moe_sharding": lambda v: v in MOE_SHARDINGS,
         }
         limits = {
             "max_concurrency": "an integer in 1..64", "page_size": "a power-of-two integer",
@@ -115,6 +124,8 @@ class ProgramConfig:
                  f"speculative is {self.speculative!r}",
             "draft_head": f"one of {DRAFT_HEADS} ('selector' only with speculative='dflash')",
             "max_vision_patches": f"0 or a power of two >= {MIN_VISION_BUCKET}",
+            "tensor_parallel": "an integer in 1..512 (devices)",
+            "moe_sharding": f"one of {MOE_SHARDINGS}",
         }
         for name, ok in checks.items():
             value = getattr(self, name)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -23,6 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ninfer_jax.program.errors import MissingExecutableError
 
@@ -48,8 +51,40 @@ class StepKey:
     length: int = 0  # tokens per row, where the kind's shape is not fixed by the ProgramConfig
 
 
-def _abstract(tree: Any) -> Any:
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+def _abstract(tree: Any, mesh: Mesh | None = None) -> Any:
+    """Shapes only (no buffer is kept). On a mesh every leaf carries its placement: a device
+    array its own, a host array (a step's inputs) replicated on every device."""
+    if mesh is None:
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+    every = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+        a.shape, a.dtype, sharding=a.sharding if isinstance(a, jax.Array) else every), tree)
+
+
+def _on(mesh: Mesh | None):
+    """The context a step is traced in: its mesh (kernels that run per device read it, see
+    `pools.decode_attention`), or none."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def _jit(fn: Callable, abstract: tuple, donate: tuple[str, ...], mesh: Mesh | None) -> Any:
+    """fn jitted with `donate` donated. On a mesh its outputs are placed as its inputs: a
+    returned Pools as the Pools it took (so the donated buffers alias and the next step takes
+    them as they are), everything else replicated."""
+    if mesh is None:
+        return jax.jit(fn, donate_argnames=donate)
+    from ninfer_jax.program.pools import Pools  # the pools module imports the kernels
+
+    def is_pools(x):
+        return isinstance(x, Pools)
+
+    pools = next((a for a in abstract if is_pools(a)), None)
+    every = NamedSharding(mesh, PartitionSpec())
+    out = jax.eval_shape(fn, *abstract)
+    shardings = jax.tree.map(
+        lambda x: jax.tree.map(lambda a: a.sharding, pools) if is_pools(x) else every,
+        out, is_leaf=is_pools)
+    return jax.jit(fn, donate_argnames=donate, out_shardings=shardings)
 
 
 def _lower_priority() -> None:
@@ -61,12 +96,15 @@ def _lower_priority() -> None:
 
 
 class ExecutableTable:
-    """StepKey -> compiled executable. Pools are donated (argument `pools`, by default)."""
+    """StepKey -> compiled executable. Pools are donated (argument `pools`, by default).
+    `mesh`: the tensor-parallel mesh the steps run on (`program.sharding`; None: one device)."""
 
-    def __init__(self):
+    def __init__(self, mesh: Mesh | None = None):
+        self.mesh = mesh
         self._table: dict[StepKey, Callable] = {}
         self._pending: dict[StepKey, concurrent.futures.Future] = {}
-        self._queue: queue.SimpleQueue | None = None  # (key, fn, abstract, future) or None
+        # (key, fn, abstract, donate, mesh, future), or None to stop
+        self._queue: queue.SimpleQueue | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # the worker and a waiting thread may both resolve a key
         self.compile_seconds: dict[StepKey, float] = {}
@@ -76,7 +114,7 @@ class ExecutableTable:
         """Lowers `fn(*example_args)` for those shapes with the `donate` arguments donated and
         stores it; with `background`, on the table's compile thread (keys compile in the order
         given)."""
-        abstract = tuple(map(_abstract, example_args))  # shapes only: no buffer is kept
+        abstract = tuple(_abstract(a, self.mesh) for a in example_args)
         if not background:
             self._table[key] = self._build(key, fn, abstract, donate)
             return
@@ -96,7 +134,7 @@ class ExecutableTable:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._pending[key] = future
-        self._queue.put((key, fn, abstract, donate, future))
+        self._queue.put((key, fn, abstract, donate, self.mesh, future))
 
     def close(self, wait: bool = False) -> None:
         """Drops the compiles not started yet (a call of such a key then raises); `wait` also
@@ -109,7 +147,7 @@ class ExecutableTable:
 
     def _build(self, key: StepKey, fn: Callable, abstract: tuple,
                donate: tuple[str, ...]) -> Callable:
-        executable, self.compile_seconds[key] = _build(fn, abstract, donate)
+        executable, self.compile_seconds[key] = _build(fn, abstract, donate, self.mesh)
         return executable
 
     def _get(self, key: StepKey) -> Callable:
@@ -170,22 +208,25 @@ class LoweringTable:
     (`program.lower_all`): each `compile` lowers the step for `platform` and keeps its text;
     nothing is compiled and nothing can run."""
 
-    def __init__(self, platform: str):
-        self.platform = platform
+    def __init__(self, platform: str, mesh: Mesh | None = None):
+        self.platform, self.mesh = platform, mesh
         self.texts: dict[StepKey, str] = {}
 
     def compile(self, key: StepKey, fn: Callable, *example_args: Any,
                 background: bool = False, donate: tuple[str, ...] = ("pools",)) -> None:
-        abstract = tuple(map(_abstract, example_args))
-        lowered = jax.jit(fn, donate_argnames=donate).trace(*abstract).lower(
-            lowering_platforms=(self.platform,))
+        abstract = tuple(_abstract(a, self.mesh) for a in example_args)
+        with _on(self.mesh):
+            lowered = _jit(fn, abstract, donate, self.mesh).trace(*abstract).lower(
+                lowering_platforms=(self.platform,))
         self.texts[key] = lowered.as_text()
 
 
-def _build(fn: Callable, abstract: tuple, donate: tuple[str, ...]) -> tuple[Callable, float]:
+def _build(fn: Callable, abstract: tuple, donate: tuple[str, ...],
+           mesh: Mesh | None) -> tuple[Callable, float]:
     """(the executable of fn for those shapes with `donate` donated, compile seconds)."""
     start = time.perf_counter()
-    executable = jax.jit(fn, donate_argnames=donate).lower(*abstract).compile()
+    with _on(mesh):
+        executable = _jit(fn, abstract, donate, mesh).lower(*abstract).compile()
     return executable, time.perf_counter() - start
 
 
@@ -194,13 +235,13 @@ def _compile_loop(table_ref: weakref.ref, jobs: queue.SimpleQueue) -> None:
     table is gone (no strong reference to the table is held while compiling)."""
     _lower_priority()
     while (job := jobs.get()) is not None:
-        key, fn, abstract, donate, future = job
+        key, fn, abstract, donate, mesh, future = job
         if table_ref() is None:
             break
         if not future.set_running_or_notify_cancel():
             continue
         try:
-            executable, seconds = _build(fn, abstract, donate)
+            executable, seconds = _build(fn, abstract, donate, mesh)
         except BaseException as e:  # delivered to whoever calls the key
             future.set_exception(e)
             continue

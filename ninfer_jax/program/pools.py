@@ -27,10 +27,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from ninfer_jax.models.dflash import DFlashConfig
 from ninfer_jax.models.qwen3_6 import ModelConfig
 from ninfer_jax.program.config import ProgramConfig
+from ninfer_jax.program.sharding import AXIS
 from pallas_kernels.paged_attention import paged_attention_decode, paged_prefill_attention_reference
 
 
@@ -183,13 +185,28 @@ class PagedKV:
         offset = positions % page_size
         k_flat, v_flat = _write(k_flat, page, offset, k), _write(v_flat, page, offset, v)
         if t == 1:
-            out = paged_attention_decode(q[:, 0], k_flat, v_flat, tables,
-                                         self.lengths + self.num_valid, impl=self.impl)[:, None]
+            out = decode_attention(q[:, 0], k_flat, v_flat, tables,
+                                   self.lengths + self.num_valid, self.impl)[:, None]
         else:
             out = jax.vmap(paged_prefill_attention_reference,
                            in_axes=(0, None, None, 0, 0, 0, 0, 0))(
                 q, k_flat, v_flat, tables, self.lengths, k, v, self.num_valid)
         return out.astype(q.dtype), (k_flat, v_flat)
+
+
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, tables: jax.Array,
+                     lengths: jax.Array, impl: str) -> jax.Array:
+    """`paged_attention_decode`. Traced on a tensor-parallel mesh (`program.sharding`) with the
+    K/V pages split by head, the Pallas kernel runs on each device over its own heads (a
+    kernel is opaque to XLA's partitioner, which would otherwise gather the whole pool)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    tp = 1 if mesh.empty or AXIS not in mesh.axis_names else mesh.shape[AXIS]
+    attend = functools.partial(paged_attention_decode, impl=impl)
+    if impl != "pallas" or tp == 1 or k.shape[2] % tp:
+        return attend(q, k, v, tables, lengths)
+    heads, pages = PartitionSpec(None, AXIS, None), PartitionSpec(None, None, AXIS, None)
+    return jax.shard_map(attend, in_specs=(heads, pages, pages, PartitionSpec(), PartitionSpec()),
+                         out_specs=heads, check_vma=False)(q, k, v, tables, lengths)
 
 
 def _write(pool: jax.Array, page: jax.Array, offset: jax.Array, new: jax.Array) -> jax.Array:

@@ -43,6 +43,7 @@ from ninfer_jax.program.host import (
 )
 from ninfer_jax.program.pools import Pools
 from ninfer_jax.program.sampling import sampling_arrays
+from ninfer_jax.program.sharding import place_params, pool_shardings, tp_mesh
 from ninfer_jax.program.steps import (
     CaptureInputs,
     CommitInputs,
@@ -121,7 +122,8 @@ class Program(HostProgram):
             mtp_layers = len(params["mtp"]["layers"]["input_norm"])
         _check_drafter(cfg, params, pcfg, drafter)
         self.drafter = drafter
-        pools = Pools.allocate(cfg, pcfg, mtp_layers, self.drafter)
+        self.mesh = tp_mesh(pcfg.tensor_parallel)
+        pools = _allocate(cfg, pcfg, mtp_layers, drafter, self.mesh)
         super().__init__(ProgramLimits(
             max_seq_len=pcfg.max_seq_len, page_size=pcfg.page_size, total_pages=pcfg.num_pages,
             total_slots=pcfg.num_slots, max_concurrency=pcfg.max_concurrency,
@@ -136,12 +138,18 @@ class Program(HostProgram):
         self.cfg, self.pcfg = cfg, pcfg
         # The vision path: a tower whose special tokens are in the vocabulary, and buckets.
         self.vision_on = cfg.takes_media and "vision" in params and bool(pcfg.vision_buckets)
-        params = jax.tree.map(lambda a: jax.numpy.asarray(a, pcfg.dtype), params)
-        self.params = unstack_layers(params, cfg) if pcfg.resolved_layer_loop() == "unrolled" \
-            else params
+        unrolled = pcfg.resolved_layer_loop() == "unrolled"
+        if self.mesh is None:
+            params = jax.tree.map(lambda a: jax.numpy.asarray(a, pcfg.dtype), params)
+            self.params = unstack_layers(params, cfg) if unrolled else params
+        else:  # each leaf cast and sent to its devices in turn (per layer when unrolled)
+            self.params = place_params(
+                params, cfg, self.mesh, pcfg.dtype, pcfg.moe_sharding,
+                prepare=(lambda p: unstack_layers(p, cfg)) if unrolled else (lambda p: p))
         self._pools = pools
         self._deferred: CommitInputs | None = None  # the last commit, applied by the next step
         self.executables = ExecutableTable() if executables is None else executables
+        self.executables.mesh = self.mesh  # every step runs on the Program's devices
         self._compile_all()
 
     @property
@@ -492,6 +500,17 @@ class Program(HostProgram):
         for row, seq in enumerate(seqs):
             table[row, : len(seq.pages)] = seq.pages
         return table
+
+
+def _allocate(cfg: ModelConfig, pcfg: ProgramConfig, mtp_layers: int,
+              drafter: DFlashConfig | None, mesh) -> Pools:
+    """The zeroed pools; on a tensor-parallel mesh each made in place on its devices."""
+    def make() -> Pools:
+        return Pools.allocate(cfg, pcfg, mtp_layers, drafter)
+
+    if mesh is None:
+        return make()
+    return jax.jit(make, out_shardings=pool_shardings(jax.eval_shape(make), cfg, mesh))()
 
 
 def _image_pools(pools: Pools) -> list:
