@@ -30,7 +30,11 @@ def test_committed_notebooks_have_no_outputs(path: pathlib.Path):
             assert cell.outputs == [] and cell.execution_count is None, (path.name, cell.id)
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+_SLOW_BOOKS = {"scoring", "speculative"}  # about a minute each cold: run by scripts/test_slow.sh
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p.stem in _SLOW_BOOKS
+                                  else p for p in NOTEBOOKS], ids=lambda p: p.stem)
 def test_notebook_runs_end_to_end(path: pathlib.Path, shared_data, monkeypatch):
     import nbformat
     from nbclient import NotebookClient

@@ -90,6 +90,7 @@ def _check_greedy_equal(name: str, k: int, max_concurrency: int, n: int,
     return produced
 
 
+@pytest.mark.slow  # 90 s cold; the default tier keeps the ring and random-drafter checks
 def test_greedy_equals_no_speculation_at_every_batch_and_arrival_order():
     produced = _check_greedy_equal("trained", 4, 4, 6)
     assert np.mean(produced) > 1.5  # the trained drafter's blocks are often right
@@ -251,7 +252,7 @@ def test_bad_drafter_settings_are_refused_by_name():
                          "draft_head": "selector"})
 
 
-@pytest.mark.parametrize("head", ["full", "selector"])
+@pytest.mark.parametrize("head", ["full", pytest.param("selector", marks=pytest.mark.slow)])
 def test_sampled_rows_follow_non_speculative_sampling(head):
     """The [spec] chi-square test with the trained drafter's proposals: thousands of seeded
     requests, each a prefill (token a) and one verify round (token b first); the pair (a, b)

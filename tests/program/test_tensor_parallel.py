@@ -78,6 +78,7 @@ def test_dense_fixture_tp2_tp4_equal_tp1():
            pools={2: {"k", "v", "conv", "prov_conv", "ck_conv"} | STATE, 4: STATE})
 
 
+@pytest.mark.slow  # 100+ s cold: the default tier's 15 minutes; the dense test stays there
 def test_moe_fixture_tp2_tp4_equal_tp1_with_expert_sharding():
     # 4 q / 1 kv head, GDN 2 / 2 heads, 8 experts of 32 rows, a 48-row shared expert; the
     # experts split by their rows at tp = 2 (the default) and whole experts at tp = 4.
