@@ -24,7 +24,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ninfer_jax.program.errors import MissingExecutableError

@@ -17,26 +17,26 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=4").strip()
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import warnings  # noqa: E402
+import argparse
+import dataclasses
+import json
+import pathlib
+import warnings
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from ninfer_jax.compile_cache import enable_persistent_cache  # noqa: E402
-from ninfer_jax.engine import EngineCore, EngineCoreConfig  # noqa: E402
-from ninfer_jax.frontend import Frontend  # noqa: E402
-from ninfer_jax.loader import load_model  # noqa: E402
-from ninfer_jax.models.qwen3_6 import forward  # noqa: E402
-from ninfer_jax.models.qwen3_6.weights import init_params  # noqa: E402
-from ninfer_jax.program.config import ProgramConfig  # noqa: E402
-from ninfer_jax.program.program import Program  # noqa: E402
-from ninfer_jax.program.sharding import sharded_fraction  # noqa: E402
-from ninfer_jax.sampling_params import SamplingParams  # noqa: E402
-from ninfer_jax.testing.tokenizer import ByteTokenizer  # noqa: E402
+from ninfer_jax.compile_cache import enable_persistent_cache
+from ninfer_jax.engine import EngineCore, EngineCoreConfig
+from ninfer_jax.frontend import Frontend
+from ninfer_jax.loader import load_model
+from ninfer_jax.models.qwen3_6 import forward
+from ninfer_jax.models.qwen3_6.weights import init_params
+from ninfer_jax.program.config import ProgramConfig
+from ninfer_jax.program.program import Program
+from ninfer_jax.program.sharding import sharded_fraction
+from ninfer_jax.sampling_params import SamplingParams
+from ninfer_jax.testing.tokenizer import ByteTokenizer
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
 

@@ -11,19 +11,18 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=4").strip()
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
+import argparse
+import json
+import time
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from ninfer_jax.compile_cache import ensure_persistent_cache  # noqa: E402
-from ninfer_jax.models.qwen3_6.weights import init_params  # noqa: E402
-from ninfer_jax.program.config import ProgramConfig  # noqa: E402
-from ninfer_jax.program.program import Program  # noqa: E402
-from scripts.benchmarks._checkpoint import model_config  # noqa: E402
+from ninfer_jax.compile_cache import ensure_persistent_cache
+from ninfer_jax.models.qwen3_6.weights import init_params
+from ninfer_jax.program.config import ProgramConfig
+from ninfer_jax.program.program import Program
+from scripts.benchmarks._checkpoint import model_config
 
 
 def main() -> None:
