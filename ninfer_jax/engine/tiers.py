@@ -45,6 +45,7 @@ class TierStats:
     blocks_written: int = 0
     bytes_written: int = 0
     pending_writes: int = 0  # write jobs not yet completed
+    pending_reads: int = 0  # reads not yet concluded (a revoked one holds its blocks until its end)
     write_failures: int = 0
     lookups: int = 0  # prompts looked up after a device-catalog miss
     reloads: int = 0  # checkpoints reloaded into the device
@@ -304,7 +305,8 @@ class ContextTiers:
     def stats(self) -> TierStats:
         evictions = tuple((name, tier.buffer.evictions) for name, tier in
                           zip(self._names, self._tiers) if hasattr(tier, "buffer"))
-        return dataclasses.replace(self._stats, evictions_by_tier=evictions)
+        return dataclasses.replace(self._stats, evictions_by_tier=evictions,
+                                   pending_reads=len(self._gets))
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Waits for the writes in flight (so a clean shutdown leaves them stored) and the reads

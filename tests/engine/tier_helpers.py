@@ -117,13 +117,13 @@ def want_ids(ids, budget: int, seed: int = 0) -> list[int]:
 
 def wait_writes(core: EngineCore, timeout_s: float = 20.0):
     """Stats once the worker is idle (every retained checkpoint sent to the store) and no write
-    to the context store is pending."""
+    or read of the context store is pending (a revoked read holds its blocks until it ends)."""
     settle(core)
     deadline = time.monotonic() + timeout_s
-    while (s := core.stats()).tiers.pending_writes:
+    while (s := core.stats()).tiers.pending_writes or s.tiers.pending_reads:
         assert s.available, s
         if time.monotonic() > deadline:
-            raise AssertionError(f"writes still pending after {timeout_s} s: {s.tiers}")
+            raise AssertionError(f"writes or reads still pending after {timeout_s} s: {s.tiers}")
         time.sleep(0.002)
     return s
 

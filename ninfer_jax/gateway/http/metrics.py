@@ -120,6 +120,8 @@ def _tier_metrics(t: Any) -> Iterator[Metric]:
         yield CounterMetricFamily(f"ninfer_store_{name}", doc, value=getattr(t, name))
     yield GaugeMetricFamily("ninfer_store_pending_writes", "write jobs not yet completed",
                             value=t.pending_writes)
+    yield GaugeMetricFamily("ninfer_store_pending_reads", "reads not yet concluded",
+                            value=t.pending_reads)
     hits = CounterMetricFamily("ninfer_store_hits", "reloads by the slowest tier they came "
                                "from", labels=["tier"])
     for tier, n in t.hits_by_tier:
