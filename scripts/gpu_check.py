@@ -9,8 +9,10 @@ Without a GPU backend (and without --cpu_smoke) it says it needs a GPU and exits
    against its jnp reference at 27B attention dims (24 q / 4 kv heads x 256, page 16, a few
    hundred pages, ragged lengths with 0 and a full table; pool slots no row reads hold NaN), in
    bf16 and fp32: max abs error (pass: allclose at the kernel tests' per-dtype tolerance) and
-   the median time of each. A prefill kernel's row says "not built" while `pallas_kernels`
-   has none (prefill attention runs the jnp reference).
+   the median time of each. The same for the Pallas prefill kernel
+   (`paged_attention_prefill(impl="pallas")`) on a 512-token chunk and a 4-token verify
+   window per row after ragged cached lengths (0 to a near-full table), with ragged chunk
+   lengths (full, one, none, part) and NaN in every chunk padding row.
 2. Decode (B = 1 and max B) and MTP verify rounds (K drafts) of the 27B and 35B-A3B presets
    through the real Program (bf16, random weights of the real per-layer shapes), cut to
    `--layers` layers (every 4th full attention). A round is the suite helper
@@ -59,7 +61,7 @@ from ninfer_jax.program.config import ProgramConfig, platform_defaults
 from ninfer_jax.program.executables import StepKind
 from ninfer_jax.program.program import Program
 from ninfer_jax.testing.configs import tiny_dense, tiny_moe
-from pallas_kernels.paged_attention import paged_attention_decode
+from pallas_kernels.paged_attention import paged_attention_decode, paged_attention_prefill
 from scripts.benchmarks._spec_sides import RoundSide, _prefill, program_config
 
 H200_HBM_GBPS = 4800.0  # H200 HBM3e, 4.8 TB/s
@@ -87,6 +89,7 @@ class KernelDims:
     head_dim: int
     page_size: int
     max_pages: int  # per row; the pool holds batch * max_pages + 3 pages
+    chunk: int  # query tokens per row of the prefill kernel's case
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,14 +111,14 @@ def sizes(scale: str, layers: int | None = None, mtp_k: int | None = None,
         models = tuple((name, dataclasses.replace(cfg, layer_types=pattern(n)), cfg)
                        for name, cfg in (("27B", QWEN3_6_27B), ("35B-A3B", QWEN3_6_35B_A3B)))
         moe = dataclasses.replace(QWEN3_6_35B_A3B, layer_types=pattern(4), mtp_num_layers=0)
-        kernel = KernelDims(8, 24, 4, 256, 16, 64)
+        kernel = KernelDims(8, 24, 4, 256, 16, 64, 512)
         return Sizes(models, _moe_pair(moe), kernel, max_concurrency or 8, 512, mtp_k or 3, 16)
     n = layers or 4
     dense = tiny_dense(layer_types=pattern(n), mtp_num_layers=1)
     moe = tiny_moe(layer_types=pattern(n), mtp_num_layers=1)
     models = (("tiny dense", dense, dataclasses.replace(dense, layer_types=pattern(4 * n))),
               ("tiny MoE", moe, dataclasses.replace(moe, layer_types=pattern(4 * n))))
-    kernel = KernelDims(5, 6, 2, 64, 8, 7)
+    kernel = KernelDims(5, 6, 2, 64, 8, 7, 16)
     return Sizes(models, _moe_pair(dataclasses.replace(moe, mtp_num_layers=0)), kernel,
                  max_concurrency or 2, 32, mtp_k or 1, 2)
 
@@ -188,18 +191,55 @@ def kernel_rows(d: KernelDims, reps: int) -> list[tuple]:
                 f"page {d.page_size}, {args[1].shape[0]} pages, "
                 f"lengths {sorted(int(n) for n in args[4])}")
         try:
-            rows.append(("1 decode kernel", case, *kernel_result(args, dtype, reps)))
+            rows.append(("1 decode kernel", case,
+                         *kernel_result(paged_attention_decode, args, dtype, reps)))
         except Exception as e:  # noqa: BLE001 (a kernel that fails to build is a FAIL row)
             rows.append(("1 decode kernel", case, failure(e), "FAIL"))
-    rows.append(("1 prefill kernel", "pallas_kernels/paged_attention",
-                 ("not built: prefill (and the verify step's T > 1 rows) use "
-                  "paged_prefill_attention_reference"), "-"))
+        for tokens in (d.chunk, 4):  # a prefill chunk and a verify window (MTP K = 3)
+            args = prefill_case(d, tokens, jnp.dtype(dtype))
+            case = (f"{dtype}, B={d.batch}, T={tokens}, prior {sorted(int(n) for n in args[4])}, "
+                    f"chunk lengths {sorted(int(n) for n in args[7])}")
+            try:
+                rows.append(("1 prefill kernel", case,
+                             *kernel_result(paged_attention_prefill, args, dtype, reps)))
+            except Exception as e:  # noqa: BLE001
+                rows.append(("1 prefill kernel", case, failure(e), "FAIL"))
     return rows
 
 
-def kernel_result(args: tuple, dtype: str, reps: int) -> tuple[str, str]:
-    """(result, status) of the kernel against the reference on `args`."""
-    fns = {impl: jax.jit(functools.partial(paged_attention_decode, impl=impl))
+def prefill_case(d: KernelDims, tokens: int, dtype) -> tuple:
+    """(q, k_pages, v_pages, page_tables, prior_lens, chunk_k, chunk_v, chunk_lens): `tokens`
+    query tokens per row after ragged cached lengths (0, a page and a part, near a full table),
+    ragged chunk lengths (full, one, none, part), NaN in every pool slot and chunk padding row
+    no row reads."""
+    rng = np.random.default_rng(tokens)
+    room = d.max_pages * d.page_size - tokens
+    prior = [0, d.page_size + 3, room, int(rng.integers(0, room + 1))]
+    chunk = [tokens, 1, 0, max(1, tokens // 2 + 1)]
+    prior = np.asarray([prior[i % 4] for i in range(d.batch)], np.int32)
+    chunk = np.asarray([chunk[(i + 1) % 4] for i in range(d.batch)], np.int32)
+    num_pages = d.batch * d.max_pages + 3
+    shape = (num_pages, d.page_size, d.num_kv_heads, d.head_dim)
+    k, v = rng.standard_normal(shape), rng.standard_normal(shape)
+    tables = rng.permutation(num_pages)[: d.batch * d.max_pages].reshape(d.batch, d.max_pages)
+    used = np.zeros((num_pages, d.page_size), bool)
+    for row, n in enumerate(prior):
+        pos = np.arange(n)
+        used[tables[row, pos // d.page_size], pos % d.page_size] = True
+    k[~used], v[~used] = np.nan, np.nan
+    own = (d.batch, tokens, d.num_kv_heads, d.head_dim)
+    ck, cv = rng.standard_normal(own), rng.standard_normal(own)
+    for row, n in enumerate(chunk):
+        ck[row, n:], cv[row, n:] = np.nan, np.nan
+    q = rng.standard_normal((d.batch, tokens, d.num_q_heads, d.head_dim))
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+            jnp.asarray(tables, jnp.int32), jnp.asarray(prior), jnp.asarray(ck, dtype),
+            jnp.asarray(cv, dtype), jnp.asarray(chunk))
+
+
+def kernel_result(entry, args: tuple, dtype: str, reps: int) -> tuple[str, str]:
+    """(result, status) of `entry`'s kernel against its reference on `args`."""
+    fns = {impl: jax.jit(functools.partial(entry, impl=impl))
            for impl in ("pallas", "reference")}
     out = {impl: np.asarray(jax.block_until_ready(f(*args)).astype(jnp.float32))
            for impl, f in fns.items()}

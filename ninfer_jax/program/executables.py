@@ -62,7 +62,7 @@ def _abstract(tree: Any, mesh: Mesh | None = None) -> Any:
 
 def _on(mesh: Mesh | None):
     """The context a step is traced in: its mesh (kernels that run per device read it, see
-    `pools.decode_attention`), or none."""
+    `pools.attention`), or none."""
     return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 

@@ -33,7 +33,7 @@ from ninfer_jax.models.dflash import DFlashConfig
 from ninfer_jax.models.qwen3_6 import ModelConfig
 from ninfer_jax.program.config import ProgramConfig
 from ninfer_jax.program.sharding import AXIS
-from pallas_kernels.paged_attention import paged_attention_decode, paged_prefill_attention_reference
+from pallas_kernels.paged_attention import paged_attention_decode, paged_attention_prefill
 
 
 @functools.partial(
@@ -184,29 +184,37 @@ class PagedKV:
         page = jnp.where(valid, page, layer * per_layer + per_layer - 1)
         offset = positions % page_size
         k_flat, v_flat = _write(k_flat, page, offset, k), _write(v_flat, page, offset, v)
+        lengths = self.lengths + self.num_valid
         if t == 1:
-            out = decode_attention(q[:, 0], k_flat, v_flat, tables,
-                                   self.lengths + self.num_valid, self.impl)[:, None]
+            out = attention(paged_attention_decode, self.impl, (q[:, 0], 1), (k_flat, 2),
+                            (v_flat, 2), tables, lengths)[:, None]
         else:
-            out = jax.vmap(paged_prefill_attention_reference,
-                           in_axes=(0, None, None, 0, 0, 0, 0, 0))(
-                q, k_flat, v_flat, tables, self.lengths, k, v, self.num_valid)
+            out = attention(paged_attention_prefill, self.impl, (q, 2), (k_flat, 2), (v_flat, 2),
+                            tables, self.lengths, (k, 2), (v, 2), self.num_valid)
         return out.astype(q.dtype), (k_flat, v_flat)
 
 
-def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, tables: jax.Array,
-                     lengths: jax.Array, impl: str) -> jax.Array:
-    """`paged_attention_decode`. Traced on a tensor-parallel mesh (`program.sharding`) with the
-    K/V pages split by head, the Pallas kernel runs on each device over its own heads (a
-    kernel is opaque to XLA's partitioner, which would otherwise gather the whole pool)."""
+def attention(kernel, impl: str, *args):
+    """`kernel(*arrays, impl=impl)` over the arrays of `args`; an arg given as `(array, axis)`
+    has heads on that axis. Traced on a tensor-parallel mesh (`program.sharding`) with the K/V
+    pages split by head, the Pallas kernel runs on each device over its own heads (a kernel is
+    opaque to XLA's partitioner, which would otherwise gather the whole pool); the output has
+    the first arg's heads."""
+    arrays = [a[0] if isinstance(a, tuple) else a for a in args]
+    attend = functools.partial(kernel, impl=impl)
     mesh = jax.sharding.get_abstract_mesh()
     tp = 1 if mesh.empty or AXIS not in mesh.axis_names else mesh.shape[AXIS]
-    attend = functools.partial(paged_attention_decode, impl=impl)
-    if impl != "pallas" or tp == 1 or k.shape[2] % tp:
-        return attend(q, k, v, tables, lengths)
-    heads, pages = PartitionSpec(None, AXIS, None), PartitionSpec(None, None, AXIS, None)
-    return jax.shard_map(attend, in_specs=(heads, pages, pages, PartitionSpec(), PartitionSpec()),
-                         out_specs=heads, check_vma=False)(q, k, v, tables, lengths)
+    num_kv_heads = args[1][0].shape[args[1][1]]
+    if impl != "pallas" or tp == 1 or num_kv_heads % tp:
+        return attend(*arrays)
+
+    def spec(a):
+        if not isinstance(a, tuple):
+            return PartitionSpec()
+        return PartitionSpec(*(AXIS if i == a[1] else None for i in range(a[0].ndim)))
+
+    specs = tuple(spec(a) for a in args)
+    return jax.shard_map(attend, in_specs=specs, out_specs=specs[0], check_vma=False)(*arrays)
 
 
 def _write(pool: jax.Array, page: jax.Array, offset: jax.Array, new: jax.Array) -> jax.Array:

@@ -130,3 +130,33 @@ def check_prefill_inputs(
     for name, x in (("prior_len", prior_len), ("chunk_len", chunk_len)):
         _require(jnp.ndim(x) == 0, f"{name} must be a scalar, got {_shape_str(jnp.shape(x))}")
     return dims
+
+
+def check_prefill_batch(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_tables: jax.Array,
+    prior_lens: jax.Array,
+    chunk_k: jax.Array,
+    chunk_v: jax.Array,
+    chunk_lens: jax.Array,
+) -> PoolDims:
+    """Checks B rows' prefill inputs: q `[B, T, H_q, D]`, chunk_k/v `[B, T, H_kv, D]`,
+    page_tables `[B, max_pages]`, prior_lens and chunk_lens `[B]` int32."""
+    _require(q.ndim == 4, f"q must be [B, T, num_q_heads, head_dim], got {_shape_str(q.shape)}")
+    batch = q.shape[0]
+    for name, x, ndim in (("chunk_k", chunk_k, 4), ("chunk_v", chunk_v, 4),
+                          ("page_tables", page_tables, 2)):
+        _require(x.ndim == ndim and x.shape[0] == batch,
+                 f"{name} must have {ndim} axes and B={batch} rows, got {_shape_str(x.shape)}")
+    for name, x in (("prior_lens", prior_lens), ("chunk_lens", chunk_lens)):
+        _require(x.shape == (batch,), f"{name} must be [B={batch}], got {_shape_str(x.shape)}")
+        _check_int32(name, x)
+
+    def row(x: jax.Array) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    return check_prefill_inputs(row(q), k_pages, v_pages, row(page_tables), scalar,
+                                row(chunk_k), row(chunk_v), scalar)

@@ -39,6 +39,7 @@ DFLASH_STATS = re.compile(r"; speculative dflash K=6: (\d+) verify rows, mean ac
                           r"([\d.]+), acceptance by position \[([\d., ]+)\]")
 
 
+@pytest.mark.slow  # ~70 s (three CLI runs); the engines' greedy tests stay in the default run
 def test_generate_with_mtp_and_dflash_prints_the_same_text_and_the_stats():
     off = _ninfer("generate", *PROMPTS, *COMMON, "--stats")
     mtp = _ninfer("generate", *PROMPTS, *COMMON, "--stats", "--speculative=mtp",

@@ -97,6 +97,7 @@ def test_greedy_equals_no_speculation_at_every_batch_and_arrival_order():
     assert max(produced) == 5
 
 
+@pytest.mark.slow  # ~70 s; the trained drafter's greedy test stays in the default run
 def test_greedy_equals_no_speculation_with_a_random_drafter_and_a_wrapping_ring():
     """Window 16, sequences up to 68 tokens: every ring entry is rewritten several times,
     and nearly every draft is rejected (the correction path carries the output)."""
@@ -126,7 +127,8 @@ def _expected_context(prog: Program, tokens: list[int], frontier: int):
                       jnp.arange(frontier, dtype=jnp.int32)[None])
 
 
-@pytest.mark.parametrize("name,k", [("random", 3), ("trained", 4)])
+@pytest.mark.parametrize("name,k", [("random", 3),
+                                    pytest.param("trained", 4, marks=pytest.mark.slow)])
 def test_the_ring_holds_the_targets_context_for_every_held_position(name, k):
     """After prefill chunks and speculative rounds (rejected positions written too), every
     entry the ring holds at the frontier equals the context K/V a full forward gives, and the
@@ -252,7 +254,8 @@ def test_bad_drafter_settings_are_refused_by_name():
                          "draft_head": "selector"})
 
 
-@pytest.mark.parametrize("head", ["full", pytest.param("selector", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~80 s each; the [spec] chi-square test of the MTP path stays by default
+@pytest.mark.parametrize("head", ["full", "selector"])
 def test_sampled_rows_follow_non_speculative_sampling(head):
     """The [spec] chi-square test with the trained drafter's proposals: thousands of seeded
     requests, each a prefill (token a) and one verify round (token b first); the pair (a, b)

@@ -1,7 +1,7 @@
 """`lower_all`: every executable a Program compiles, lowered for CUDA on this CPU host. Decode
-holds the Pallas attention kernel's Triton call (not the interpreter), a MoE Program's prefill
-and decode hold grouped GEMMs and no dense all-expert contraction, and the same Program lowered
-for CPU holds neither."""
+and prefill hold the Pallas attention kernels' Triton calls (not the interpreter), a MoE
+Program's prefill and decode hold grouped GEMMs and no dense all-expert contraction, and the
+same Program lowered for CPU holds neither."""
 
 from __future__ import annotations
 
@@ -36,8 +36,13 @@ def test_every_executable_is_lowered_for_cuda_with_the_attention_kernel(variant)
                 *(StepKey(StepKind.DECODE, b) for b in range(1, B + 1))}
     assert set(texts) == expected
     triton = f"custom_call @{_triton_custom_call_target()}"
-    for b in range(1, B + 1):
-        assert triton in texts[StepKey(StepKind.DECODE, b)]
+    layers = CONFIGS[variant]().layer_types.count("full_attention")
+    for b in range(1, B + 1):  # the decode kernel in every attention layer
+        assert texts[StepKey(StepKind.DECODE, b)].count(triton) == layers, b
+    # the prefill kernel in every attention layer
+    assert texts[StepKey(StepKind.PREFILL, 1)].count(triton) == layers
+    for text in texts.values():
+        assert "interpret" not in text.lower()
     cpu = lowered(variant, "cpu")
     assert set(cpu) == expected
     assert not any(_triton_custom_call_target() in t for t in cpu.values())
@@ -75,8 +80,8 @@ def test_platform_defaults_decide_dtype_and_attention_in_one_place():
 
 def test_a_dflash_program_lowers_for_cuda_with_the_kernel_in_its_verify_steps():
     """The DFlash round (drafter block, verify over T = K + 1 positions) and the ring-carrying
-    prefill, capture and images lower for CUDA. The verify step attends over T > 1 positions,
-    so its target attention is the jnp chunk path, not the one-token decode kernel."""
+    prefill, capture and images lower for CUDA. The verify step attends over T > 1 positions:
+    its target attention is the prefill kernel, not the one-token decode kernel."""
     import dataclasses
 
     from ninfer_jax.testing.configs import tiny_drafter
@@ -90,4 +95,6 @@ def test_a_dflash_program_lowers_for_cuda_with_the_kernel_in_its_verify_steps():
     # The rings: [S + 1, R + 1, Ld, Hkv, D] with R = window 16 + T 5.
     ring = f"tensor<{B + 1}x22x1x1x32xf32>"
     assert ring in verify and ring in texts[StepKey(StepKind.PREFILL, 1)]
+    layers = cfg.layer_types.count("full_attention")
+    assert verify.count(f"custom_call @{_triton_custom_call_target()}") == layers
     assert "tensor<2x22x1x1x32xf32>" in texts[StepKey(StepKind.EXPORT_STATE, 1)]

@@ -104,6 +104,8 @@ def test_every_batch_size_gives_reference_greedy_with_zero_compilations():
 
 
 def test_pallas_attention_gives_identical_tokens():
+    """Both kernels (interpret mode) in the Program: prompts of 9 and 14 tokens in 8-token chunks
+    over 4-token pages (a second chunk of 1 and of 6 after 2 cached pages), then decode."""
     ref = reference("dense")
     prompts = [ref["token_ids"][0, :9].tolist(), ref["token_ids"][1, :14].tolist()]
     outs = {}

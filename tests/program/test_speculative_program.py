@@ -116,6 +116,7 @@ def test_greedy_equals_no_speculation_at_every_batch_and_arrival_order():
     assert np.mean(produced) > 1.3  # the trained head's drafts are often right
 
 
+@pytest.mark.slow  # ~50 s; the Engine's MTP greedy test (reuse on and off) stays by default
 def test_greedy_equals_no_speculation_on_a_fixture_with_mtp_weights():
     """Random weights: drafts are mostly wrong, so the correction path carries the output."""
     produced = _check_greedy_equal("dense_vl", 2, 2, 2)

@@ -1,0 +1,150 @@
+"""The Pallas prefill kernel (interpret mode) against the jnp reference and dense numpy, and its
+lowering for CUDA.
+
+Each case is a batch of rows with ragged cached lengths (none, inside a page, on a page
+boundary, a chunk crossing pages, a near-full table) and ragged chunk lengths (full, one, none,
+part). Every pool slot no row reads and every chunk padding row holds NaN, so any leak of
+masked keys or values into an output is a mismatch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.paged_attention import (
+    paged_attention_prefill,
+    paged_prefill_attention,
+)
+from tests.pallas_kernels.test_paged_attention import (
+    NUM_KV_HEADS,
+    PAGE_SIZE,
+    PrefillCase,
+    _rounded,
+    _triton_custom_call_target,
+    assert_close,
+    dense_causal,
+)
+
+MAX_PAGES = 6
+
+
+def _rows(tokens: int) -> list[tuple[int, int]]:
+    """(prior_len, chunk_len) per row; the table holds MAX_PAGES * PAGE_SIZE positions."""
+    room = MAX_PAGES * PAGE_SIZE - tokens
+    rows = [(0, tokens), (0, 3), (5, tokens), (PAGE_SIZE, 5), (2 * PAGE_SIZE + 5, 1),
+            (13, 0), (0, 0), (room, tokens)]
+    return [(prior, min(chunk, tokens)) for prior, chunk in rows]
+
+
+def make_batch(seed: int, *, tokens: int, group: int, head_dim: int, dtype) -> list[PrefillCase]:
+    """One PrefillCase per row of `_rows(tokens)`, all on one shared, shuffled pool."""
+    rng = np.random.default_rng(seed)
+    rows = rng.permutation(_rows(tokens)).tolist()
+    num_pages = len(rows) * MAX_PAGES + 3
+    shape = (num_pages, PAGE_SIZE, NUM_KV_HEADS, head_dim)
+    k, v = _rounded(rng.standard_normal(shape), dtype), _rounded(rng.standard_normal(shape), dtype)
+    tables = rng.permutation(num_pages)[: len(rows) * MAX_PAGES].reshape(len(rows), MAX_PAGES)
+    used = np.zeros((num_pages, PAGE_SIZE), bool)
+    for row, (prior, _) in enumerate(rows):
+        positions = np.arange(prior)
+        used[tables[row, positions // PAGE_SIZE], positions % PAGE_SIZE] = True
+        tables[row, -(-prior // PAGE_SIZE):] = rng.choice([-7, 0, num_pages + 11])
+    k[~used], v[~used] = np.nan, np.nan
+    cases = []
+    for row, (prior, chunk) in enumerate(rows):
+        own = (tokens, NUM_KV_HEADS, head_dim)
+        ck, cv = _rounded(rng.standard_normal(own), dtype), _rounded(rng.standard_normal(own), dtype)
+        ck[chunk:], cv[chunk:] = np.nan, np.nan
+        q = _rounded(rng.standard_normal((tokens, NUM_KV_HEADS * group, head_dim)), dtype)
+        cases.append(PrefillCase(q, k, v, tables[row].astype(np.int32), int(prior), ck, cv,
+                                 int(chunk)))
+    return cases
+
+
+def batch_args(cases: list[PrefillCase], dtype) -> tuple[jax.Array, ...]:
+    return (jnp.asarray(np.stack([c.q for c in cases]), dtype),
+            jnp.asarray(cases[0].k_pages, dtype), jnp.asarray(cases[0].v_pages, dtype),
+            jnp.asarray(np.stack([c.page_table for c in cases])),
+            jnp.asarray([c.prior_len for c in cases], jnp.int32),
+            jnp.asarray(np.stack([c.chunk_k for c in cases]), dtype),
+            jnp.asarray(np.stack([c.chunk_v for c in cases]), dtype),
+            jnp.asarray([c.chunk_len for c in cases], jnp.int32))
+
+
+# tokens x group x head_dim x dtype x blocks: T not a multiple of block_c (20), group 3 and 6
+# (row blocks end inside a token), one row block and several, one page per step and several.
+CONFIGS = [
+    (8, 1, 64, jnp.float32, dict(pages_per_block=1)),
+    (20, 3, 64, jnp.float32, dict(block_m=16, block_c=16, pages_per_block=2)),
+    (16, 6, 128, jnp.float32, dict(block_m=32, block_c=16)),
+    (4, 8, 64, jnp.float32, dict(block_m=16, pages_per_block=4)),  # a verify window
+    (20, 2, 128, jnp.bfloat16, dict(block_m=16, block_c=16)),
+    (4, 6, 64, jnp.bfloat16, dict(block_m=16, pages_per_block=2)),
+]
+
+
+@pytest.mark.parametrize("tokens, group, head_dim, dtype, blocks", CONFIGS)
+def test_kernel_matches_reference_and_dense_numpy(tokens, group, head_dim, dtype, blocks):
+    kernel = jax.jit(functools.partial(paged_prefill_attention, interpret=True, **blocks))
+    reference = jax.jit(functools.partial(paged_attention_prefill, impl="reference"))
+    for seed in (0, 1):
+        cases = make_batch(seed, tokens=tokens, group=group, head_dim=head_dim, dtype=dtype)
+        args = batch_args(cases, dtype)
+        out = kernel(*args)
+        assert_close(out, np.asarray(reference(*args).astype(jnp.float32)), dtype)
+        for row, case in enumerate(cases):
+            assert_close(out[row], dense_causal(case), dtype)
+            assert np.all(np.asarray(out[row, case.chunk_len:]) == 0), "padding rows are zero"
+
+
+def test_dispatch_runs_the_interpreter_on_cpu_and_scales_like_the_reference():
+    cases = make_batch(2, tokens=8, group=2, head_dim=64, dtype=jnp.float32)
+    args = batch_args(cases, jnp.float32)
+    expected = paged_attention_prefill(*args, scale=0.3, impl="reference")
+    assert_close(paged_attention_prefill(*args, scale=0.3, impl="pallas"), np.asarray(expected),
+                 jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_kernel_lowers_to_triton_for_cuda(dtype):
+    """Qwen3.6-like shapes (24 q / 4 kv heads x 256, page 16), a 48-token chunk, odd sizes."""
+    s = jax.ShapeDtypeStruct
+    batch, tokens, num_pages = 3, 48, 37
+    args = (s((batch, tokens, 24, 256), dtype), s((num_pages, 16, 4, 256), dtype),
+            s((num_pages, 16, 4, 256), dtype), s((batch, 5), jnp.int32), s((batch,), jnp.int32),
+            s((batch, tokens, 4, 256), dtype), s((batch, tokens, 4, 256), dtype),
+            s((batch,), jnp.int32))
+    prefill = jax.jit(functools.partial(paged_attention_prefill, impl="pallas"))
+    text = prefill.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(f"custom_call @{_triton_custom_call_target()}") == 1
+    cpu = prefill.trace(*args).lower(lowering_platforms=("cpu",)).as_text()
+    assert _triton_custom_call_target() not in cpu
+
+
+@pytest.mark.parametrize(
+    "change, kwargs, message",
+    [
+        (lambda a: (a[0][:, :, :3],) + a[1:], {}, "q num_q_heads (3) must be a multiple"),
+        (lambda a: a[:5] + (a[5][:, :, :1],) + a[6:], {}, "chunk_k must be [T, num_kv_heads"),
+        (lambda a: a[:4] + (a[4][:2],) + a[5:], {}, "prior_lens must be [B=8]"),
+        (lambda a: a[:7] + (a[7].astype(jnp.float32),), {}, "chunk_lens must be int32"),
+        (lambda a: a, {"block_m": 8}, "block_m must be a power of two >= 16, got 8"),
+        (lambda a: a, {"block_c": 24}, "block_c must be a power of two >= 16, got 24"),
+        (lambda a: a, {"pages_per_block": 3}, "pages_per_block must be a power of two"),
+    ],
+)
+def test_bad_inputs_name_the_argument(change, kwargs, message):
+    args = change(batch_args(make_batch(0, tokens=8, group=2, head_dim=64, dtype=jnp.float32),
+                             jnp.float32))
+    with pytest.raises(ValueError) as err:
+        jax.jit(functools.partial(paged_prefill_attention, interpret=True, **kwargs)).trace(*args)
+    assert message in str(err.value)
+    if not kwargs:  # the reference checks the same contract
+        with pytest.raises(ValueError, match=None) as ref_err:
+            paged_attention_prefill(*args, impl="reference")
+        assert message in str(ref_err.value)
