@@ -32,7 +32,7 @@ from ninfer_jax.frontend import Frontend, PromptError
 from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError
 
 _PROGRAM_KEYS = ("page_size", "num_pages", "max_seq_len", "prefill_chunk", "attention_impl",
-                 "dtype", "num_checkpoint_slots", "speculative", "num_speculative_tokens",
+                 "gdn_impl", "dtype", "num_checkpoint_slots", "speculative", "num_speculative_tokens",
                  "draft_head", "max_vision_patches", "tensor_parallel", "moe_sharding")
 DEFAULT_SPECULATIVE_TOKENS = 1  # drafts per round with speculative="mtp" (see WORKSPACE.md)
 _CORE_KEYS = ("max_queue", "queue_timeout_s", "prefix_reuse")
@@ -80,9 +80,9 @@ class Engine:
         steps compile on a background thread in the order they are first needed (a request
         waits only for what it uses; `wait_compiled()` waits for all of them, with a progress
         bar in a notebook). max_concurrency: requests decoding together (default 4).
-        Settings: max_seq_len, page_size, num_pages, prefill_chunk, attention_impl, dtype
-        (both "auto" by default: bf16 and the Pallas kernel on GPU, fp32 and the jnp reference
-        on CPU, see `program.config.platform_defaults`; the choice is logged and in
+        Settings: max_seq_len, page_size, num_pages, prefill_chunk, attention_impl, gdn_impl,
+        dtype (all "auto" by default: bf16 and the Pallas kernels on GPU, fp32 and the jnp
+        references on CPU, see `program.config.platform_defaults`; the choice is logged and in
         `program_config`),
         num_checkpoint_slots, speculative ("off"; "mtp": draft num_speculative_tokens tokens
         per round with the model's MTP head, default 1, a model without MTP weights refuses
@@ -185,9 +185,9 @@ class Engine:
                 program.limits, pcfg.dtype)
             tiers = context_store.open_tiers(store, program, identity)
         core = EngineCore(program, frontend, core_config, tiers)
-        _LOG.info("Engine on %s: dtype %s, attention %s, max_concurrency %d, tensor_parallel "
-                  "%d", jax_backend(), pcfg.dtype, pcfg.attention_impl, pcfg.max_concurrency,
-                  pcfg.tensor_parallel)
+        _LOG.info("Engine on %s: dtype %s, attention %s, GDN %s, max_concurrency %d, "
+                  "tensor_parallel %d", jax_backend(), pcfg.dtype, pcfg.attention_impl,
+                  pcfg.gdn_impl, pcfg.max_concurrency, pcfg.tensor_parallel)
         return cls(core, frontend, loaded.path)
 
     def __enter__(self) -> Engine:
@@ -368,7 +368,7 @@ class Engine:
             return (f"{type(self.core.program).__name__}, max_concurrency "
                     f"{self.core.limits.max_concurrency}")
         line = (f"{jax_backend()}: dtype {pcfg.dtype}, attention {pcfg.attention_impl}, "
-                f"max_concurrency {pcfg.max_concurrency}")
+                f"GDN {pcfg.gdn_impl}, max_concurrency {pcfg.max_concurrency}")
         if pcfg.tensor_parallel > 1:
             line += f", tensor_parallel {pcfg.tensor_parallel}"
         if pcfg.speculative != "off":

@@ -66,8 +66,9 @@ from scripts.benchmarks._spec_sides import RoundSide, _prefill, program_config
 
 H200_HBM_GBPS = 4800.0  # H200 HBM3e, 4.8 TB/s
 TOLERANCES = {"float32": 1e-5, "bfloat16": 2e-2}  # atol and rtol, as tests/pallas_kernels'
-EXPECTED_DEFAULTS = {"gpu": {"dtype": "bfloat16", "attention_impl": "pallas"},
-                     "cpu": {"dtype": "float32", "attention_impl": "reference"}}
+EXPECTED_DEFAULTS = {
+    "gpu": {"dtype": "bfloat16", "attention_impl": "pallas", "gdn_impl": "pallas"},
+    "cpu": {"dtype": "float32", "attention_impl": "reference", "gdn_impl": "reference"}}
 
 CPU_SMOKE = flags.DEFINE_bool("cpu_smoke", False, "run at tiny sizes on CPU (kernels interpreted)")
 SCALE = flags.DEFINE_enum("scale", None, ["full", "tiny"],
@@ -327,7 +328,7 @@ def build_all(s: Sizes, reps: int) -> list[Built]:
     def make(name, label, cfg, full, params, k, bmax, extra_tokens):
         pcfg = dataclasses.replace(
             program_config(k, bmax, s.prompt_len + extra_tokens, s.prompt_len),
-            dtype="bfloat16", attention_impl="pallas")
+            dtype="bfloat16", attention_impl="pallas", gdn_impl="pallas")
         log(f"building {label} ({cfg.num_layers} layers, max_concurrency {bmax})")
         try:
             built.append(Built(name, label, cfg, full, k, Program(cfg, params, pcfg)))
@@ -472,7 +473,8 @@ def defaults_row() -> tuple:
     backend = jax.default_backend()
     got = platform_defaults(backend)
     pcfg = ProgramConfig()
-    resolved = {"dtype": pcfg.dtype, "attention_impl": pcfg.attention_impl}
+    resolved = {"dtype": pcfg.dtype, "attention_impl": pcfg.attention_impl,
+                "gdn_impl": pcfg.gdn_impl}
     want = EXPECTED_DEFAULTS.get(backend)
     ok = want is not None and got == want == resolved
     result = (f"platform_defaults: {got}; ProgramConfig() resolves {resolved}, layer_loop "

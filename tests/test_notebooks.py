@@ -30,7 +30,8 @@ def test_committed_notebooks_have_no_outputs(path: pathlib.Path):
             assert cell.outputs == [] and cell.execution_count is None, (path.name, cell.id)
 
 
-_SLOW_BOOKS = {"scoring", "speculative"}  # about a minute each cold: run by scripts/test_slow.sh
+# about a minute each cold: run by scripts/test_slow.sh
+_SLOW_BOOKS = {"scoring", "speculative", "prefix_reuse"}
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p.stem in _SLOW_BOOKS

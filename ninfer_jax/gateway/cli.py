@@ -218,7 +218,8 @@ def _plan() -> int:
     if settings:
         settings.setdefault("num_speculative_tokens", 1)  # Engine.open's MTP default
     pcfg = ProgramConfig(max_concurrency=FLAGS.max_concurrency, max_seq_len=FLAGS.max_seq_len,
-                         dtype=dtype, attention_impl="reference", **settings)
+                         dtype=dtype, attention_impl="reference", gdn_impl="reference",
+                         **settings)
     # what Engine.open allocates by default: two sequences' pages a lane, 4 checkpoints a lane
     pcfg = dataclasses.replace(pcfg, num_pages=2 * pcfg.max_concurrency * pcfg.max_pages_per_seq,
                                num_checkpoint_slots=4 * pcfg.max_concurrency)

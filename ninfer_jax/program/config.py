@@ -7,8 +7,9 @@ import dataclasses
 from ninfer_jax.errors import ConfigError
 
 ATTENTION_IMPLS = ("reference", "pallas")
+GDN_IMPLS = ("reference", "pallas")
 DTYPES = ("float32", "bfloat16")
-AUTO = "auto"  # dtype / attention_impl: what `platform_defaults` gives the running backend
+AUTO = "auto"  # dtype / attention_impl / gdn_impl: `platform_defaults` for the running backend
 LAYER_LOOPS = ("auto", "unrolled", "scan")
 SPECULATIVE = ("off", "mtp", "dflash")
 MAX_SPECULATIVE_TOKENS = {"mtp": 5, "dflash": 15}  # K per backend
@@ -20,12 +21,13 @@ MIN_VISION_BUCKET = 64  # the smallest padded patch count the vision encoder com
 def platform_defaults(platform: str) -> dict[str, str]:
     """The one place that decides the defaults per platform (jax's backend name: "cpu",
     "gpu", "tpu"). GPU: bf16 weights, activations and K/V (matmuls accumulate in fp32, GDN state
-    stays fp32) and the Pallas (Triton) attention kernel. CPU: fp32, since XLA:CPU has no bf16
-    dot (bf16 operands are upcast every step) and the jnp attention reference. TPU: bf16 with
-    the jnp reference (the kernel is Triton-only)."""
+    stays fp32) and the Pallas (Triton) attention and GDN kernels. CPU: fp32, since XLA:CPU has
+    no bf16 dot (bf16 operands are upcast every step), and the jnp references. TPU: bf16 with
+    the jnp references (the kernels are Triton-only)."""
     if platform == "cpu":
-        return {"dtype": "float32", "attention_impl": "reference"}
-    return {"dtype": "bfloat16", "attention_impl": "pallas" if platform == "gpu" else "reference"}
+        return {"dtype": "float32", "attention_impl": "reference", "gdn_impl": "reference"}
+    kernels = "pallas" if platform == "gpu" else "reference"
+    return {"dtype": "bfloat16", "attention_impl": kernels, "gdn_impl": kernels}
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -50,6 +52,9 @@ class ProgramConfig:
     # resolved when the config is made (the field then holds the choice)
     attention_impl: str = AUTO
     dtype: str = AUTO  # weights, activations and KV pages; "auto" as attention_impl
+    # The GDN layers' recurrence: "reference" (jnp) or "pallas" (chunked prefill, token by
+    # token decode and verify); "auto" as attention_impl
+    gdn_impl: str = AUTO
     num_checkpoint_slots: int = 0  # GDN state images of prefix checkpoints (0 = no reuse)
     # "unrolled": one weight array per layer, a Python loop (fastest steps on XLA:CPU, slower
     # compiles); "scan": lax.scan over stacked weights; "auto": unrolled on CPU, scan elsewhere.
@@ -78,7 +83,8 @@ class ProgramConfig:
     moe_sharding: str = "intermediate"
 
     def __post_init__(self):
-        auto = [name for name in ("dtype", "attention_impl") if getattr(self, name) == AUTO]
+        auto = [name for name in ("dtype", "attention_impl", "gdn_impl")
+                if getattr(self, name) == AUTO]
         if auto:
             import jax  # the backend the Program will run on
 
@@ -96,6 +102,7 @@ class ProgramConfig:
             "max_seq_len": lambda v: is_int(v) and v >= 2,
             "prefill_chunk": lambda v: is_int(v) and v >= 1,
             "attention_impl": lambda v: v in ATTENTION_IMPLS,
+            "gdn_impl": lambda v: v in GDN_IMPLS,
             "dtype": lambda v: v in DTYPES,
             "num_checkpoint_slots": lambda v: is_int(v) and v >= 0,
             "layer_loop": lambda v: v in LAYER_LOOPS,
@@ -116,6 +123,7 @@ class ProgramConfig:
             "num_pages": "an integer >= 1", "max_seq_len": "an integer >= 2",
             "prefill_chunk": "an integer >= 1",
             "attention_impl": f"one of {ATTENTION_IMPLS} or {AUTO!r}",
+            "gdn_impl": f"one of {GDN_IMPLS} or {AUTO!r}",
             "dtype": f"one of {DTYPES} or {AUTO!r}", "num_checkpoint_slots": "an integer >= 0",
             "layer_loop": f"one of {LAYER_LOOPS}", "background_compile": "a bool",
             "speculative": f"one of {SPECULATIVE}",

@@ -80,7 +80,7 @@ def dflash_verify_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg:
     kv = PagedKV(layers=(pools.k, pools.v), page_tables=inputs.page_tables, lengths=pos,
                  num_valid=limit, impl=pcfg.attention_impl, pages_per_layer=pcfg.num_pages + 1)
     ids = jnp.concatenate([inputs.token_ids[:, None], drafts], axis=1)  # [B, T]
-    out = step(params, cfg, ids, pos, gdn_state(pools, slots), kv, limit, keep_states=True,
+    out = step(params, cfg, ids, pos, gdn_state(pools, slots, pcfg), kv, limit, keep_states=True,
                feature_layers=drafter.target_layer_ids)
     verified = accept(out.logits, drafts, probs, inputs.sampling, pools.output_counts[slots],
                       masks, inputs.step_index, limit)

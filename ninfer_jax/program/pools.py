@@ -27,13 +27,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 
 from ninfer_jax.models.dflash import DFlashConfig
 from ninfer_jax.models.qwen3_6 import ModelConfig
 from ninfer_jax.program.config import ProgramConfig
-from ninfer_jax.program.sharding import AXIS
 from pallas_kernels.paged_attention import paged_attention_decode, paged_attention_prefill
+from pallas_kernels.platform import per_device
 
 
 @functools.partial(
@@ -195,26 +194,13 @@ class PagedKV:
 
 
 def attention(kernel, impl: str, *args):
-    """`kernel(*arrays, impl=impl)` over the arrays of `args`; an arg given as `(array, axis)`
-    has heads on that axis. Traced on a tensor-parallel mesh (`program.sharding`) with the K/V
-    pages split by head, the Pallas kernel runs on each device over its own heads (a kernel is
-    opaque to XLA's partitioner, which would otherwise gather the whole pool); the output has
-    the first arg's heads."""
-    arrays = [a[0] if isinstance(a, tuple) else a for a in args]
+    """`kernel(*arrays, impl=impl)` over `args` (an arg given as `(array, axis)` has heads on
+    that axis); with the Pallas kernel on a tensor-parallel mesh, per device over its heads
+    (`pallas_kernels.platform.per_device`). The output has the first arg's heads."""
     attend = functools.partial(kernel, impl=impl)
-    mesh = jax.sharding.get_abstract_mesh()
-    tp = 1 if mesh.empty or AXIS not in mesh.axis_names else mesh.shape[AXIS]
-    num_kv_heads = args[1][0].shape[args[1][1]]
-    if impl != "pallas" or tp == 1 or num_kv_heads % tp:
-        return attend(*arrays)
-
-    def spec(a):
-        if not isinstance(a, tuple):
-            return PartitionSpec()
-        return PartitionSpec(*(AXIS if i == a[1] else None for i in range(a[0].ndim)))
-
-    specs = tuple(spec(a) for a in args)
-    return jax.shard_map(attend, in_specs=specs, out_specs=specs[0], check_vma=False)(*arrays)
+    if impl != "pallas":
+        return attend(*(a[0] if isinstance(a, tuple) else a for a in args))
+    return per_device(attend, args, out_heads=args[0][1])
 
 
 def _write(pool: jax.Array, page: jax.Array, offset: jax.Array, new: jax.Array) -> jax.Array:

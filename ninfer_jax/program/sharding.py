@@ -25,8 +25,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ninfer_jax.errors import ConfigError
 from ninfer_jax.models.qwen3_6 import ModelConfig
+from pallas_kernels.platform import TP_AXIS
 
-AXIS = "tp"
+AXIS = TP_AXIS
 
 # Leaf name -> (dimension counted from the end, what that dimension counts). The dimension is
 # split only if the tp size divides that count (and so the dimension).

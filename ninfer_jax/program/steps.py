@@ -201,10 +201,11 @@ def commit_step(pools: Pools, inputs: CommitInputs) -> Pools:
         ctx=write_rows(pools.ctx, inputs.slots, pools.prov_ctx[rows, at]), output_counts=counts)
 
 
-def gdn_state(pools: Pools, slots: jax.Array) -> GDNState:
-    """The committed GDN state of B slots, in the model's layout [L, B, ...]."""
+def gdn_state(pools: Pools, slots: jax.Array, pcfg: ProgramConfig) -> GDNState:
+    """The committed GDN state of B slots, in the model's layout [L, B, ...], updated by the
+    layers with `pcfg.gdn_impl`."""
     return GDNState(conv=jnp.swapaxes(pools.conv[slots], 0, 1),
-                    recurrent=jnp.swapaxes(pools.rec[slots], 0, 1))
+                    recurrent=jnp.swapaxes(pools.rec[slots], 0, 1), impl=pcfg.gdn_impl)
 
 
 def _finish(pools: Pools, out, logits: jax.Array, counts: jax.Array, masks: jax.Array,
@@ -250,9 +251,10 @@ def prefill_step(params: dict, pools: Pools, inputs: PrefillInputs, *, cfg: Mode
     pools = commit_step(pools, inputs.commit)
     slot = inputs.slot
     fresh = inputs.reset[:, None]  # [1, 1]
-    state = gdn_state(pools, slot)
-    gdn = GDNState(conv=jnp.where(fresh[None, :, :, None], 0, state.conv),
-                   recurrent=jnp.where(fresh[None, :, :, None, None], 0.0, state.recurrent))
+    state = gdn_state(pools, slot, pcfg)
+    gdn = dataclasses.replace(
+        state, conv=jnp.where(fresh[None, :, :, None], 0, state.conv),
+        recurrent=jnp.where(fresh[None, :, :, None, None], 0.0, state.recurrent))
     # A sequence from root starts with no generated tokens and this chunk's prompt tokens.
     counts = jnp.where(fresh, 0, pools.output_counts[slot])
     chunk_valid = jnp.arange(inputs.token_ids.shape[1])[None, :] < inputs.num_valid[:, None]
@@ -319,7 +321,7 @@ def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
                  impl=pcfg.attention_impl, pages_per_layer=pcfg.num_pages + 1)
     rope = None if inputs.rope_delta is None else (inputs.positions + inputs.rope_delta)[:, None]
     out = step(params, cfg, inputs.token_ids[:, None], inputs.positions,
-               gdn_state(pools, slots), kv, rope_positions=rope)
+               gdn_state(pools, slots, pcfg), kv, rope_positions=rope)
     return _finish(pools, out, out.logits[:, 0], pools.output_counts[slots],
                    pools.prompt_mask[slots], inputs, out.hidden[:, 0])
 
@@ -355,7 +357,7 @@ def verify_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
         probs.append(q)
     drafts = jnp.stack(drafts, axis=1)  # [B, K]
     ids = jnp.concatenate([inputs.token_ids[:, None], drafts], axis=1)  # [B, T]
-    out = step(params, cfg, ids, pos, gdn_state(pools, slots), kv.with_layers(layers), limit,
+    out = step(params, cfg, ids, pos, gdn_state(pools, slots, pcfg), kv.with_layers(layers), limit,
                keep_states=True)
     verified = accept(out.logits, drafts, jnp.stack(probs, axis=1), inputs.sampling,
                       pools.output_counts[slots], masks, inputs.step_index, limit)

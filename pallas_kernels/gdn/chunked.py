@@ -26,6 +26,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.gdn.recurrent import check_state, pad_dims
+
 DEFAULT_BLOCK_V = 32
 _PRECISION = lax.Precision.HIGHEST  # IEEE fp32 (Triton's default for fp32 is TF32)
 
@@ -79,9 +81,9 @@ def gated_delta_chunked(q, k, v, g, beta, state, *, chunk_size: int = 64,
     Args:
       q, k: `[B, T, H, dk]` fp32, normalised (q already scaled); v `[B, T, H, dv]` fp32;
       g, beta: `[B, T, H]` fp32 (a padding token has g = beta = 0: it leaves the state as is);
-      state: `[B, H, dk, dv]` fp32; dk and dv powers of two.
+      state: `[B, H, dk, dv]` fp32 (dk and dv not powers of two are zero-padded: exact).
       chunk_size: tokens per sub-chunk, a power of two >= 16 (T is padded to a multiple).
-      block_v: value columns per program, a power of two >= 16 dividing dv.
+      block_v: value columns per program, a power of two >= 16 (at most dv rounded up).
       num_warps: Triton launch parameter (ignored in interpret mode).
       interpret: run the Pallas interpreter (required on CPU).
 
@@ -90,15 +92,11 @@ def gated_delta_chunked(q, k, v, g, beta, state, *, chunk_size: int = 64,
     """
     batch, tokens, heads, dk = q.shape
     dv = v.shape[-1]
-    if state.shape != (batch, heads, dk, dv):
-        raise ValueError(f"state must be [B, H, dk, dv] = {[batch, heads, dk, dv]}, got "
-                         f"{list(state.shape)}")
-    block_v = min(block_v, dv)
-    for name, value in (("dk", dk), ("block_v", block_v), ("chunk_size", chunk_size)):
-        if value & (value - 1) or value < 16:
-            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-    if dv % block_v:
-        raise ValueError(f"block_v ({block_v}) must divide dv ({dv})")
+    check_state(state, batch, heads, dk, dv)
+    if chunk_size & (chunk_size - 1) or chunk_size < 16:
+        raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk_size}")
+    q, k, v, state, block_v = pad_dims(q, k, v, state, block_v)
+    dk_pad, dv_pad = q.shape[-1], v.shape[-1]
     pad = (-tokens) % chunk_size
     padded = tokens + pad
 
@@ -106,20 +104,20 @@ def gated_delta_chunked(q, k, v, g, beta, state, *, chunk_size: int = 64,
         a = jnp.pad(a.astype(jnp.float32), ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2))
         return jnp.moveaxis(a, 2, 1)
 
-    tok = pl.BlockSpec((None, None, padded, dk), lambda b, h, j: (b, h, 0, 0))
+    tok = pl.BlockSpec((None, None, padded, dk_pad), lambda b, h, j: (b, h, 0, 0))
     col = pl.BlockSpec((None, None, padded, block_v), lambda b, h, j: (b, h, 0, j))
     scalar = pl.BlockSpec((None, None, padded), lambda b, h, j: (b, h, 0))
-    s_spec = pl.BlockSpec((None, None, dk, block_v), lambda b, h, j: (b, h, 0, j))
+    s_spec = pl.BlockSpec((None, None, dk_pad, block_v), lambda b, h, j: (b, h, 0, j))
     out, s_out = pl.pallas_call(
         functools.partial(_chunked_kernel, chunk=chunk_size, num_chunks=padded // chunk_size),
-        grid=(batch, heads, dv // block_v),
+        grid=(batch, heads, dv_pad // block_v),
         in_specs=[tok, tok, col, scalar, scalar, s_spec],
         out_specs=[col, s_spec],
-        out_shape=[jax.ShapeDtypeStruct((batch, heads, padded, dv), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, heads, dk, dv), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((batch, heads, padded, dv_pad), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, heads, dk_pad, dv_pad), jnp.float32)],
         input_output_aliases={5: 1},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="gated_delta_chunked",
     )(*(heads_first(a) for a in (q, k, v, g, beta)), state.astype(jnp.float32))
-    return jnp.moveaxis(out, 1, 2)[:, :tokens], s_out
+    return jnp.moveaxis(out, 1, 2)[:, :tokens, :, :dv], s_out[..., :dk, :dv]

@@ -19,6 +19,7 @@ from pallas_kernels.paged_attention.reference import (
     paged_prefill_attention_reference,
 )
 from pallas_kernels.paged_attention.shapes import check_prefill_batch
+from pallas_kernels.platform import by_platform
 
 AttentionImpl = Literal["reference", "pallas"]
 ATTENTION_IMPLS: tuple[AttentionImpl, ...] = ("reference", "pallas")
@@ -62,7 +63,7 @@ def paged_attention_decode(
         return paged_attention_reference(q, k_pages, v_pages, page_tables, lengths, scale=scale)
     if impl == "pallas":
         run = functools.partial(paged_attention, scale=scale, pages_per_block=pages_per_block)
-        return _kernel(run, interpret, q, k_pages, v_pages, page_tables, lengths)
+        return by_platform(run, interpret, q, k_pages, v_pages, page_tables, lengths)
     raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
 
 
@@ -96,13 +97,7 @@ def paged_attention_prefill(
         per_row = functools.partial(paged_prefill_attention_reference, scale=scale)
         return jax.vmap(per_row, in_axes=(0, None, None, 0, 0, 0, 0, 0))(*args)
     if impl == "pallas":
-        return _kernel(functools.partial(paged_prefill_attention, scale=scale), interpret, *args)
+        return by_platform(functools.partial(paged_prefill_attention, scale=scale), interpret,
+                           *args)
     raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
 
-
-def _kernel(run, interpret: bool | None, *args: jax.Array) -> jax.Array:
-    """`run(*args, interpret=...)`: as given, or by the lowering platform when None."""
-    if interpret is not None:
-        return run(*args, interpret=interpret)
-    return jax.lax.platform_dependent(*args, cpu=functools.partial(run, interpret=True),
-                                      default=functools.partial(run, interpret=False))

@@ -142,26 +142,26 @@ def _reference() -> dict:
                                                 range(len(_requests()))).items()}
 
 
-def test_greedy_equals_no_speculation_with_reuse_on_and_off_in_any_arrival_order():
+@pytest.mark.parametrize("reuse", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_greedy_equals_no_speculation_in_any_arrival_order(reuse):
     requests, want_out = _requests(), _reference()
     n = len(requests)
     assert {o[2] for o in want_out.values()} == {FinishReason.STOP, FinishReason.LENGTH}
     assert want_out[4][1][-1] in _opened(0)[1].tokenizer.eos_ids  # first of a 3-token round
-    for reuse in (True, False):
-        with engine(K, prefix_reuse=reuse) as (e, decisions):
-            for order, arrival in ((range(n), "together"), (reversed(range(n)), "together"),
-                                   ((3, 0, 6, 1, 5, 2, 4), "staggered"),
-                                   ((0, 6, 1, 2, 3, 4, 5), "one_at_a_time")):
-                got = _run(e, requests, list(order), arrival)
-                assert {i: _outcome(r) for i, r in got.items()} == want_out, (reuse, arrival)
-                if reuse and arrival == "one_at_a_time":  # request 0's stopped turn restored
-                    extended = requests[6][0]["prompt_token_ids"]
-                    assert got[6].usage.cached_tokens == len(extended) - 1
-            rows = _decode_rows(decisions)
-            # Ends inside rounds happened: rows that committed a strict prefix of their round.
-            assert sum(0 < a < p for p, a in rows) >= 4 * 3
-            assert max(p for p, _ in rows) == K + 1
-            assert (e.stats().prefix.hits > 0) == reuse
+    with engine(K, prefix_reuse=reuse) as (e, decisions):
+        for order, arrival in ((range(n), "together"), (reversed(range(n)), "together"),
+                               ((3, 0, 6, 1, 5, 2, 4), "staggered"),
+                               ((0, 6, 1, 2, 3, 4, 5), "one_at_a_time")):
+            got = _run(e, requests, list(order), arrival)
+            assert {i: _outcome(r) for i, r in got.items()} == want_out, (reuse, arrival)
+            if reuse and arrival == "one_at_a_time":  # request 0's stopped turn restored
+                extended = requests[6][0]["prompt_token_ids"]
+                assert got[6].usage.cached_tokens == len(extended) - 1
+        rows = _decode_rows(decisions)
+        # Ends inside rounds happened: rows that committed a strict prefix of their round.
+        assert sum(0 < a < p for p, a in rows) >= 4 * 3
+        assert max(p for p, _ in rows) == K + 1
+        assert (e.stats().prefix.hits > 0) == reuse
 
 
 def test_multi_turn_chat_restores_checkpoints_with_speculation_and_equals_recompute():

@@ -25,7 +25,8 @@ def test_generate_streams_answers_and_reports_throughput(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("--- [") == 2 and len(out.stdout.split()) > 10
     assert "tok/s" in out.stderr and "prefix-hit tokens" in out.stderr
-    assert "(cpu: dtype float32, attention reference, max_concurrency" in out.stderr  # auto
+    assert ("(cpu: dtype float32, attention reference, GDN reference, max_concurrency"
+            in out.stderr)  # auto
     jsonl = tmp_path / "in.jsonl"
     jsonl.write_text(json.dumps({"prompt": "Once upon a time"}) + "\n"
                      + json.dumps({"messages": [{"role": "user", "content": "Tell a story"}]})

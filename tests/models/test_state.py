@@ -44,7 +44,7 @@ def test_prefill_then_decode_equals_full_forward(name):
     assert rel_err(np.concatenate(got, axis=1), full) <= 1e-5
 
 
-@pytest.mark.parametrize("name", ["dense", "moe"])
+@pytest.mark.parametrize("name", ["dense", pytest.param("moe", marks=pytest.mark.slow)])
 def test_padded_chunks_with_ragged_rows_then_decode_match_each_row_alone(name):
     """Fixed-size chunks, the last one padded per row (num_valid), rows of different lengths."""
     model = loaded(name)

@@ -79,12 +79,12 @@ def batch_args(cases: list[PrefillCase], dtype) -> tuple[jax.Array, ...]:
 # tokens x group x head_dim x dtype x blocks: T not a multiple of block_c (20), group 3 and 6
 # (row blocks end inside a token), one row block and several, one page per step and several.
 CONFIGS = [
-    (8, 1, 64, jnp.float32, dict(pages_per_block=1)),
-    (20, 3, 64, jnp.float32, dict(block_m=16, block_c=16, pages_per_block=2)),
-    (16, 6, 128, jnp.float32, dict(block_m=32, block_c=16)),
-    (4, 8, 64, jnp.float32, dict(block_m=16, pages_per_block=4)),  # a verify window
-    (20, 2, 128, jnp.bfloat16, dict(block_m=16, block_c=16)),
-    (4, 6, 64, jnp.bfloat16, dict(block_m=16, pages_per_block=2)),
+    (8, 1, 64, jnp.float32, {"pages_per_block": 1}),
+    (20, 3, 64, jnp.float32, {"block_m": 16, "block_c": 16, "pages_per_block": 2}),
+    (16, 6, 128, jnp.float32, {"block_m": 32, "block_c": 16}),
+    (4, 8, 64, jnp.float32, {"block_m": 16, "pages_per_block": 4}),  # a verify window
+    (20, 2, 128, jnp.bfloat16, {"block_m": 16, "block_c": 16}),
+    (4, 6, 64, jnp.bfloat16, {"block_m": 16, "pages_per_block": 2}),
 ]
 
 

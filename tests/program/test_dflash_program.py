@@ -127,8 +127,8 @@ def _expected_context(prog: Program, tokens: list[int], frontier: int):
                       jnp.arange(frontier, dtype=jnp.int32)[None])
 
 
-@pytest.mark.parametrize("name,k", [("random", 3),
-                                    pytest.param("trained", 4, marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~50-70 s each; the Engine's DFlash greedy test (reuse on, off) stays
+@pytest.mark.parametrize("name,k", [("random", 3), ("trained", 4)])
 def test_the_ring_holds_the_targets_context_for_every_held_position(name, k):
     """After prefill chunks and speculative rounds (rejected positions written too), every
     entry the ring holds at the frontier equals the context K/V a full forward gives, and the
@@ -157,6 +157,7 @@ def test_the_ring_holds_the_targets_context_for_every_held_position(name, k):
     prog.release(h)
 
 
+@pytest.mark.slow  # ~60 s; the Engine's DFlash test with reuse on stays in the default run
 def test_prefix_reuse_restores_the_drafters_context():
     """A checkpoint carries the ring: sequences started from it draft exactly what a fresh
     prefill of the same tokens drafts (the same produced counts), and its host image round trip

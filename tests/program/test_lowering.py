@@ -17,7 +17,8 @@ from tests.pallas_kernels.test_paged_attention import _triton_custom_call_target
 
 B = 2
 PCFG = ProgramConfig(max_concurrency=B, max_seq_len=64, num_pages=16, page_size=8,
-                     prefill_chunk=16, attention_impl="pallas", num_checkpoint_slots=2)
+                     prefill_chunk=16, attention_impl="pallas", gdn_impl="pallas",
+                     num_checkpoint_slots=2)
 CONFIGS = {"dense": tiny_dense, "moe": tiny_moe}
 
 
@@ -36,11 +37,16 @@ def test_every_executable_is_lowered_for_cuda_with_the_attention_kernel(variant)
                 *(StepKey(StepKind.DECODE, b) for b in range(1, B + 1))}
     assert set(texts) == expected
     triton = f"custom_call @{_triton_custom_call_target()}"
-    layers = CONFIGS[variant]().layer_types.count("full_attention")
-    for b in range(1, B + 1):  # the decode kernel in every attention layer
-        assert texts[StepKey(StepKind.DECODE, b)].count(triton) == layers, b
-    # the prefill kernel in every attention layer
-    assert texts[StepKey(StepKind.PREFILL, 1)].count(triton) == layers
+    # an attention kernel in every attention layer, a GDN kernel in every GDN layer
+    layers = len(CONFIGS[variant]().layer_types)
+    for key in (StepKey(StepKind.PREFILL, 1), *(StepKey(StepKind.DECODE, b)
+                                                 for b in range(1, B + 1))):
+        assert texts[key].count(triton) == layers, key
+        for name in ("gated_delta_chunked" if key.kind == StepKind.PREFILL
+                     else "gated_delta_recurrent",
+                     "paged_attention_prefill" if key.kind == StepKind.PREFILL
+                     else "paged_attention_decode"):
+            assert name in texts[key], (key, name)
     for text in texts.values():
         assert "interpret" not in text.lower()
     cpu = lowered(variant, "cpu")
@@ -66,11 +72,13 @@ def test_platform_defaults_decide_dtype_and_attention_in_one_place():
     from ninfer_jax.errors import ConfigError
     from ninfer_jax.program.config import platform_defaults, resolve_dtype
 
-    assert platform_defaults("gpu") == {"dtype": "bfloat16", "attention_impl": "pallas"}
-    assert platform_defaults("cpu") == {"dtype": "float32", "attention_impl": "reference"}
-    assert platform_defaults("tpu") == {"dtype": "bfloat16", "attention_impl": "reference"}
+    gpu, cpu = ("bfloat16", "pallas", "pallas"), ("float32", "reference", "reference")
+    for platform, want in (("gpu", gpu), ("cpu", cpu), ("tpu", ("bfloat16", "reference",
+                                                                  "reference"))):
+        assert platform_defaults(platform) == dict(zip(("dtype", "attention_impl", "gdn_impl"),
+                                                       want, strict=True))
     default = ProgramConfig()  # "auto", resolved for this CPU host when made
-    assert (default.dtype, default.attention_impl) == ("float32", "reference")
+    assert (default.dtype, default.attention_impl, default.gdn_impl) == cpu
     assert resolve_dtype("auto") == "float32" and resolve_dtype("bfloat16") == "bfloat16"
     chosen = ProgramConfig(dtype="bfloat16", attention_impl="pallas")
     assert (chosen.dtype, chosen.attention_impl) == ("bfloat16", "pallas")
@@ -95,6 +103,8 @@ def test_a_dflash_program_lowers_for_cuda_with_the_kernel_in_its_verify_steps():
     # The rings: [S + 1, R + 1, Ld, Hkv, D] with R = window 16 + T 5.
     ring = f"tensor<{B + 1}x22x1x1x32xf32>"
     assert ring in verify and ring in texts[StepKey(StepKind.PREFILL, 1)]
-    layers = cfg.layer_types.count("full_attention")
-    assert verify.count(f"custom_call @{_triton_custom_call_target()}") == layers
+    # the target's attention layers the prefill kernel, its GDN layers the recurrent kernel
+    # with every token's state
+    assert verify.count(f"custom_call @{_triton_custom_call_target()}") == len(cfg.layer_types)
+    assert "paged_attention_prefill" in verify and "gated_delta_recurrent" in verify
     assert "tensor<2x22x1x1x32xf32>" in texts[StepKey(StepKind.EXPORT_STATE, 1)]

@@ -103,14 +103,15 @@ def test_every_batch_size_gives_reference_greedy_with_zero_compilations():
     _assert_all_free(prog)
 
 
-def test_pallas_attention_gives_identical_tokens():
-    """Both kernels (interpret mode) in the Program: prompts of 9 and 14 tokens in 8-token chunks
-    over 4-token pages (a second chunk of 1 and of 6 after 2 cached pages), then decode."""
+def test_pallas_kernels_give_identical_tokens():
+    """The attention and GDN kernels (interpret mode) in the Program: prompts of 9 and 14
+    tokens in 8-token chunks over 4-token pages (a second chunk of 1 and of 6 after 2 cached
+    pages: the prefill kernels with prior state), then decode."""
     ref = reference("dense")
     prompts = [ref["token_ids"][0, :9].tolist(), ref["token_ids"][1, :14].tolist()]
     outs = {}
     for impl in ("reference", "pallas"):
-        prog = program(attention_impl=impl, max_concurrency=2) if impl == "pallas" else program()
+        prog = program(attention_impl=impl, gdn_impl=impl, max_concurrency=2)
         handles = {_admit(prog, p, 6): 6 for p in prompts}
         run_to_completion(prog, handles)
         outs[impl] = [prog.tokens(h) for h in handles]

@@ -164,6 +164,7 @@ def test_the_vision_region_is_the_encoder_working_memory_at_its_largest_bucket()
     plain.close()
 
 
+@pytest.mark.slow  # ~35 s; the fp32 vision tests stay in the default run
 def test_bfloat16_images_stay_close_to_float32():
     import jax.numpy as jnp
 

@@ -36,7 +36,7 @@ class KVAccess(Protocol):
         layer `layer` (an int32 scalar). Returns (out [B, T, Hq, D], updated layers)."""
         ...
 
-    def with_layers(self, layers: Any) -> "KVAccess":
+    def with_layers(self, layers: Any) -> KVAccess:
         ...
 
 
@@ -83,7 +83,7 @@ class ContiguousKV:
     lengths: jax.Array  # [B] int32
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "ContiguousKV":
+    def zeros(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> ContiguousKV:
         shape = (cfg.num_attention_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
         return cls(layers=(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)),
                    lengths=jnp.zeros((batch,), jnp.int32))
@@ -103,7 +103,7 @@ class ContiguousKV:
     def with_layers(self, layers):
         return dataclasses.replace(self, layers=layers)
 
-    def advance(self, num_new: jax.Array) -> "ContiguousKV":
+    def advance(self, num_new: jax.Array) -> ContiguousKV:
         """The cache after `num_new` [B] tokens per row were committed."""
         return dataclasses.replace(self, lengths=self.lengths + num_new)
 

@@ -3,8 +3,9 @@
 Owns the GDN maths of DESIGN §14 and its per-sequence state: the conv state (the last
 `conv_kernel - 1` pre-conv inputs) and the fp32 recurrent state `S [v_heads, k_dim, v_dim]`.
 Multi-token input uses the chunked (UT-transform) form, one token the recurrent form; both
-compute the same function. Padded tokens at the end of a row (`num_valid`) leave the state
-exactly as the last valid token left it.
+compute the same function; with `impl="pallas"` the same forms run as the Pallas kernels of
+`pallas_kernels.gdn`. Padded tokens at the end of a row (`num_valid`) leave the state exactly as
+the last valid token left it.
 """
 
 from __future__ import annotations
@@ -17,19 +18,24 @@ import jax.numpy as jnp
 
 from ninfer_jax.models.qwen3_6.config import ModelConfig
 from ninfer_jax.models.qwen3_6.layers import dense, gated_rms_norm
+from pallas_kernels.gdn import gated_delta_rule
+from pallas_kernels.platform import per_device
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["conv", "recurrent"],
-                   meta_fields=[])
+                   meta_fields=["impl"])
 @dataclasses.dataclass(frozen=True)
 class GDNState:
     """State of every GDN layer for B sequences (leading axis: linear layers)."""
 
     conv: jax.Array  # [L, B, conv_dim, conv_kernel - 1] activation dtype, oldest input first
     recurrent: jax.Array  # [L, B, v_heads, k_dim, v_dim] float32
+    # How the layers update it: "reference" (the jnp forms below) or "pallas" (the
+    # `pallas_kernels.gdn` kernels; per device over the heads on a tensor-parallel mesh)
+    impl: str = "reference"
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, batch: int, dtype=jnp.float32) -> "GDNState":
+    def zeros(cls, cfg: ModelConfig, batch: int, dtype=jnp.float32) -> GDNState:
         n = cfg.num_linear_layers
         return cls(
             conv=jnp.zeros((n, batch, cfg.conv_dim, cfg.conv_kernel - 1), dtype),
@@ -161,14 +167,16 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int):
 
 
 def gdn_mixer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array,
-              num_valid: jax.Array | None, cfg: ModelConfig, keep_states: bool = False):
+              num_valid: jax.Array | None, cfg: ModelConfig, keep_states: bool = False,
+              impl: str = "reference"):
     """One GDN layer's mixer (after input_layernorm).
 
     x [B, T, H]; conv_state [B, conv_dim, K-1]; rec_state [B, Hv, dk, dv] fp32;
     num_valid [B] int32 or None (all T valid). Returns (y [B, T, H], conv_state, rec_state).
     With `keep_states` (a speculative verify: the state at any accepted prefix is needed) the
     states come back after every token, conv [B, T, conv_dim, K-1] and rec [B, T, Hv, dk, dv],
-    computed by the recurrent form; a padded token's entries are don't-care.
+    computed by the recurrent form; a padded token's entries are don't-care. `impl`: as
+    `GDNState.impl`.
     """
     bsz, t, _ = x.shape
     kern = cfg.conv_kernel
@@ -211,7 +219,12 @@ def gdn_mixer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array
     if valid is not None:  # padded tokens neither decay nor write the state
         beta = jnp.where(valid[..., None], beta, 0.0)
         g = jnp.where(valid[..., None], g, 0.0)
-    if t == 1 or keep_states:
+    if impl == "pallas":
+        rule = functools.partial(gated_delta_rule, chunk_size=cfg.gdn_chunk_size,
+                                 keep_states=keep_states)
+        heads = ((q, 2), (k, 2), (v, 2), (g, 2), (beta, 2), (rec_state, 1))
+        out, rec = per_device(rule, heads, out_heads=(2, 2 if keep_states else 1))
+    elif t == 1 or keep_states:
         out, rec = recurrent_delta_rule(q, k, v, g, beta, rec_state, keep_states)
     else:
         out, rec = chunked_delta_rule(q, k, v, g, beta, rec_state, cfg.gdn_chunk_size)

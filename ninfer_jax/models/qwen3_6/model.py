@@ -95,7 +95,7 @@ def run_layers(params: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Arra
                 i_att += 1
             else:
                 y, c, r = gdn_mixer(p["mixer"], x, conv[i_lin], rec[i_lin], num_valid, cfg,
-                                    keep_states)
+                                    keep_states, gdn.impl)
                 convs.append(c)
                 recs.append(r)
                 i_lin += 1
@@ -110,7 +110,7 @@ def run_layers(params: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Arra
           _grouped(gdn.recurrent, groups))
     feats = jnp.zeros((num_features + 1, *h.shape), h.dtype) if num_features else None
     (h, kv_layers, feats), (conv, rec) = jax.lax.scan(group_fn, (h, kv.layers, feats), xs)
-    new_gdn = GDNState(conv=_ungrouped(conv), recurrent=_ungrouped(rec))
+    new_gdn = dataclasses.replace(gdn, conv=_ungrouped(conv), recurrent=_ungrouped(rec))
     return h, new_gdn, kv.with_layers(kv_layers), _features(feats, feature_layers)
 
 
@@ -150,15 +150,15 @@ def run_layers_unrolled(params: dict, cfg: ModelConfig, h: jax.Array, positions:
             i_att += 1
         else:
             y, c, r = gdn_mixer(p["mixer"], x, gdn.conv[i_lin], gdn.recurrent[i_lin], num_valid,
-                                cfg, keep_states)
+                                cfg, keep_states, gdn.impl)
             convs.append(c)
             recs.append(r)
             i_lin += 1
         h = h + y
         h = h + mlp(p["mlp"], rms_norm(h, p["post_norm"], eps), cfg)
         outputs[n] = h
-    new_gdn = GDNState(conv=jnp.stack(convs) if convs else gdn.conv,
-                       recurrent=jnp.stack(recs) if recs else gdn.recurrent)
+    new_gdn = dataclasses.replace(gdn, conv=jnp.stack(convs) if convs else gdn.conv,
+                                  recurrent=jnp.stack(recs) if recs else gdn.recurrent)
     return h, new_gdn, kv.with_layers(kv_layers), _features(
         [outputs[layer] for layer in feature_layers], feature_layers)
 
