@@ -12,7 +12,10 @@ Without a GPU backend (and without --cpu_smoke) it says it needs a GPU and exits
    the median time of each. The same for the Pallas prefill kernel
    (`paged_attention_prefill(impl="pallas")`) on a 512-token chunk and a 4-token verify
    window per row after ragged cached lengths (0 to a near-full table), with ragged chunk
-   lengths (full, one, none, part) and NaN in every chunk padding row.
+   lengths (full, one, none, part) and NaN in every chunk padding row. The GDN kernels
+   (`pallas_kernels.gdn`) against the model's jnp forms at the 27B's GDN dims: decode (B = max
+   concurrency), a 4-token verify window (every token's state) and a 512-token prefill: error,
+   both times, and both against the floor of the bytes the state and inputs must move.
 2. Decode (B = 1 and max B) and MTP verify rounds (K drafts) of the 27B and 35B-A3B presets
    through the real Program (bf16, random weights of the real per-layer shapes), cut to
    `--layers` layers (every 4th full attention). A round is the suite helper
@@ -255,6 +258,71 @@ def kernel_result(entry, args: tuple, dtype: str, reps: int) -> tuple[str, str]:
     return result, "pass" if ok else "FAIL"
 
 
+# 1. The GDN kernels ---------------------------------------------------------------------------
+def gdn_case(cfg: ModelConfig, batch: int, tokens: int, seed: int = 0) -> tuple:
+    """(q, k, v, g, beta, state) as a GDN layer of `cfg` feeds the rule: l2-normalised q
+    (scaled) and k, g < 0, beta in (0, 1), fp32 state; the last row ends in padding (g = beta
+    = 0) after half its tokens."""
+    from ninfer_jax.models.qwen3_6.gdn import _l2norm
+
+    rng = np.random.default_rng(seed)
+    h, dk, dv = cfg.linear_num_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+    valid = (np.arange(tokens)[None, :] < np.asarray([tokens] * (batch - 1)
+                                                     + [max(1, tokens // 2)])[:, None])
+    valid = jnp.asarray(valid)[..., None]
+    g = jnp.where(valid, -jnp.abs(normal(batch, tokens, h)) * 0.5, 0.0)
+    beta = jnp.where(valid, jax.nn.sigmoid(normal(batch, tokens, h)), 0.0)
+    return (_l2norm(normal(batch, tokens, h, dk)) * dk**-0.5, _l2norm(normal(batch, tokens, h, dk)),
+            normal(batch, tokens, h, dv), g, beta, normal(batch, h, dk, dv))
+
+
+def gdn_rows(cfg: ModelConfig, batch: int, chunk: int, reps: int, gbps: float) -> list[tuple]:
+    """The GDN kernels against the model's jnp forms (the Program's reference path) at `cfg`'s
+    GDN dims: decode (T = 1, B rows), a verify window (T = 4, every token's state), prefill
+    (one `chunk`-token row). Each row: max abs error, both times, and both against the floor
+    of the state's bytes (read once, written once or once per token) at `gbps`."""
+    from ninfer_jax.models.qwen3_6.gdn import chunked_delta_rule, recurrent_delta_rule
+    from pallas_kernels.gdn import gated_delta_rule
+
+    rows = []
+    for name, b, tokens, keep in (("decode", batch, 1, False), ("verify", batch, 4, True),
+                                  ("prefill", 1, chunk, False)):
+        args = gdn_case(cfg, b, tokens)
+        case = (f"{name}, B={b}, T={tokens}, {cfg.linear_num_v_heads} heads x "
+                f"{cfg.linear_k_dim} x {cfg.linear_v_dim}")
+        if name == "prefill":
+            reference = functools.partial(chunked_delta_rule, chunk_size=cfg.gdn_chunk_size)
+        else:
+            reference = functools.partial(recurrent_delta_rule, keep_states=keep)
+        fns = {"pallas": jax.jit(functools.partial(gated_delta_rule, keep_states=keep,
+                                                   chunk_size=cfg.gdn_chunk_size)),
+               "reference": jax.jit(reference)}
+        try:
+            out = {impl: [np.asarray(a) for a in jax.block_until_ready(f(*args))]
+                   for impl, f in fns.items()}
+            err = max(float(np.max(np.abs(x - y))) for x, y in zip(*out.values(), strict=True))
+            ok = err <= 1e-4 and all(np.all(np.isfinite(a)) for a in out["pallas"])
+            ms = {impl: 1e3 * median_seconds(lambda f=f, a=args: jax.block_until_ready(f(*a)),
+                                              4 * reps) for impl, f in fns.items()}
+        except Exception as e:  # noqa: BLE001
+            rows.append(("1 GDN kernel", case, failure(e), "FAIL"))
+            continue
+        state = args[5].nbytes
+        moved = state * (1 + (tokens if keep else 1)) + sum(a.nbytes for a in args[:5]) + (
+            b * tokens * cfg.linear_num_v_heads * cfg.linear_v_dim * 4)
+        floor = 1e3 * moved / (gbps * 1e9)
+        result = (f"max abs err {err:.2e} (tol 1e-4); kernel {ms['pallas']:.3f} ms "
+                  f"({ms['pallas'] / floor:.2f}x floor), jnp {ms['reference']:.3f} ms "
+                  f"({ms['reference'] / floor:.2f}x floor); floor {floor:.4f} ms "
+                  f"({_bytes(moved)} at {gbps:g} GB/s)")
+        rows.append(("1 GDN kernel", case, result, "pass" if ok else "FAIL"))
+    return rows
+
+
 # 2. Bytes a round must move --------------------------------------------------------------------
 def _numel(tree) -> int:
     return sum(math.prod(s) for s in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple)))
@@ -494,7 +562,8 @@ def run(s: Sizes, scale: str, reps: int, gbps: float) -> int:
     start = time.perf_counter()
     rows = [defaults_row()]
     log("row 1: decode kernel against the reference")
-    rows[:0] = kernel_rows(s.kernel, reps)
+    rows[:0] = kernel_rows(s.kernel, reps) + gdn_rows(
+        s.models[0][1], s.max_concurrency, s.prompt_len, reps, gbps)
     built = build_all(s, reps)
     compile_wall = time.perf_counter() - start
     rows += [executables_row(b) for b in built]

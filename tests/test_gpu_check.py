@@ -17,8 +17,8 @@ import jax
 import pytest
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
-ROWS = ("1 decode kernel", "1 prefill kernel", "2 decode", "2 verify", "3 prefill",
-        "4 executables", "5 platform defaults", "6 MoE prefill", "wall")
+ROWS = ("1 decode kernel", "1 prefill kernel", "1 GDN kernel", "2 decode", "2 verify",
+        "3 prefill", "4 executables", "5 platform defaults", "6 MoE prefill", "wall")
 
 
 def _run(*args: str, timeout: int) -> subprocess.CompletedProcess:
@@ -45,8 +45,10 @@ def test_cpu_smoke_prints_every_row_and_passes():
         assert row in checks, (row, r.stdout)
     assert checks.count("1 decode kernel") == 2  # bf16 and fp32
     assert checks.count("1 prefill kernel") == 4  # a chunk and a verify window, bf16 and fp32
+    assert checks.count("1 GDN kernel") == 3  # decode, verify, prefill
     assert checks.count("4 executables") == 6  # every Program built
     status = [line.rstrip(" |").rsplit(" | ", 1)[1] for line in table]
     assert "FAIL" not in status, r.stdout
-    kernel = [line for line in table if line.startswith(("| 1 decode kernel", "| 1 prefill"))]
+    kernel = [line for line in table
+              if line.startswith(("| 1 decode kernel", "| 1 prefill", "| 1 GDN"))]
     assert all(line.endswith("| pass |") for line in kernel), r.stdout

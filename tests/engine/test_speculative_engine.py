@@ -16,6 +16,8 @@ import contextlib
 import dataclasses
 import functools
 
+import pytest
+
 from ninfer_jax.api import Engine
 from ninfer_jax.engine import Delta, EngineCore, EngineCoreConfig, FinishReason
 from ninfer_jax.program.pending import BatchKind

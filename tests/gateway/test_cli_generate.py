@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from ninfer_jax.gateway import generate
 from ninfer_jax.gateway.files import iter_lines
 from tests.conftest import REPO
@@ -47,6 +49,7 @@ def test_chat_keeps_history_and_reuses_it():
     assert "cached 0" in turns[0] and "cached 0" not in turns[1]  # the second turn hit
 
 
+@pytest.mark.slow  # ~35 s; the Engine's and the HTTP API's image tests stay in the default run
 def test_generate_and_chat_take_images_on_a_vision_model():
     from ninfer_jax.api import Engine
     from ninfer_jax.sampling_params import SamplingParams

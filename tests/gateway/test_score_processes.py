@@ -99,6 +99,7 @@ def test_two_processes_equal_one(job, tmp_path):
     assert "--num_processes=2" in done.stderr and out.read_bytes() == one
 
 
+@pytest.mark.slow  # ~25 s; two processes equal one stays in the default run
 def test_sigkill_then_restart_equals_one_process(job, tmp_path):
     src, one = job
     out = tmp_path / "two.jsonl"

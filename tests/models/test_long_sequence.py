@@ -81,7 +81,7 @@ class _Recorded:
         return result
 
 
-@pytest.mark.parametrize("name", ["dense", "moe"])
+@pytest.mark.parametrize("name", ["dense", pytest.param("moe", marks=pytest.mark.slow)])
 def test_program_staged_prefill_then_decode_matches_transformers(name):
     """prefill_chunk 24: seven chunks through the pools (paged K/V, the state slot carried from
     chunk to chunk), then greedy decode. Each chunk's last position and each decode step are

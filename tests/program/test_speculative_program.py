@@ -186,6 +186,7 @@ def test_a_model_without_mtp_weights_refuses_mtp():
                                               "num_speculative_tokens": 2}))
 
 
+@pytest.mark.slow  # ~45 s; the Program's sampled-commit test (test_speculative.py) stays
 def test_sampled_rows_follow_non_speculative_sampling():
     """Thousands of seeded requests, each a prefill (token a, drawn as without speculation)
     and one verify round (token b first): the pair (a, b) follows the model's own

@@ -70,6 +70,7 @@ CONV = {"in_qkv", "conv"}
 
 # The dense fixture has 4 q / 2 kv heads, GDN 2 k / 4 v heads: at tp = 4 the K/V heads and the
 # GDN in-projection (whose channels hold both head kinds) stay whole on every device.
+@pytest.mark.slow  # ~70 s cold (a 4-device process): the default run's 15 minutes
 def test_dense_fixture_tp2_equals_tp1():
     _check(_run("--model=dense", "--tp=1,2"),
            split={2: ATTENTION | {"k", "v"} | GDN_HEADS | CONV | MLP},
