@@ -183,10 +183,9 @@ class PagedKV:
         page = jnp.where(valid, page, layer * per_layer + per_layer - 1)
         offset = positions % page_size
         k_flat, v_flat = _write(k_flat, page, offset, k), _write(v_flat, page, offset, v)
-        lengths = self.lengths + self.num_valid
         if t == 1:
             out = attention(paged_attention_decode, self.impl, (q[:, 0], 1), (k_flat, 2),
-                            (v_flat, 2), tables, lengths)[:, None]
+                            (v_flat, 2), tables, self.lengths + self.num_valid)[:, None]
         else:
             out = attention(paged_attention_prefill, self.impl, (q, 2), (k_flat, 2), (v_flat, 2),
                             tables, self.lengths, (k, 2), (v, 2), self.num_valid)

@@ -95,8 +95,9 @@ def test_moe_fixture_tp2_tp4_equal_tp1_with_expert_sharding():
 
 
 @pytest.mark.slow
-def test_pallas_kernel_per_device_equals_reference():
-    """The Pallas decode kernel (interpret mode) run per device by shard_map."""
+def test_pallas_kernels_per_device_equal_one_device():
+    """The Pallas attention (decode, prefill, verify) and GDN kernels (interpret mode) run per
+    device by shard_map at tp = 2 give tp = 1's tokens and logits."""
     runs = _run("--model=dense", "--tp=1,2", "--impl=pallas")
     _check(runs, split={2: ATTENTION | {"k", "v"} | GDN_HEADS | CONV | MLP},
            pools={2: {"k", "v", "conv", "prov_conv", "ck_conv"} | STATE})

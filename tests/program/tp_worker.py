@@ -92,7 +92,7 @@ def main() -> None:
         pcfg = ProgramConfig(max_concurrency=2, num_pages=48, max_seq_len=128, prefill_chunk=16,
                              num_checkpoint_slots=6, speculative="mtp",
                              num_speculative_tokens=2, layer_loop=args.loop,
-                             attention_impl=args.impl, tensor_parallel=tp,
+                             attention_impl=args.impl, gdn_impl=args.impl, tensor_parallel=tp,
                              moe_sharding=args.moe_sharding, max_vision_patches=0)
         program = Program(cfg, params, pcfg)
         program.wait_compiled()
