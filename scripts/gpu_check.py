@@ -163,15 +163,10 @@ def median_seconds(fn, reps: int, warmup: int = 1) -> float:
 
 
 # 1. The decode kernel -------------------------------------------------------------------------
-def kernel_case(d: KernelDims, dtype, seed: int = 0) -> tuple:
-    """(q, k_pages, v_pages, page_tables, lengths) on the device: ragged rows (0, 1, a page,
-    several pages and a part, a full table, random), garbage table entries past each row's
-    pages, NaN in every pool slot no row reads."""
-    rng = np.random.default_rng(seed)
-    full = d.max_pages * d.page_size
-    lens = [0, 1, d.page_size, 3 * d.page_size + 5, full]
-    lens = (lens + rng.integers(1, full + 1, max(d.batch - len(lens), 0)).tolist())[: d.batch]
-    lengths = np.asarray(rng.permutation(lens), np.int32)
+def pool_case(d: KernelDims, lengths: np.ndarray, rng) -> tuple[np.ndarray, ...]:
+    """(k_pages, v_pages, page_tables) for rows of `lengths` cached positions: a shuffled pool
+    of `batch * max_pages + 3` pages, garbage table entries past each row's pages, NaN in every
+    pool slot no row reads."""
     num_pages = d.batch * d.max_pages + 3
     shape = (num_pages, d.page_size, d.num_kv_heads, d.head_dim)
     k, v = rng.standard_normal(shape), rng.standard_normal(shape)
@@ -182,6 +177,19 @@ def kernel_case(d: KernelDims, dtype, seed: int = 0) -> tuple:
         used[tables[row, pos // d.page_size], pos % d.page_size] = True
         tables[row, -(-n // d.page_size):] = rng.choice([-7, 0, num_pages + 11])
     k[~used], v[~used] = np.nan, np.nan
+    return k, v, tables
+
+
+def kernel_case(d: KernelDims, dtype, seed: int = 0) -> tuple:
+    """(q, k_pages, v_pages, page_tables, lengths) on the device: ragged rows (0, 1, a page,
+    several pages and a part, a full table, random), garbage table entries past each row's
+    pages, NaN in every pool slot no row reads."""
+    rng = np.random.default_rng(seed)
+    full = d.max_pages * d.page_size
+    lens = [0, 1, d.page_size, 3 * d.page_size + 5, full]
+    lens = (lens + rng.integers(1, full + 1, max(d.batch - len(lens), 0)).tolist())[: d.batch]
+    lengths = np.asarray(rng.permutation(lens), np.int32)
+    k, v, tables = pool_case(d, lengths, rng)
     q = rng.standard_normal((d.batch, d.num_q_heads, d.head_dim))
     return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
             jnp.asarray(tables, jnp.int32), jnp.asarray(lengths))
@@ -222,15 +230,7 @@ def prefill_case(d: KernelDims, tokens: int, dtype) -> tuple:
     chunk = [tokens, 1, 0, max(1, tokens // 2 + 1)]
     prior = np.asarray([prior[i % 4] for i in range(d.batch)], np.int32)
     chunk = np.asarray([chunk[(i + 1) % 4] for i in range(d.batch)], np.int32)
-    num_pages = d.batch * d.max_pages + 3
-    shape = (num_pages, d.page_size, d.num_kv_heads, d.head_dim)
-    k, v = rng.standard_normal(shape), rng.standard_normal(shape)
-    tables = rng.permutation(num_pages)[: d.batch * d.max_pages].reshape(d.batch, d.max_pages)
-    used = np.zeros((num_pages, d.page_size), bool)
-    for row, n in enumerate(prior):
-        pos = np.arange(n)
-        used[tables[row, pos // d.page_size], pos % d.page_size] = True
-    k[~used], v[~used] = np.nan, np.nan
+    k, v, tables = pool_case(d, prior, rng)
     own = (d.batch, tokens, d.num_kv_heads, d.head_dim)
     ck, cv = rng.standard_normal(own), rng.standard_normal(own)
     for row, n in enumerate(chunk):

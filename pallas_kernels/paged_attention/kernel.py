@@ -89,9 +89,9 @@ def _decode_kernel(
     o_ref[...] = (acc / row_sum[:, None]).astype(o_ref.dtype)
 
 
-def _auto_pages_per_block(page_size: int, max_pages: int) -> int:
-    """Pages per loop step: about TARGET_BLOCK_K keys, no more than the table needs."""
-    by_target = max(1, TARGET_BLOCK_K // page_size)
+def _auto_pages_per_block(page_size: int, max_pages: int, target: int = TARGET_BLOCK_K) -> int:
+    """Pages per loop step: about `target` keys, no more than the table needs."""
+    by_target = max(1, target // page_size)
     return min(by_target, pl.next_power_of_2(max_pages))
 
 

@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.paged_attention.kernel import MIN_BLOCK_H, _is_pow2
+from pallas_kernels.paged_attention.kernel import MIN_BLOCK_H, _auto_pages_per_block, _is_pow2
 from pallas_kernels.paged_attention.reference import default_scale
 from pallas_kernels.paged_attention.shapes import check_prefill_batch
 
@@ -110,11 +110,6 @@ def _prefill_kernel(
     o_ref[...] = out.astype(o_ref.dtype)
 
 
-def _auto_pages_per_block(page_size: int, max_pages: int) -> int:
-    by_target = max(1, TARGET_BLOCK_K // page_size)
-    return min(by_target, pl.next_power_of_2(max_pages))
-
-
 def paged_prefill_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -164,7 +159,7 @@ def paged_prefill_attention(
         raise ValueError(
             f"k_pages page_size must be a power of two for the kernel, got {dims.page_size}")
     if pages_per_block is None:
-        pages_per_block = _auto_pages_per_block(dims.page_size, max_pages)
+        pages_per_block = _auto_pages_per_block(dims.page_size, max_pages, TARGET_BLOCK_K)
     for name, value, low in (("pages_per_block", pages_per_block, 1),
                              ("block_m", block_m, MIN_BLOCK_H), ("block_c", block_c, MIN_BLOCK_H)):
         if not _is_pow2(value) or value < low:
