@@ -190,6 +190,7 @@ def test_prefix_reuse_restores_the_drafters_context():
     assert s.free_pages == s.total_pages and s.num_checkpoints == 0
 
 
+@pytest.mark.slow  # ~50 s; the Engine's DFlash test with reuse on and off stays by default
 def test_a_checkpoint_holds_only_what_its_tokens_determine():
     """A slot whose ring is full of an earlier sequence's entries and rejected drafts: a
     checkpoint captured from it holds the context of its own positions and zeros elsewhere,
