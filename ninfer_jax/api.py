@@ -32,8 +32,9 @@ from ninfer_jax.frontend import Frontend, PromptError
 from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError
 
 _PROGRAM_KEYS = ("page_size", "num_pages", "max_seq_len", "prefill_chunk", "attention_impl",
-                 "gdn_impl", "dtype", "num_checkpoint_slots", "speculative", "num_speculative_tokens",
-                 "draft_head", "max_vision_patches", "tensor_parallel", "moe_sharding")
+                 "gdn_impl", "dtype", "num_checkpoint_slots", "speculative",
+                 "num_speculative_tokens", "draft_head", "max_vision_patches", "tensor_parallel",
+                 "moe_sharding")
 DEFAULT_SPECULATIVE_TOKENS = 1  # drafts per round with speculative="mtp" (see WORKSPACE.md)
 _CORE_KEYS = ("max_queue", "queue_timeout_s", "prefix_reuse")
 _STORE_KEYS = ("context_store", "host_cache_gb", "disk_cache_dir", "redis_url")
