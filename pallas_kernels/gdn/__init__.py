@@ -13,7 +13,7 @@ import functools
 import jax
 
 from pallas_kernels.gdn.chunked import gated_delta_chunked
-from pallas_kernels.gdn.recurrent import gated_delta_recurrent
+from pallas_kernels.gdn.recurrent import gated_delta_recurrent, pow2
 from pallas_kernels.platform import by_platform
 
 __all__ = ["gated_delta_chunked", "gated_delta_recurrent", "gated_delta_rule"]
@@ -30,6 +30,6 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
     if q.shape[1] == 1 or keep_states:
         run = functools.partial(gated_delta_recurrent, keep_states=keep_states)
     else:
-        chunk = max(16, 1 << (chunk_size - 1).bit_length())
+        chunk = max(16, pow2(chunk_size))
         run = functools.partial(gated_delta_chunked, chunk_size=chunk)
     return by_platform(run, interpret, q, k, v, g, beta, state)

@@ -26,9 +26,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gdn.recurrent import check_state, pad_dims
+from pallas_kernels.gdn.recurrent import DEFAULT_BLOCK_V, check_state, pad_dims
 
-DEFAULT_BLOCK_V = 32
 _PRECISION = lax.Precision.HIGHEST  # IEEE fp32 (Triton's default for fp32 is TF32)
 
 

@@ -25,7 +25,8 @@ from jax.experimental.pallas import triton as plgpu
 DEFAULT_BLOCK_V = 32
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
+    """The smallest power of two >= n."""
     return 1 << max(n - 1, 0).bit_length()
 
 
@@ -42,8 +43,8 @@ def pad_dims(q, k, v, state, block_v: int):
     if block_v & (block_v - 1) or block_v < 16:
         raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
     dk, dv = q.shape[-1], v.shape[-1]
-    block_v = min(block_v, max(16, _pow2(dv)))
-    pad_k, pad_v = max(16, _pow2(dk)) - dk, -dv % block_v
+    block_v = min(block_v, max(16, pow2(dv)))
+    pad_k, pad_v = max(16, pow2(dk)) - dk, -dv % block_v
     if pad_k:
         q, k = (jnp.pad(a, ((0, 0),) * 3 + ((0, pad_k),)) for a in (q, k))
     if pad_v:

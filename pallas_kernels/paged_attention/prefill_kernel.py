@@ -29,14 +29,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.paged_attention.kernel import MIN_BLOCK_H, _auto_pages_per_block, _is_pow2
+from pallas_kernels.paged_attention.kernel import (
+    _PRECISION,
+    MIN_BLOCK_H,
+    _auto_pages_per_block,
+    _is_pow2,
+)
 from pallas_kernels.paged_attention.reference import default_scale
 from pallas_kernels.paged_attention.shapes import check_prefill_batch
 
 TARGET_BLOCK_K = 64  # cached key positions per loop step when pages_per_block is automatic
 DEFAULT_BLOCK_M = 32  # query rows (token x head-in-group) per program
 DEFAULT_BLOCK_C = 32  # chunk keys per loop step
-_PRECISION = lax.Precision.HIGHEST  # IEEE fp32 for fp32 pools (Triton's default is TF32)
 
 
 def _online_update(carry, q, k, v, mask, scale):
