@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ninfer_jax import quant
 from ninfer_jax.artifact import format as artifact_format
 from ninfer_jax.artifact.hf import SafetensorsSource, checkpoint_dir, is_hf_checkpoint, read_config
 from ninfer_jax.errors import CheckpointError, ConfigError
@@ -49,9 +50,11 @@ def _dtype(dtype: str):
 def read_hf(path: str | pathlib.Path, dtype: str = "float32", verify: bool = True):
     """(config, params as numpy, notes) from an HF checkpoint directory; `verify` refuses a
     tensor holding NaN or inf."""
-    cfg = ModelConfig.from_hf_dict(read_config(path))
+    config = read_config(path)
+    cfg = ModelConfig.from_hf_dict(config)
     params, notes = params_from_hf(cfg, SafetensorsSource(path, check_finite=verify),
-                                   cast=lambda a: a.astype(_dtype(dtype)))
+                                   cast=lambda a: a.astype(_dtype(dtype)),
+                                   fp8_block=quant.hf_fp8_block(config))
     return cfg, params, notes
 
 
@@ -88,17 +91,33 @@ def _device_put(_path: tuple[str, ...], host: np.ndarray) -> jax.Array:
 
 
 def load_model(path: str | pathlib.Path | None = None, dtype: str = "float32",
-               verify: bool = True, placement: Placement | None = None) -> LoadedModel:
+               verify: bool = True, placement: Placement | None = None,
+               quantize: str | None = None) -> LoadedModel:
     """Loads an artifact directory or an HF checkpoint directory in `dtype` (float32|bfloat16);
     with no path, the embedded demo model (`DEFAULT_MODEL`). See `load_params` for
-    `placement` and the memory it takes.
+    `placement` and the memory it takes. Quantized weights (an FP8 checkpoint, an artifact
+    written by `ninfer convert --quantize`) load as `quant.QArray` leaves.
+
+    quantize: "int8" | "int4" quantizes a float model's weights as it loads (`quant.
+    quantize_params`: what `ninfer convert --quantize` writes; None: as stored).
 
     verify: check every tensor's digest (artifacts) and that it holds no NaN/inf (artifacts and
     HF checkpoints); a failure is a CheckpointError naming the tensor. `verify=False` skips the
     hashing and scanning (shapes and dtypes are always checked) and is needed for artifacts of
     format_version 1, which record no digests.
     """
-    return load_params(DEFAULT_MODEL if path is None else path, dtype, placement, verify=verify)
+    quant.check_method(quantize, quant.CONVERT_METHODS)
+    if quantize is None:
+        return load_params(DEFAULT_MODEL if path is None else path, dtype, placement,
+                           verify=verify)
+    loaded = load_params(DEFAULT_MODEL if path is None else path, dtype,
+                         lambda _path, host: host, verify=verify)
+    place = placement if placement is not None else _device_put
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+        quant.quantize_params(loaded.params, quantize))
+    params = jax.tree_util.tree_unflatten(
+        treedef, [place(quant.key_path(p), a) for p, a in flat])
+    return dataclasses.replace(loaded, params=params)
 
 
 def load_params(path: str | pathlib.Path, dtype: str = "float32",
@@ -120,8 +139,10 @@ def load_params(path: str | pathlib.Path, dtype: str = "float32",
         read = functools.partial(reader.read, dtype=np_dtype)
         paths = reader.paths()
     elif is_hf_checkpoint(root):
-        cfg = ModelConfig.from_hf_dict(read_config(root))
-        plan = hf_plan(cfg, SafetensorsSource(root, check_finite=verify))
+        config = read_config(root)
+        cfg = ModelConfig.from_hf_dict(config)
+        plan = hf_plan(cfg, SafetensorsSource(root, check_finite=verify),
+                       quant.hf_fp8_block(config))
         notes, paths, treedef = tuple(plan.notes), plan.paths(), plan.treedef
 
         def read(p):

@@ -27,8 +27,8 @@ FINITE_BYTES = 16 << 20  # `Digest` scans for NaN/inf this much at a time
 
 
 def tensor_name(path: tuple) -> str:
-    """A pytree path of dict keys as a dotted name."""
-    return ".".join(str(getattr(k, "key", k)) for k in path)
+    """A pytree path of dict keys (and a quantized weight's fields) as a dotted name."""
+    return ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
 
 
 def named_leaves(tree, is_leaf=None) -> dict[str, object]:

@@ -39,6 +39,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ninfer_jax import quant
 from ninfer_jax.artifact import digests, staging, tensorfile
 from ninfer_jax.errors import CheckpointError
 from ninfer_jax.models.qwen3_6.config import ModelConfig
@@ -77,12 +78,15 @@ def sha256_file(path: pathlib.Path) -> str:
 
 
 def expected_tensors(cfg: ModelConfig, num_mtp_layers: int, dtype: str,
-                     legacy: bool = False) -> dict[str, Spec]:
-    """{tensor name: (shape, dtype)} that a config, MTP depth and dtype imply (`legacy`: as
-    formats 1 and 2 store them)."""
-    shapes = digests.named_leaves(param_shapes(cfg, num_mtp_layers, legacy),
-                                  is_leaf=lambda x: isinstance(x, tuple))
-    return {name: (tuple(shape), dtype) for name, shape in shapes.items()}
+                     legacy: bool = False, quantization: dict | None = None) -> dict[str, Spec]:
+    """{tensor name: (shape, dtype)} that a config, MTP depth, dtype and quantization (the
+    manifest's record, `quant.record`) imply (`legacy`: as formats 1 and 2 store them). A
+    quantized weight `x` is stored as `x.q` (its values) and `x.scale` (fp32 scales)."""
+    shapes = param_shapes(cfg, num_mtp_layers, legacy)
+    dtypes = quant.leaf_dtypes(shapes, quantization, dtype)
+    named = digests.named_leaves(quant.spec_tree(shapes, quantization),
+                                 is_leaf=lambda x: isinstance(x, tuple))
+    return {name: (tuple(shape), dtypes[name].name) for name, shape in named.items()}
 
 
 def _spec(shape, dtype) -> str:
@@ -147,25 +151,28 @@ def write_artifact(out: str | pathlib.Path, cfg: ModelConfig, params: dict, *, d
                    sources: dict[str, str], frontend_dir: pathlib.Path | None,
                    notes: list[str], overwrite: bool = False,
                    drafter_dir: pathlib.Path | None = None) -> pathlib.Path:
-    """Writes an artifact directory at `out` from a params pytree in memory (see `write_leaves`
-    for the rest)."""
+    """Writes an artifact directory at `out` from a params pytree in memory, quantized
+    weights (`quant.QArray`) included (see `write_leaves` for the rest)."""
     tensors = {name: np.asarray(a) for name, a in digests.named_leaves(params).items()}
     leaves = {name: (a.shape, lambda a=a: [np.ascontiguousarray(a)])
               for name, a in tensors.items()}
     return write_leaves(out, cfg, leaves, num_mtp_layers=_num_mtp_layers(params), dtype=dtype,
                         sources=sources, frontend_dir=frontend_dir, notes=notes,
-                        overwrite=overwrite, drafter_dir=drafter_dir)
+                        overwrite=overwrite, drafter_dir=drafter_dir,
+                        quantization=quant.record(params))
 
 
 def write_leaves(out: str | pathlib.Path, cfg: ModelConfig, leaves: dict[str, Leaf], *,
                  num_mtp_layers: int, dtype: str, sources: dict[str, str],
                  frontend_dir: pathlib.Path | None, notes: list[str], overwrite: bool = False,
                  drafter_dir: pathlib.Path | None = None,
-                 where: str = "the params") -> pathlib.Path:
+                 where: str = "the params", quantization: dict | None = None) -> pathlib.Path:
     """Writes an artifact directory at `out` (see `staging` for what may be replaced).
 
     leaves: {dotted name: (shape, pieces)}, `pieces()` yielding C-contiguous arrays of `dtype`
-    whose bytes in order are the tensor's; names and shapes are checked against `cfg` first,
+    (a quantized weight's values and scales: their own dtypes, see `expected_tensors`; the
+    weights `quantization` names, `quant.record`) whose bytes in order are the tensor's; names
+    and shapes are checked against `cfg` first,
     then each leaf is written, hashed and scanned piece by piece (a NaN/inf is a
     CheckpointError naming the tensor in `where`, and nothing is left at `out`).
     `drafter_dir`: a DFlash drafter checkpoint (public layout) to carry under `drafter/`; it is
@@ -173,8 +180,9 @@ def write_leaves(out: str | pathlib.Path, cfg: ModelConfig, leaves: dict[str, Le
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     staging.check_target(out, overwrite=overwrite, foreign=foreign, holds=HOLDS)
-    _check_specs({n: (shape, dtype) for n, (shape, _) in leaves.items()},
-                 expected_tensors(cfg, num_mtp_layers, dtype), where)
+    expected = expected_tensors(cfg, num_mtp_layers, dtype, quantization=quantization)
+    _check_specs({n: (shape, expected[n][1] if n in expected else dtype)
+                  for n, (shape, _) in leaves.items()}, expected, where)
     drafter_files = _drafter_files(drafter_dir, cfg) if drafter_dir is not None else []
     with staging.staged_dir(out, overwrite=overwrite, foreign=foreign, holds=HOLDS) as tmp:
         if drafter_files:
@@ -190,18 +198,22 @@ def write_leaves(out: str | pathlib.Path, cfg: ModelConfig, leaves: dict[str, Le
         (tmp / WEIGHTS).mkdir()
         records = {}
         for name, (shape, pieces) in leaves.items():
-            digest = digests.Digest(np.dtype(dtype))
+            stored = np.dtype(expected[name][1])
+            digest = digests.Digest(stored)
 
-            def hashed(pieces=pieces, digest=digest):
+            def hashed(pieces=pieces, digest=digest, name=name, stored=stored):
                 for piece in pieces():
+                    if piece.dtype != stored:
+                        raise CheckpointError(f"tensor {name!r} in {where} is {piece.dtype}, "
+                                              f"expected {stored}")
                     digest.update(piece)
                     yield piece
 
             tensorfile.write(tmp / WEIGHTS / f"{name}.safetensors", name, tuple(shape),
-                             np.dtype(dtype), hashed())
+                             stored, hashed())
             if not digest.finite:
                 raise CheckpointError(f"tensor {name!r} in {where} holds NaN or inf values")
-            records[name] = {"shape": list(shape), "dtype": np.dtype(dtype).name,
+            records[name] = {"shape": list(shape), "dtype": stored.name,
                              "digest": digest.hexdigest()}
         write_manifest(tmp, {
             "format_version": FORMAT_VERSION,
@@ -217,6 +229,7 @@ def write_leaves(out: str | pathlib.Path, cfg: ModelConfig, leaves: dict[str, Le
             "notes": notes,
             "tensor_digest": digests.ALGORITHM,
             "tensors": records,
+            **({} if quantization is None else {"quantization": quantization}),
             "files": sorted(f.relative_to(tmp).as_posix() for f in tmp.rglob("*") if f.is_file()),
         })
     return pathlib.Path(out).absolute()
@@ -259,6 +272,10 @@ def read_manifest(path: str | pathlib.Path) -> dict[str, Any]:
         raise CheckpointError(f"{file}: num_mtp_layers must be an int >= 0, got {num_mtp!r}")
     if not isinstance(manifest.get("config"), dict):
         raise CheckpointError(f"{file}: 'config' must be an object")
+    try:
+        quant.check_record(manifest.get("quantization"))
+    except ValueError as e:
+        raise CheckpointError(f"{file}: {e}") from e
     return manifest
 
 
@@ -308,10 +325,15 @@ class ArtifactReader:
                  entries: dict[str, tensorfile.Entry] | None, restored: dict | None):
         self.root, self.config, self.manifest, self.verify = root, cfg, manifest, verify
         self._entries, self._restored = entries, restored
-        shapes = param_shapes(cfg, manifest.get("num_mtp_layers", 0))
+        quantization = manifest.get("quantization")
+        shapes = quant.spec_tree(param_shapes(cfg, manifest.get("num_mtp_layers", 0)),
+                                 quantization)
         flat = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
-        self._shapes = {tuple(k.key for k in path): tuple(s) for path, s in flat[0]}
+        self._shapes = {quant.key_path(path): tuple(s) for path, s in flat[0]}
         self.treedef = jax.tree_util.tree_structure(shapes, is_leaf=lambda x: isinstance(x, tuple))
+        # a quantized weight's values and scales keep their stored dtypes whatever `read` asks
+        blocks = (quantization or {}).get("blocks", {})
+        self._kept = {p for p in self._shapes if ".".join(p[:-1]) in blocks}
 
     def paths(self) -> list[tuple[str, ...]]:
         """Every leaf's key path in the params pytree, in pytree order."""
@@ -326,6 +348,8 @@ class ArtifactReader:
         piece by piece: no second whole copy); older formats hand out (and forget) a leaf
         restored when the artifact was opened."""
         name = ".".join(path)
+        if path in self._kept:
+            dtype = None
         if self._restored is not None:
             leaf = self._restored.pop(name)
             return leaf if dtype is None else leaf.astype(dtype, copy=False)
@@ -375,7 +399,7 @@ def open_artifact(path: str | pathlib.Path, *, verify: bool = True) -> ArtifactR
             f"upgrade {root}`, re-run `ninfer convert`, or load with verify=False")
     cfg = ModelConfig.from_dict(manifest["config"])
     expected = expected_tensors(cfg, manifest.get("num_mtp_layers", 0), manifest["dtype"],
-                                legacy)
+                                legacy, manifest.get("quantization"))
     if version >= DIGESTS_SINCE:
         _check_specs(_recorded(manifest, file), expected, f"{file}'s 'tensors'")
     weights = root / WEIGHTS

@@ -28,6 +28,7 @@ DTYPES = {
     "I32": np.dtype(np.int32), "I16": np.dtype(np.int16), "I8": np.dtype(np.int8),
     "U64": np.dtype(np.uint64), "U32": np.dtype(np.uint32), "U16": np.dtype(np.uint16),
     "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
 }
 NAMES = {dtype.name: name for name, dtype in DTYPES.items()}
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ninfer_jax import quant
 from ninfer_jax.errors import ConfigError
 from ninfer_jax.models.qwen3_6 import ModelConfig
 from ninfer_jax.program.executables import ExecutableTable, StepKey, StepKind, bind
@@ -46,7 +47,7 @@ class ScoringProgram:
         if not keys:
             raise ConfigError("a ScoringProgram needs at least one window shape")
         self.cfg, self.top_n = cfg, top_n
-        self.params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+        self.params = quant.cast_params(params, dtype)
         self.executables = ExecutableTable()
         step = bind(score_window_step, cfg=cfg, top_n=top_n)
         self._keys = tuple(dict.fromkeys(keys))

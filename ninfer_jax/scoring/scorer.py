@@ -94,11 +94,13 @@ class Scorer:
 
     @classmethod
     def open(cls, model: str | pathlib.Path | None = None, *, verify_weights: bool = True,
-             progress: bool | None = None, **config: Any) -> Scorer:
+             progress: bool | None = None, quantize: str | None = None,
+             **config: Any) -> Scorer:
         """Loads `model` (artifact or HF checkpoint directory; None = the embedded demo model)
         and compiles its scoring windows. Settings: window, stride, max_len, min_len,
         max_batch_tokens, dtype (see `ScoringConfig`); verify_weights (see `load_model`'s
-        `verify`); progress (a bar over the compiles; None: in a notebook only). Texts need
+        `verify`); progress (a bar over the compiles; None: in a notebook only); quantize
+        (see `Engine.open`). Texts need
         the model's tokenizer; a directory without one scores token ids only."""
         from ninfer_jax.compile_cache import ensure_persistent_cache
         from ninfer_jax.frontend import load_tokenizer
@@ -110,7 +112,7 @@ class Scorer:
             raise ConfigError(f"unknown Scorer setting(s) {unknown}; known: {sorted(known)}")
         scfg = ScoringConfig(**config)
         ensure_persistent_cache()  # see Engine.open
-        loaded = load_model(model, dtype=scfg.dtype, verify=verify_weights)
+        loaded = load_model(model, dtype=scfg.dtype, verify=verify_weights, quantize=quantize)
         try:
             tokenizer = load_tokenizer(loaded.path)
         except FileNotFoundError:

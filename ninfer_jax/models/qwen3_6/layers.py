@@ -13,14 +13,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from ninfer_jax.models.qwen3_6.config import ModelConfig
+from ninfer_jax.quant import materialize
 
 
 def einsum32(subscripts: str, *operands: jax.Array) -> jax.Array:
     """einsum with fp32 accumulation and an fp32 result.
 
     XLA:CPU has no bf16 x bf16 -> f32 dot, so there the operands are upcast first; on
-    accelerators the operands stay in their dtype and only the accumulator is fp32.
+    accelerators the operands stay in their dtype and only the accumulator is fp32. A quantized
+    weight (`quant.QArray`) is dequantized on the fly into the other operand's dtype.
     """
+    dtype = next(o.dtype for o in operands if not hasattr(o, "dequantize"))
+    operands = tuple(materialize(o, dtype) for o in operands)
     if jax.default_backend() == "cpu":
         operands = tuple(o.astype(jnp.float32) for o in operands)
     return jnp.einsum(subscripts, *operands, preferred_element_type=jnp.float32)
@@ -39,6 +43,7 @@ def linear32(x: jax.Array, w: jax.Array) -> jax.Array:
     (24 MEDIUM MLPs at 4 rows: 59 ms against 79 ms; 1 row and 64+ rows gain nothing). MEDIUM
     decode at B=8 1.26x, a K=3 verify at B=1 1.20x (in-process A/B, same greedy tokens).
     """
+    w = materialize(w, x.dtype)
     rows = math.prod(x.shape[:-1])
     if not (jax.default_backend() == "cpu" and 1 < rows < _FEW_ROWS):
         return einsum32("...i,oi->...o", x, w)
@@ -174,8 +179,9 @@ def experts_grouped(ex: dict, xt: jax.Array, top_i: jax.Array, top_w: jax.Array)
         return jax.lax.ragged_dot_general(lhs, rhs, sizes, _GROUPED,
                                           preferred_element_type=jnp.float32)
 
-    act = (jax.nn.silu(grouped(rows, ex["gate"])) * grouped(rows, ex["up"])).astype(xt.dtype)
-    out = grouped(act, ex["down"]).astype(xt.dtype)
+    gate, up, down = (materialize(ex[name], xt.dtype) for name in ("gate", "up", "down"))
+    act = (jax.nn.silu(grouped(rows, gate)) * grouped(rows, up)).astype(xt.dtype)
+    out = grouped(act, down).astype(xt.dtype)
     weighted = out.astype(jnp.float32) * top_w.reshape(-1)[order][:, None].astype(jnp.float32)
     return jnp.zeros((n, xt.shape[1]), jnp.float32).at[token].add(weighted).astype(xt.dtype)
 

@@ -17,8 +17,10 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import jax
+import ml_dtypes
 import numpy as np
 
+from ninfer_jax import quant
 from ninfer_jax.errors import CheckpointError
 from ninfer_jax.models.qwen3_6.config import FULL, LINEAR, ModelConfig
 from ninfer_jax.models.qwen3_6.vision import vision_param_shapes, vision_params_from_hf
@@ -49,8 +51,8 @@ def text_prefix(keys: Iterable[str]) -> str:
 class _Reader:
     """Fetches tensors by name with shape checks, remembering which names were consumed."""
 
-    def __init__(self, source: TensorSource):
-        self.source = source
+    def __init__(self, source: TensorSource, fp8_block: tuple[int, int] = quant.FP8_BLOCK):
+        self.source, self.fp8_block = source, tuple(fp8_block)
         self.keys = set(source.keys())
         self.used: set[str] = set()
 
@@ -77,9 +79,36 @@ class _Reader:
             )
         return arr
 
-    def linear(self, name: str, out_dim: int, in_dim: int) -> _Tensor:
-        """An nn.Linear weight [out, in], as it is stored."""
-        return self.get(name, (out_dim, in_dim))
+    def linear(self, name: str, out_dim: int, in_dim: int):
+        """An nn.Linear weight [out, in], as it is stored; an FP8 one (a `<name>_scale_inv`
+        beside it: the official fine-grained layout) as a QArray of its values and scales."""
+        scale = f"{name}_scale_inv"
+        if scale not in self.keys:
+            return self.get(name, (out_dim, in_dim))
+        br, bc = self.fp8_block
+        for n in (name, scale):
+            if n not in self.keys:
+                raise CheckpointError(f"missing tensor {n!r}")
+            self.used.add(n)
+        return quant.QArray(
+            q=_Raw(self, name, (out_dim, in_dim), (quant.stored_dtype("fp8"),)),
+            scale=_Raw(self, scale, (-(-out_dim // br), -(-in_dim // bc)), _SCALE_DTYPES),
+            method="fp8", block=(br, bc))
+
+    def read_raw(self, name: str, shape: tuple[int, ...], dtypes) -> np.ndarray:
+        """A quantized weight's values or scales, which keep their dtype (scales: fp32)."""
+        arr = self.source.get(name)
+        if arr.dtype not in dtypes:
+            raise CheckpointError(f"tensor {name!r} has dtype {arr.dtype.name}, expected "
+                                  f"{' or '.join(d.name for d in dtypes)}")
+        if tuple(arr.shape) != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected "
+                                  f"{tuple(shape)} (an FP8 weight's scales are one per "
+                                  f"{self.fp8_block} block)")
+        return arr.astype(np.float32) if dtypes is _SCALE_DTYPES else arr
+
+
+_SCALE_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 
 
 # Lazy leaves: what a params leaf is made of, read only when the leaf is. Each node knows its
@@ -93,6 +122,16 @@ class _Tensor:
 
     def pieces(self, cast):
         yield np.ascontiguousarray(cast(self.reader.read(self.name, self.shape)))
+
+
+class _Raw:
+    """A quantized weight's values or scales as stored: never cast."""
+
+    def __init__(self, reader: _Reader, name: str, shape: tuple[int, ...], dtypes):
+        self.reader, self.name, self.shape, self.dtypes = reader, name, shape, dtypes
+
+    def pieces(self, cast):
+        yield np.ascontiguousarray(self.reader.read_raw(self.name, self.shape, self.dtypes))
 
 
 class _Map:
@@ -130,7 +169,7 @@ class _Part:
         yield np.ascontiguousarray(cast(self.whole["tree"].pop(self.path)))
 
 
-_NODES = (_Tensor, _Map, _Stack, _Part)
+_NODES = (_Tensor, _Raw, _Map, _Stack, _Part)
 
 
 def _materialize(node, cast) -> np.ndarray:
@@ -161,6 +200,9 @@ def _mlp(r: _Reader, pre: str, cfg: ModelConfig) -> dict:
     e, i, s = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     fused = f"{pre}mlp.experts.gate_up_proj"
     if r.has(fused):
+        if r.has(f"{fused}_scale_inv"):
+            raise CheckpointError(f"{fused!r} is FP8 with fused experts; FP8 checkpoints load "
+                                  "with per-expert tensors (mlp.experts.<j>.gate_proj.weight)")
         gate_up = r.get(fused, (e, 2 * i, h))  # read once for each half
         experts = {
             "gate": _Map(gate_up, lambda a: a[:, :i], (e, i, h)),
@@ -174,7 +216,8 @@ def _mlp(r: _Reader, pre: str, cfg: ModelConfig) -> dict:
              r.linear(f"{pre}mlp.experts.{j}.down_proj.weight", h, i))
             for j in range(e)
         ]
-        experts = {k: _Stack([p[n] for p in per]) for n, k in enumerate(("gate", "up", "down"))}
+        experts = {k: jax.tree.map(lambda *a: _Stack(a), *[p[n] for p in per])
+                   for n, k in enumerate(("gate", "up", "down"))}
     return {
         "router": r.linear(f"{pre}mlp.gate.weight", e, h),
         "experts": experts,
@@ -258,7 +301,7 @@ class HFPlan:
         self.tree, self.notes = tree, notes  # tree: the params pytree with lazy nodes as leaves
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(
             tree, is_leaf=lambda x: isinstance(x, _NODES))
-        self._leaves = {tuple(k.key for k in path): node for path, node in flat}
+        self._leaves = {quant.key_path(path): node for path, node in flat}
 
     def paths(self) -> list[tuple[str, ...]]:
         """Every leaf's key path in the params pytree, e.g. ("attention", "mixer", "q"), in
@@ -289,10 +332,12 @@ def _vision_names(v) -> list[str]:
     return [HF_PATCH_W, HF_NAMES["patch_b"], HF_NAMES["pos_embed"], *blocks, *HF_MERGER.values()]
 
 
-def hf_plan(cfg: ModelConfig, source: TensorSource) -> HFPlan:
+def hf_plan(cfg: ModelConfig, source: TensorSource,
+            fp8_block: tuple[int, int] = quant.FP8_BLOCK) -> HFPlan:
     """The HFPlan of `source` for `cfg`; tensors of the text model that the schema does not know
-    raise, so a checkpoint is never half-read."""
-    r = _Reader(source)
+    raise, so a checkpoint is never half-read. FP8 weights (fine-grained, `fp8_block` scales:
+    `quant.hf_fp8_block` of the config) become QArray leaves of their values and scales."""
+    r = _Reader(source, fp8_block)
     pre = text_prefix(r.keys)
     h, v = cfg.hidden_size, cfg.vocab_size
     linear, attention = [], []
@@ -344,8 +389,8 @@ def hf_plan(cfg: ModelConfig, source: TensorSource) -> HFPlan:
 
 
 def params_from_hf(cfg: ModelConfig, source: TensorSource,
-                   cast: Callable[[np.ndarray], np.ndarray] = lambda a: a
-                   ) -> tuple[dict, list[str]]:
+                   cast: Callable[[np.ndarray], np.ndarray] = lambda a: a,
+                   fp8_block: tuple[int, int] = quant.FP8_BLOCK) -> tuple[dict, list[str]]:
     """Reads the params pytree (numpy leaves) from HF-named tensors, whole (`hf_plan` reads
     leaf by leaf).
 
@@ -353,7 +398,7 @@ def params_from_hf(cfg: ModelConfig, source: TensorSource,
     text model that the schema does not know raise, so a checkpoint is never half-read. `cast`
     only ever sees floating-point arrays (see `_Reader.read`).
     """
-    plan = hf_plan(cfg, source)
+    plan = hf_plan(cfg, source, fp8_block)
     leaves = [plan.read(path, cast) for path in plan.paths()]
     return jax.tree_util.tree_unflatten(plan.treedef, leaves), plan.notes
 
@@ -434,7 +479,8 @@ def check_param_shapes(cfg: ModelConfig, params: dict) -> None:
     num_mtp = len(params["mtp"]["layers"]["input_norm"]) if "mtp" in params else 0
     want = dict(jax.tree_util.tree_flatten_with_path(
         param_shapes(cfg, num_mtp), is_leaf=lambda x: isinstance(x, tuple))[0])
-    got = {path: tuple(np.shape(a)) for path, a in jax.tree_util.tree_flatten_with_path(params)[0]}
+    got = {path: tuple(np.shape(a)) for path, a in
+           jax.tree_util.tree_flatten_with_path(params, is_leaf=quant.is_quantized)[0]}
     for path in sorted(set(want) | set(got), key=str):
         name = jax.tree_util.keystr(path)
         if path not in got:
