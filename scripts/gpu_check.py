@@ -12,7 +12,9 @@ Without a GPU backend (and without --cpu_smoke) it says it needs a GPU and exits
    the median time of each. The same for the Pallas prefill kernel
    (`paged_attention_prefill(impl="pallas")`) on a 512-token chunk and a 4-token verify
    window per row after ragged cached lengths (0 to a near-full table), with ragged chunk
-   lengths (full, one, none, part) and NaN in every chunk padding row. The GDN kernels
+   lengths (full, one, none, part) and NaN in every chunk padding row. Both kernels again on
+   INT8 pages with their scales (`kv_dtype="int8"`, bf16 queries; NaN scales where no row
+   reads), against the reference on the same pages. The GDN kernels
    (`pallas_kernels.gdn`) against the model's jnp forms at the 27B's GDN dims: decode (B = max
    concurrency), a 4-token verify window (every token's state) and a 512-token prefill: error,
    both times, and both against the floor of the bytes the state and inputs must move.
@@ -64,7 +66,11 @@ from ninfer_jax.program.config import ProgramConfig, platform_defaults
 from ninfer_jax.program.executables import StepKind
 from ninfer_jax.program.program import Program
 from ninfer_jax.testing.configs import tiny_dense, tiny_moe
-from pallas_kernels.paged_attention import paged_attention_decode, paged_attention_prefill
+from pallas_kernels.paged_attention import (
+    paged_attention_decode,
+    paged_attention_prefill,
+    quantize,
+)
 from scripts.benchmarks._spec_sides import RoundSide, _prefill, program_config
 
 H200_HBM_GBPS = 4800.0  # H200 HBM3e, 4.8 TB/s
@@ -195,11 +201,25 @@ def kernel_case(d: KernelDims, dtype, seed: int = 0) -> tuple:
             jnp.asarray(tables, jnp.int32), jnp.asarray(lengths))
 
 
+def int8_pages(args: tuple) -> tuple:
+    """`args` (q, k_pages, v_pages, ...) with the pages as INT8 and their scales appended (the
+    kernels' trailing k_scales, v_scales): NaN scales (and any value) where no row reads."""
+    pages = []
+    for x in args[1:3]:
+        unread = jnp.isnan(x).any(axis=-1)
+        q, s = quantize(jnp.nan_to_num(x))
+        pages.append((q, jnp.where(unread, jnp.nan, s)))
+    (kq, ks), (vq, vs) = pages
+    return (args[0], kq, vq, *args[3:], ks, vs)
+
+
 def kernel_rows(d: KernelDims, reps: int) -> list[tuple]:
     rows = []
-    for dtype in ("bfloat16", "float32"):
-        args = kernel_case(d, jnp.dtype(dtype))
-        case = (f"{dtype}, B={d.batch}, {d.num_q_heads} q / {d.num_kv_heads} kv x {d.head_dim}, "
+    for dtype, pages in (("bfloat16", ""), ("float32", ""), ("bfloat16", "int8")):
+        label = dtype + (f", {pages} pages" if pages else "")
+        pool = int8_pages if pages else (lambda a: a)
+        args = pool(kernel_case(d, jnp.dtype(dtype)))
+        case = (f"{label}, B={d.batch}, {d.num_q_heads} q / {d.num_kv_heads} kv x {d.head_dim}, "
                 f"page {d.page_size}, {args[1].shape[0]} pages, "
                 f"lengths {sorted(int(n) for n in args[4])}")
         try:
@@ -208,8 +228,8 @@ def kernel_rows(d: KernelDims, reps: int) -> list[tuple]:
         except Exception as e:  # noqa: BLE001 (a kernel that fails to build is a FAIL row)
             rows.append(("1 decode kernel", case, failure(e), "FAIL"))
         for tokens in (d.chunk, 4):  # a prefill chunk and a verify window (MTP K = 3)
-            args = prefill_case(d, tokens, jnp.dtype(dtype))
-            case = (f"{dtype}, B={d.batch}, T={tokens}, prior {sorted(int(n) for n in args[4])}, "
+            args = pool(prefill_case(d, tokens, jnp.dtype(dtype)))
+            case = (f"{label}, B={d.batch}, T={tokens}, prior {sorted(int(n) for n in args[4])}, "
                     f"chunk lengths {sorted(int(n) for n in args[7])}")
             try:
                 rows.append(("1 prefill kernel", case,

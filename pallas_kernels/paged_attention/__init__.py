@@ -3,6 +3,7 @@
 `paged_attention_decode` (one query token per row) and `paged_attention_prefill` (a chunk or a
 verify window per row, over the row's cached pages plus the chunk itself) are the entry points
 the Program calls; each picks the pure-jnp reference (the CPU default) or its Pallas kernel.
+Pools are float, or INT8 with per-token, per-head scales (`quant.py`: `quantize`, `dequantize`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import jax
 
 from pallas_kernels.paged_attention.kernel import paged_attention
 from pallas_kernels.paged_attention.prefill_kernel import paged_prefill_attention
+from pallas_kernels.paged_attention.quant import dequantize, quantize
 from pallas_kernels.paged_attention.reference import (
     paged_attention_reference,
     paged_prefill_attention_reference,
@@ -27,12 +29,14 @@ ATTENTION_IMPLS: tuple[AttentionImpl, ...] = ("reference", "pallas")
 __all__ = [
     "ATTENTION_IMPLS",
     "AttentionImpl",
+    "dequantize",
     "paged_attention",
     "paged_attention_decode",
     "paged_attention_prefill",
     "paged_attention_reference",
     "paged_prefill_attention",
     "paged_prefill_attention_reference",
+    "quantize",
 ]
 
 
@@ -42,6 +46,8 @@ def paged_attention_decode(
     v_pages: jax.Array,
     page_tables: jax.Array,
     lengths: jax.Array,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     *,
     scale: float | None = None,
     impl: AttentionImpl = "reference",
@@ -51,7 +57,8 @@ def paged_attention_decode(
     """Decode attention: q `[B, H_q, D]` over pages `[P, page_size, H_kv, D]` -> `[B, H_q, D]`.
 
     Args:
-      q, k_pages, v_pages, page_tables, lengths, scale: as in `paged_attention_reference`.
+      q, k_pages, v_pages, page_tables, lengths, k_scales, v_scales, scale: as in
+        `paged_attention_reference` (the scales: of int8 pages only).
       impl: "reference" (pure jnp) or "pallas" (the Triton-style kernel).
       interpret: for impl="pallas" only; None (the default) decides by the platform the step
         is lowered for (`jax.lax.platform_dependent`): the interpreter on CPU, where the kernel
@@ -59,11 +66,13 @@ def paged_attention_decode(
         the real kernel.
       pages_per_block: for impl="pallas" only; see `paged_attention`.
     """
+    scales = () if k_scales is None and v_scales is None else (k_scales, v_scales)
+    args = (q, k_pages, v_pages, page_tables, lengths, *scales)
     if impl == "reference":
-        return paged_attention_reference(q, k_pages, v_pages, page_tables, lengths, scale=scale)
+        return paged_attention_reference(*args, scale=scale)
     if impl == "pallas":
         run = functools.partial(paged_attention, scale=scale, pages_per_block=pages_per_block)
-        return by_platform(run, interpret, q, k_pages, v_pages, page_tables, lengths)
+        return by_platform(run, interpret, *args)
     raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
 
 
@@ -76,6 +85,8 @@ def paged_attention_prefill(
     chunk_k: jax.Array,
     chunk_v: jax.Array,
     chunk_lens: jax.Array,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     *,
     scale: float | None = None,
     impl: AttentionImpl = "reference",
@@ -88,14 +99,19 @@ def paged_attention_prefill(
       q, k_pages, v_pages, scale: as in `paged_prefill_attention_reference`, with a leading B.
       page_tables: `[B, max_pages_per_seq]` int32; prior_lens, chunk_lens: `[B]` int32.
       chunk_k, chunk_v: `[B, T, H_kv, D]`.
+      k_scales, v_scales: `[P, page_size, H_kv]` the scales of int8 pages (None for float
+        pages); the chunk's own K/V are floats (a writer of int8 pages passes their
+        dequantized values).
       impl: "reference" (the jnp reference per row) or "pallas" (`paged_prefill_attention`).
       interpret: as in `paged_attention_decode`.
     """
-    args = (q, k_pages, v_pages, page_tables, prior_lens, chunk_k, chunk_v, chunk_lens)
+    scales = () if k_scales is None and v_scales is None else (k_scales, v_scales)
+    args = (q, k_pages, v_pages, page_tables, prior_lens, chunk_k, chunk_v, chunk_lens, *scales)
     if impl == "reference":
         check_prefill_batch(*args)
         per_row = functools.partial(paged_prefill_attention_reference, scale=scale)
-        return jax.vmap(per_row, in_axes=(0, None, None, 0, 0, 0, 0, 0))(*args)
+        in_axes = (0, None, None, 0, 0, 0, 0, 0) + (None,) * len(scales)
+        return jax.vmap(per_row, in_axes=in_axes)(*args)
     if impl == "pallas":
         return by_platform(functools.partial(paged_prefill_attention, scale=scale), interpret,
                            *args)

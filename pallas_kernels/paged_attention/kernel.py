@@ -11,7 +11,9 @@ prefetch is TPU-only, so pages are gathered inside the kernel: each `fori_loop` 
 `pages_per_block` page ids from the row's page table and reads those pages
 (`k_ref[page_ids]`, `[pages_per_block, page_size, D]`) for an online-softmax update (running max,
 running sum, fp32 accumulator). The loop runs `cdiv(length, pages_per_block * page_size)` steps,
-so pages past a row's length are never read and a zero-length row writes zeros.
+so pages past a row's length are never read and a zero-length row writes zeros. INT8 pages
+(`quant.py`) come with their scales `[P, page_size, H_kv]`: each loaded page tile is multiplied
+by its scales inside the loop (`load_pages`), so the pool is never dequantized whole.
 """
 
 from __future__ import annotations
@@ -39,18 +41,32 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def load_pages(pages_ref, scales_ref, page_ids: jax.Array, dtype) -> jax.Array:
+    """The pages `page_ids` of one kv head's pool `[P, page_size, D]` as `[n * page_size, D]`;
+    int8 pages times their scales (`scales_ref [P, page_size]`, fp32 product: `quant.
+    dequantize`) in `dtype`, float pages as stored."""
+    x = pages_ref[page_ids]
+    n, page_size, head_dim = x.shape
+    x = x.reshape(n * page_size, head_dim)
+    if scales_ref is None:
+        return x
+    s = scales_ref[page_ids].reshape(n * page_size, 1)
+    return (x.astype(jnp.float32) * s.astype(jnp.float32)).astype(dtype)
+
+
 def _decode_kernel(
     lengths_ref,  # [1] int32
     page_ids_ref,  # [num_blocks * pages_per_block] int32
     q_ref,  # [block_h, D]
     k_pages_ref,  # [P, page_size, D] (this program's kv head)
     v_pages_ref,  # [P, page_size, D]
-    o_ref,  # [block_h, D]
-    *,
+    *refs,  # int8 pages: k_scales_ref, v_scales_ref [P, page_size]; then o_ref [block_h, D]
     scale: float,
     pages_per_block: int,
     num_pages: int,
 ):
+    *scale_refs, o_ref = refs
+    k_scales_ref, v_scales_ref = scale_refs or (None, None)
     block_h, head_dim = q_ref.shape
     page_size = k_pages_ref.shape[1]
     block_k = pages_per_block * page_size
@@ -62,8 +78,8 @@ def _decode_kernel(
         page_ids = page_ids_ref[pl.ds(step * pages_per_block, pages_per_block)]
         # Table entries past the row's last page may be anything; keep every read in bounds.
         page_ids = jnp.clip(page_ids, 0, num_pages - 1)
-        k = k_pages_ref[page_ids].reshape(block_k, head_dim)
-        v = v_pages_ref[page_ids].reshape(block_k, head_dim)
+        k = load_pages(k_pages_ref, k_scales_ref, page_ids, q.dtype)
+        v = load_pages(v_pages_ref, v_scales_ref, page_ids, q.dtype)
         positions = step * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
         valid = positions < length  # [1, block_k]
 
@@ -101,6 +117,8 @@ def paged_attention(
     v_pages: jax.Array,
     page_tables: jax.Array,
     lengths: jax.Array,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     *,
     scale: float | None = None,
     pages_per_block: int | None = None,
@@ -116,6 +134,8 @@ def paged_attention(
       page_tables: `[B, max_pages_per_seq]` int32 page ids; entries past a row's last page may
         hold any value (they are clamped and masked).
       lengths: `[B]` int32 valid key positions per row; 0 gives a zero output row.
+      k_scales, v_scales: `[P, page_size, H_kv]` the scales of int8 pages (None for float
+        pages); pages are dequantized to q's dtype as they are loaded.
       scale: logit scale, default `D**-0.5`.
       pages_per_block: pages read per loop step, a power of two; default gives about
         `TARGET_BLOCK_K` keys per step.
@@ -125,7 +145,7 @@ def paged_attention(
     Returns:
       `[B, H_q, D]` in q's dtype; softmax and accumulation in float32.
     """
-    dims = check_decode_inputs(q, k_pages, v_pages, page_tables, lengths)
+    dims = check_decode_inputs(q, k_pages, v_pages, page_tables, lengths, k_scales, v_scales)
     batch, num_q_heads, head_dim = q.shape
     max_pages = page_tables.shape[1]
     if not _is_pow2(head_dim):
@@ -155,6 +175,8 @@ def paged_attention(
     pool_spec = pl.BlockSpec(
         (dims.num_pages, dims.page_size, None, head_dim), lambda b, h: (0, 0, h, 0)
     )
+    scales = () if k_scales is None else (k_scales, v_scales)
+    scale_spec = pl.BlockSpec((dims.num_pages, dims.page_size, None), lambda b, h: (0, 0, h))
     out = pl.pallas_call(
         kernel,
         grid=(batch, dims.num_kv_heads),
@@ -164,11 +186,12 @@ def paged_attention(
             pl.BlockSpec((None, None, block_h, head_dim), lambda b, h: (b, h, 0, 0)),
             pool_spec,
             pool_spec,
+            *(scale_spec for _ in scales),
         ],
         out_specs=pl.BlockSpec((None, None, block_h, head_dim), lambda b, h: (b, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct(q_blocks.shape, q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_attention_decode",
-    )(lengths.reshape(batch, 1), page_tables, q_blocks, k_pages, v_pages)
+    )(lengths.reshape(batch, 1), page_tables, q_blocks, k_pages, v_pages, *scales)
     return out[:, :, :group, :].reshape(batch, num_q_heads, head_dim)

@@ -17,6 +17,8 @@ sum, fp32 accumulator) into one accumulator:
      causal diagonal of every row of the block are never read).
 Masked logits never reach the sums (`where` on the probabilities), masked values are zeroed
 (stale pages and padding may hold NaN), and rows at or past `chunk_len` are written as zeros.
+INT8 pages come with their scales and are dequantized tile by tile as they are loaded
+(`kernel.load_pages`); the chunk's own K/V are floats (in q's dtype).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pallas_kernels.paged_attention.kernel import (
     MIN_BLOCK_H,
     _auto_pages_per_block,
     _is_pow2,
+    load_pages,
 )
 from pallas_kernels.paged_attention.reference import default_scale
 from pallas_kernels.paged_attention.shapes import check_prefill_batch
@@ -64,14 +67,15 @@ def _prefill_kernel(
     v_pages_ref,  # [P, page_size, D]
     chunk_k_ref,  # [T_pad, D]
     chunk_v_ref,  # [T_pad, D]
-    o_ref,  # [block_m, D]
-    *,
+    *refs,  # int8 pages: k_scales_ref, v_scales_ref [P, page_size]; then o_ref [block_m, D]
     scale: float,
     group: int,
     pages_per_block: int,
     block_c: int,
     num_pages: int,
 ):
+    *scale_refs, o_ref = refs
+    k_scales_ref, v_scales_ref = scale_refs or (None, None)
     block_m, head_dim = q_ref.shape
     page_size = k_pages_ref.shape[1]
     block_k = pages_per_block * page_size
@@ -88,8 +92,8 @@ def _prefill_kernel(
     def cached(step, carry):
         page_ids = page_ids_ref[pl.ds(step * pages_per_block, pages_per_block)]
         page_ids = jnp.clip(page_ids, 0, num_pages - 1)  # entries past the row's pages: any value
-        k = k_pages_ref[page_ids].reshape(block_k, head_dim)
-        v = v_pages_ref[page_ids].reshape(block_k, head_dim)
+        k = load_pages(k_pages_ref, k_scales_ref, page_ids, q.dtype)
+        v = load_pages(v_pages_ref, v_scales_ref, page_ids, q.dtype)
         positions = step * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
         valid = positions < prior_len  # [1, block_k]
         v = jnp.where(valid.reshape(block_k, 1), v, jnp.zeros_like(v))
@@ -123,6 +127,8 @@ def paged_prefill_attention(
     chunk_k: jax.Array,
     chunk_v: jax.Array,
     chunk_lens: jax.Array,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     *,
     scale: float | None = None,
     pages_per_block: int | None = None,
@@ -142,6 +148,9 @@ def paged_prefill_attention(
       prior_lens: `[B]` int32 cached positions per row (read from the pages).
       chunk_k, chunk_v: `[B, T, H_kv, D]` the chunks' own keys and values.
       chunk_lens: `[B]` int32 valid chunk tokens per row (`0..T`); later rows give zeros.
+      k_scales, v_scales: `[P, page_size, H_kv]` the scales of int8 pages (None for float
+        pages); pages are dequantized to q's dtype as they are loaded, and the chunk's own K/V
+        are taken in q's dtype.
       scale: logit scale, default `D**-0.5`.
       pages_per_block: cached pages per loop step, a power of two (default about
         `TARGET_BLOCK_K` keys).
@@ -154,7 +163,7 @@ def paged_prefill_attention(
       `[B, T, H_q, D]` in q's dtype; softmax and accumulation in float32.
     """
     dims = check_prefill_batch(q, k_pages, v_pages, page_tables, prior_lens, chunk_k, chunk_v,
-                               chunk_lens)
+                               chunk_lens, k_scales, v_scales)
     batch, num_tokens, num_q_heads, head_dim = q.shape
     max_pages = page_tables.shape[1]
     if not _is_pow2(head_dim):
@@ -177,8 +186,11 @@ def paged_prefill_attention(
     q_rows = q_rows.transpose(0, 2, 1, 3, 4).reshape(batch, dims.num_kv_heads, num_rows, head_dim)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows_pad - num_rows), (0, 0)))
 
+    scales = () if k_scales is None else (k_scales, v_scales)
+    chunk_dtype = q.dtype if scales else k_pages.dtype  # what the loaded page tiles are in
+
     def heads_first(x):  # [B, T, H_kv, D] -> [B, H_kv, T_pad, D]
-        x = x.astype(k_pages.dtype).transpose(0, 2, 1, 3)
+        x = x.astype(chunk_dtype).transpose(0, 2, 1, 3)
         return jnp.pad(x, ((0, 0), (0, 0), (0, tokens_pad - num_tokens), (0, 0)))
 
     padded_pages = pl.cdiv(max_pages, pages_per_block) * pages_per_block
@@ -192,17 +204,18 @@ def paged_prefill_attention(
                         lambda b, h, m: (0, 0, h, 0))
     rows = pl.BlockSpec((None, None, block_m, head_dim), lambda b, h, m: (b, h, m, 0))
     chunk = pl.BlockSpec((None, None, tokens_pad, head_dim), lambda b, h, m: (b, h, 0, 0))
+    scale_spec = pl.BlockSpec((dims.num_pages, dims.page_size, None), lambda b, h, m: (0, 0, h))
     out = pl.pallas_call(
         kernel,
         grid=(batch, dims.num_kv_heads, rows_pad // block_m),
         in_specs=[per_row, per_row, pl.BlockSpec((None, padded_pages), lambda b, h, m: (b, 0)),
-                  rows, pool, pool, chunk, chunk],
+                  rows, pool, pool, chunk, chunk, *(scale_spec for _ in scales)],
         out_specs=rows,
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_attention_prefill",
     )(prior_lens.reshape(batch, 1), chunk_lens.reshape(batch, 1), page_tables, q_rows,
-      k_pages, v_pages, heads_first(chunk_k), heads_first(chunk_v))
+      k_pages, v_pages, heads_first(chunk_k), heads_first(chunk_v), *scales)
     out = out[:, :, :num_rows].reshape(batch, dims.num_kv_heads, num_tokens, group, head_dim)
     return out.transpose(0, 2, 1, 3, 4).reshape(batch, num_tokens, num_q_heads, head_dim)

@@ -8,7 +8,9 @@ Layout (DESIGN §10): one attention layer's pool is `k_pages, v_pages: [P, page_
 Query head `h` reads kv head `h // (H_q // H_kv)` (GQA). Logits are `scale * q·k` with
 `scale = D**-0.5` unless given; softmax and accumulation run in float32 and the result is cast to
 q's dtype. Key positions at or beyond a row's length are masked and their K/V contents, whatever
-they are (stale data, NaN), never reach the output.
+they are (stale data, NaN), never reach the output. INT8 pools (`quant.py`) come with
+`k_scales, v_scales: [P, page_size, H_kv]`; each gathered page is dequantized to q's dtype (the
+compute dtype, as the kernels do: `quant.dequantize`), then used as float pages are.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.paged_attention.quant import dequantize
 from pallas_kernels.paged_attention.shapes import (
     PoolDims,
     check_decode_inputs,
@@ -31,10 +34,15 @@ def default_scale(head_dim: int, scale: float | None) -> float:
     return head_dim**-0.5 if scale is None else float(scale)
 
 
-def _gather_rows(pages: jax.Array, page_ids: jax.Array, dims: PoolDims) -> jax.Array:
-    """Gathers `[..., max_pages]` page ids into `[..., max_pages * page_size, H_kv, D]` fp32."""
+def _gather_rows(pages: jax.Array, page_ids: jax.Array, dims: PoolDims,
+                 scales: jax.Array | None = None, dtype=jnp.float32) -> jax.Array:
+    """Gathers `[..., max_pages]` page ids into `[..., max_pages * page_size, H_kv, D]` fp32
+    (int8 pages dequantized to `dtype` with their `scales`)."""
     page_ids = jnp.clip(page_ids, 0, dims.num_pages - 1)
-    gathered = pages[page_ids].astype(jnp.float32)
+    gathered = pages[page_ids]
+    if scales is not None:
+        gathered = dequantize(gathered, scales[page_ids], dtype)
+    gathered = gathered.astype(jnp.float32)
     lead = page_ids.shape[:-1]
     return gathered.reshape(
         *lead, page_ids.shape[-1] * dims.page_size, dims.num_kv_heads, dims.head_dim
@@ -57,6 +65,8 @@ def paged_attention_reference(
     v_pages: jax.Array,
     page_tables: jax.Array,
     lengths: jax.Array,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     *,
     scale: float | None = None,
 ) -> jax.Array:
@@ -69,16 +79,18 @@ def paged_attention_reference(
         `page_tables[b, t // page_size]` at offset `t % page_size`. Entries past a row's last page
         may hold any value (out-of-range ids are clamped, their keys masked).
       lengths: `[B]` int32 number of valid key positions per row; 0 gives a zero output row.
+      k_scales, v_scales: `[P, page_size, H_kv]` the scales of int8 pages (None for float
+        pages).
       scale: logit scale, default `D**-0.5`.
 
     Returns:
       `[B, H_q, D]` in q's dtype.
     """
-    dims = check_decode_inputs(q, k_pages, v_pages, page_tables, lengths)
+    dims = check_decode_inputs(q, k_pages, v_pages, page_tables, lengths, k_scales, v_scales)
     batch, num_q_heads, head_dim = q.shape
     group = num_q_heads // dims.num_kv_heads
-    keys = _gather_rows(k_pages, page_tables, dims)  # [B, L, H_kv, D]
-    values = _gather_rows(v_pages, page_tables, dims)
+    keys = _gather_rows(k_pages, page_tables, dims, k_scales, q.dtype)  # [B, L, H_kv, D]
+    values = _gather_rows(v_pages, page_tables, dims, v_scales, q.dtype)
     valid = jnp.arange(keys.shape[1])[None, :] < lengths[:, None]  # [B, L]
     values = jnp.where(valid[:, :, None, None], values, 0.0)
 
@@ -99,6 +111,8 @@ def paged_prefill_attention_reference(
     chunk_k: jax.Array,
     chunk_v: jax.Array,
     chunk_len: jax.Array | int,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     *,
     scale: float | None = None,
 ) -> jax.Array:
@@ -116,6 +130,9 @@ def paged_prefill_attention_reference(
       prior_len: int32 scalar, number of positions already cached.
       chunk_k, chunk_v: `[T, H_kv, D]` the chunk's keys and values.
       chunk_len: int32 scalar, number of valid chunk rows (`0 <= chunk_len <= T`).
+      k_scales, v_scales: `[P, page_size, H_kv]` the scales of int8 pages (None for float
+        pages). The chunk's own K/V are floats either way; a writer of int8 pages passes
+        their dequantized values (in q's dtype), so the chunk sees what its pages will hold.
       scale: logit scale, default `D**-0.5`.
 
     Returns:
@@ -123,12 +140,13 @@ def paged_prefill_attention_reference(
       with no valid key.
     """
     dims = check_prefill_inputs(
-        q, k_pages, v_pages, page_table, prior_len, chunk_k, chunk_v, chunk_len
+        q, k_pages, v_pages, page_table, prior_len, chunk_k, chunk_v, chunk_len, k_scales,
+        v_scales
     )
     num_tokens, num_q_heads, head_dim = q.shape
     group = num_q_heads // dims.num_kv_heads
-    cached_k = _gather_rows(k_pages, page_table, dims)  # [L, H_kv, D]
-    cached_v = _gather_rows(v_pages, page_table, dims)
+    cached_k = _gather_rows(k_pages, page_table, dims, k_scales, q.dtype)  # [L, H_kv, D]
+    cached_v = _gather_rows(v_pages, page_table, dims, v_scales, q.dtype)
     keys = jnp.concatenate([cached_k, chunk_k.astype(jnp.float32)], axis=0)  # [L + T, H_kv, D]
     values = jnp.concatenate([cached_v, chunk_v.astype(jnp.float32)], axis=0)
 

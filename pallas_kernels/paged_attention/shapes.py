@@ -51,6 +51,27 @@ def check_pool(k_pages: jax.Array, v_pages: jax.Array) -> PoolDims:
     return PoolDims(*k_pages.shape)
 
 
+def check_scales(
+    k_pages: jax.Array, k_scales: jax.Array | None, v_scales: jax.Array | None
+) -> None:
+    """Checks the INT8 pool's scales (`quant.py`): int8 pages come with `k_scales` and
+    `v_scales` `[P, page_size, H_kv]` floats, float pages with neither."""
+    if k_scales is None and v_scales is None:
+        _require(k_pages.dtype != jnp.int8, "int8 k_pages/v_pages need k_scales and v_scales")
+        return
+    _require(
+        k_pages.dtype == jnp.int8,
+        f"k_scales/v_scales are for int8 pages, got k_pages of dtype {k_pages.dtype}",
+    )
+    for name, x in (("k_scales", k_scales), ("v_scales", v_scales)):
+        _require(x is not None, f"int8 pages need both k_scales and v_scales, {name} is None")
+        _require(
+            x.shape == k_pages.shape[:3] and jnp.issubdtype(x.dtype, jnp.floating),
+            f"{name} must be floats of shape [num_pages, page_size, num_kv_heads] = "
+            f"{_shape_str(k_pages.shape[:3])}, got {x.dtype} {_shape_str(x.shape)}",
+        )
+
+
 def check_query_heads(name: str, q: jax.Array, dims: PoolDims) -> None:
     """Checks the last two axes of `q` are `[H_q, D]` with `H_q` a multiple of `H_kv`."""
     num_q_heads, head_dim = q.shape[-2:]
@@ -76,9 +97,13 @@ def check_decode_inputs(
     v_pages: jax.Array,
     page_tables: jax.Array,
     lengths: jax.Array,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> PoolDims:
-    """Checks decode inputs: q `[B, H_q, D]`, page_tables `[B, max_pages]`, lengths `[B]`."""
+    """Checks decode inputs: q `[B, H_q, D]`, page_tables `[B, max_pages]`, lengths `[B]`, and
+    the scales of int8 pages."""
     dims = check_pool(k_pages, v_pages)
+    check_scales(k_pages, k_scales, v_scales)
     _require(
         q.ndim == 3,
         f"q must be [B, num_q_heads, head_dim={dims.head_dim}], got {_shape_str(q.shape)}",
@@ -107,9 +132,13 @@ def check_prefill_inputs(
     chunk_k: jax.Array,
     chunk_v: jax.Array,
     chunk_len: jax.Array,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> PoolDims:
-    """Checks one sequence's prefill inputs: q `[T, H_q, D]`, chunk_k/v `[T, H_kv, D]`."""
+    """Checks one sequence's prefill inputs: q `[T, H_q, D]`, chunk_k/v `[T, H_kv, D]`, and the
+    scales of int8 pages."""
     dims = check_pool(k_pages, v_pages)
+    check_scales(k_pages, k_scales, v_scales)
     _require(
         q.ndim == 3,
         f"q must be [T, num_q_heads, head_dim={dims.head_dim}], got {_shape_str(q.shape)}",
@@ -141,9 +170,12 @@ def check_prefill_batch(
     chunk_k: jax.Array,
     chunk_v: jax.Array,
     chunk_lens: jax.Array,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> PoolDims:
     """Checks B rows' prefill inputs: q `[B, T, H_q, D]`, chunk_k/v `[B, T, H_kv, D]`,
-    page_tables `[B, max_pages]`, prior_lens and chunk_lens `[B]` int32."""
+    page_tables `[B, max_pages]`, prior_lens and chunk_lens `[B]` int32, the scales of int8
+    pages."""
     _require(q.ndim == 4, f"q must be [B, T, num_q_heads, head_dim], got {_shape_str(q.shape)}")
     batch = q.shape[0]
     for name, x, ndim in (("chunk_k", chunk_k, 4), ("chunk_v", chunk_v, 4),
@@ -159,4 +191,4 @@ def check_prefill_batch(
 
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     return check_prefill_inputs(row(q), k_pages, v_pages, row(page_tables), scalar,
-                                row(chunk_k), row(chunk_v), scalar)
+                                row(chunk_k), row(chunk_v), scalar, k_scales, v_scales)
