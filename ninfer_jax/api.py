@@ -32,7 +32,7 @@ from ninfer_jax.frontend import Frontend, PromptError
 from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError
 
 _PROGRAM_KEYS = ("page_size", "num_pages", "max_seq_len", "prefill_chunk", "attention_impl",
-                 "gdn_impl", "dtype", "num_checkpoint_slots", "speculative",
+                 "gdn_impl", "dtype", "kv_dtype", "num_checkpoint_slots", "speculative",
                  "num_speculative_tokens", "draft_head", "max_vision_patches", "tensor_parallel",
                  "moe_sharding")
 DEFAULT_SPECULATIVE_TOKENS = 1  # drafts per round with speculative="mtp" (see WORKSPACE.md)
@@ -84,7 +84,8 @@ class Engine:
         Settings: max_seq_len, page_size, num_pages, prefill_chunk, attention_impl, gdn_impl,
         dtype (all "auto" by default: bf16 and the Pallas kernels on GPU, fp32 and the jnp
         references on CPU, see `program.config.platform_defaults`; the choice is logged and in
-        `program_config`),
+        `program_config`), kv_dtype ("auto": K/V pages in dtype; "int8": INT8 pages with a
+        scale per token and kv head, about half the bytes of bf16 pages),
         num_checkpoint_slots, speculative ("off"; "mtp": draft num_speculative_tokens tokens
         per round with the model's MTP head, default 1, a model without MTP weights refuses
         it; "dflash": a DFlash block drafter proposes them in one pass, default 8, 1..15; the
@@ -183,12 +184,14 @@ class Engine:
             # The drafter's weights and config shape its context window in every StateImage.
             identity = context_store.model_identity(
                 params, loaded.config if draft_cfg is None else (loaded.config, draft_cfg),
-                program.limits, pcfg.dtype)
+                program.limits, pcfg.dtype if pcfg.kv_dtype == "auto"
+                else f"{pcfg.dtype}, {pcfg.kv_dtype} K/V")
             tiers = context_store.open_tiers(store, program, identity)
         core = EngineCore(program, frontend, core_config, tiers)
-        _LOG.info("Engine on %s: dtype %s, attention %s, GDN %s, max_concurrency %d, "
-                  "tensor_parallel %d", jax_backend(), pcfg.dtype, pcfg.attention_impl,
-                  pcfg.gdn_impl, pcfg.max_concurrency, pcfg.tensor_parallel)
+        _LOG.info("Engine on %s: dtype %s, K/V pages %s, attention %s, GDN %s, "
+                  "max_concurrency %d, tensor_parallel %d", jax_backend(), pcfg.dtype,
+                  pcfg.page_dtype, pcfg.attention_impl, pcfg.gdn_impl, pcfg.max_concurrency,
+                  pcfg.tensor_parallel)
         return cls(core, frontend, loaded.path)
 
     def __enter__(self) -> Engine:
@@ -370,6 +373,8 @@ class Engine:
                     f"{self.core.limits.max_concurrency}")
         line = (f"{jax_backend()}: dtype {pcfg.dtype}, attention {pcfg.attention_impl}, "
                 f"GDN {pcfg.gdn_impl}, max_concurrency {pcfg.max_concurrency}")
+        if pcfg.kv_dtype != "auto":
+            line += f", {pcfg.kv_dtype} K/V pages"
         if pcfg.tensor_parallel > 1:
             line += f", tensor_parallel {pcfg.tensor_parallel}"
         if pcfg.speculative != "off":

@@ -75,6 +75,27 @@ def test_tiny_tiers_suite(tmp_path):
         assert any(line.startswith(src) for line in proc.stdout.splitlines()), proc.stdout
 
 
+@pytest.mark.slow  # as the suite above
+def test_tiny_tiers_suite_with_int8_kv_pages(tmp_path):
+    """INT8 K/V pages (their scales in every block) reloaded from each tier give recompute's
+    tokens; a block is a page's int8 K and V and float32 scales (and a tag)."""
+    proc = _bench(tmp_path, **{**SETTINGS, "BENCH_TIERS_KV_DTYPE": "int8", "BENCH_TIERS_REPS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((tmp_path / "tiers.json").read_text())
+    assert r["errors"] == [] and r["identical_tokens"] is True
+    assert r["program_config"]["kv_dtype"] == "int8"
+    for rep in r["repetitions"]:
+        turns = {t["source"]: t for t in rep["turns"]}
+        for src in SOURCES[:-1]:
+            assert turns[src]["tokens"] == turns["recompute"]["tokens"]
+            assert turns[src]["cached_tokens"] == HISTORY
+            assert turns[src]["reloads"] == (src in ("host", "disk", "redis"))
+    cfg = tiers._model_config("tiny")
+    per_position = cfg.num_kv_heads * (2 * cfg.head_dim + 2 * 4)  # int8 K, V; fp32 scales
+    page = cfg.num_attention_layers * 16 * per_position
+    assert r["bytes_per_checkpoint"]["block_bytes"] == page + 16  # and the tag
+
+
 @pytest.mark.parametrize("env, message", [
     ({"BENCH_TIERS_HISTORY": "0"}, "BENCH_TIERS_HISTORY must be >= 1"),
     ({"BENCH_TIERS_REPS": "x"}, "BENCH_TIERS_REPS must be an integer"),
@@ -83,6 +104,7 @@ def test_tiny_tiers_suite(tmp_path):
      "BENCH_TIERS_HISTORY + BENCH_TIERS_FOLLOW_UP + BENCH_TIERS_NEW_TOKENS must be <= 4096"),
     ({"BENCH_TIERS_HISTORY": "8", "BENCH_TIERS_FOLLOW_UP": "4"},
      "BENCH_TIERS_PREFILL_CHUNK must be <= 16"),
+    ({"BENCH_TIERS_KV_DTYPE": "int4"}, "BENCH_TIERS_KV_DTYPE must be one of"),
 ])
 def test_bad_setting_names_the_variable(monkeypatch, env, message):
     for name in list(os.environ):

@@ -168,7 +168,7 @@ def _serve() -> int:
     _check_listen(FLAGS.host, FLAGS.port)
     return run_serve(model=FLAGS.model, host=FLAGS.host, port=FLAGS.port,
                      api_key=keys or None, max_concurrency=FLAGS.max_concurrency,
-                     max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype,
+                     max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype, kv_dtype=FLAGS.kv_dtype,
                      verify_weights=FLAGS.verify_weights, **generate.speculative_settings(),
                      **generate.parallel_settings(), **generate.store_settings(),
                      header_timeout_s=FLAGS.header_timeout_s, body_timeout_s=FLAGS.body_timeout_s,
@@ -218,8 +218,8 @@ def _plan() -> int:
     if settings:
         settings.setdefault("num_speculative_tokens", 1)  # Engine.open's MTP default
     pcfg = ProgramConfig(max_concurrency=FLAGS.max_concurrency, max_seq_len=FLAGS.max_seq_len,
-                         dtype=dtype, attention_impl="reference", gdn_impl="reference",
-                         **settings)
+                         dtype=dtype, kv_dtype=FLAGS.kv_dtype, attention_impl="reference",
+                         gdn_impl="reference", **settings)
     # what Engine.open allocates by default: two sequences' pages a lane, 4 checkpoints a lane
     pcfg = dataclasses.replace(pcfg, num_pages=2 * pcfg.max_concurrency * pcfg.max_pages_per_seq,
                                num_checkpoint_slots=4 * pcfg.max_concurrency)

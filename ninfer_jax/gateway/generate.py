@@ -60,6 +60,9 @@ flags.DEFINE_integer("max_seq_len", 2048, "prompt + generated tokens per request
 flags.DEFINE_enum("enable_thinking", None, ["true", "false"], "chat template thinking switch")
 flags.DEFINE_integer("max_thinking_tokens", None, "thinking budget: after this many thinking "
                      "tokens the block is closed and the answer follows", lower_bound=1)
+flags.DEFINE_enum("kv_dtype", "auto", ["auto", "int8"], "generate, chat, serve, plan: the K/V "
+                  "pages; auto: in --dtype; int8: INT8 with a scale per token and kv head "
+                  "(about half the bytes of bf16 pages)")
 flags.DEFINE_bool("prefix_reuse", True, "reuse prefix checkpoints (--noprefix_reuse: recompute)")
 flags.DEFINE_enum("speculative", "off", ["off", "mtp", "dflash"],
                   "generate, chat, serve: speculative decoding with the model's MTP head "
@@ -162,7 +165,8 @@ def _open_engine():
     engine = Engine.open(FLAGS.model, max_concurrency=FLAGS.max_concurrency,
                          max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype,
                          prefix_reuse=FLAGS.prefix_reuse, verify_weights=FLAGS.verify_weights,
-                         **speculative_settings(), **parallel_settings(), **store_settings())
+                         kv_dtype=FLAGS.kv_dtype, **speculative_settings(),
+                         **parallel_settings(), **store_settings())
     print(f"[ninfer] model {engine.model_path} ready in {time.perf_counter() - start:.1f}s "
           f"({engine.describe()})", file=sys.stderr)
     return engine

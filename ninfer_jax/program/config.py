@@ -9,6 +9,7 @@ from ninfer_jax.errors import ConfigError
 ATTENTION_IMPLS = ("reference", "pallas")
 GDN_IMPLS = ("reference", "pallas")
 DTYPES = ("float32", "bfloat16")
+KV_DTYPES = ("auto", "int8")  # "auto": K/V pages in `dtype`; "int8": INT8 pages with scales
 AUTO = "auto"  # dtype / attention_impl / gdn_impl: `platform_defaults` for the running backend
 LAYER_LOOPS = ("auto", "unrolled", "scan")
 SPECULATIVE = ("off", "mtp", "dflash")
@@ -52,6 +53,10 @@ class ProgramConfig:
     # resolved when the config is made (the field then holds the choice)
     attention_impl: str = AUTO
     dtype: str = AUTO  # weights, activations and KV pages; "auto" as attention_impl
+    # K/V pages: "auto", in `dtype`; "int8", INT8 with a float32 scale per token and kv head
+    # (`pallas_kernels.paged_attention.quant`): about half the bytes of bf16 pages. GDN state
+    # (fp32 recurrent, `dtype` conv) and a DFlash drafter's context window are not affected.
+    kv_dtype: str = AUTO
     # The GDN layers' recurrence: "reference" (jnp) or "pallas" (chunked prefill, token by
     # token decode and verify); "auto" as attention_impl
     gdn_impl: str = AUTO
@@ -104,6 +109,7 @@ class ProgramConfig:
             "attention_impl": lambda v: v in ATTENTION_IMPLS,
             "gdn_impl": lambda v: v in GDN_IMPLS,
             "dtype": lambda v: v in DTYPES,
+            "kv_dtype": lambda v: v in KV_DTYPES,
             "num_checkpoint_slots": lambda v: is_int(v) and v >= 0,
             "layer_loop": lambda v: v in LAYER_LOOPS,
             "background_compile": lambda v: isinstance(v, bool),
@@ -125,6 +131,7 @@ class ProgramConfig:
             "attention_impl": f"one of {ATTENTION_IMPLS} or {AUTO!r}",
             "gdn_impl": f"one of {GDN_IMPLS} or {AUTO!r}",
             "dtype": f"one of {DTYPES} or {AUTO!r}", "num_checkpoint_slots": "an integer >= 0",
+            "kv_dtype": f"one of {KV_DTYPES} ('auto': the program dtype)",
             "layer_loop": f"one of {LAYER_LOOPS}", "background_compile": "a bool",
             "speculative": f"one of {SPECULATIVE}",
             "num_speculative_tokens": "0 when speculative is 'off'" if self.speculative == "off"
@@ -146,6 +153,11 @@ class ProgramConfig:
         import jax  # resolved when the Program is built, on the backend it will run on
 
         return "unrolled" if jax.default_backend() == "cpu" else "scan"
+
+    @property
+    def page_dtype(self) -> str:
+        """What the K/V pages hold: "int8", or the program dtype."""
+        return self.dtype if self.kv_dtype == AUTO else self.kv_dtype
 
     @property
     def verify_width(self) -> int:

@@ -77,7 +77,7 @@ def dflash_verify_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg:
             drafted.append(draft.tokens)
             probs.append(draft.probs)
         drafts, probs = jnp.stack(drafted, axis=1), jnp.stack(probs, axis=1)
-    kv = PagedKV(layers=(pools.k, pools.v), page_tables=inputs.page_tables, lengths=pos,
+    kv = PagedKV(layers=pools.kv, page_tables=inputs.page_tables, lengths=pos,
                  num_valid=limit, impl=pcfg.attention_impl, pages_per_layer=pcfg.num_pages + 1)
     ids = jnp.concatenate([inputs.token_ids[:, None], drafts], axis=1)  # [B, T]
     out = step(params, cfg, ids, pos, gdn_state(pools, slots, pcfg), kv, limit, keep_states=True,

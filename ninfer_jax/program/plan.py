@@ -3,8 +3,9 @@ anything is allocated (`ninfer plan`).
 
 Owns the arithmetic only: the weights from the params schema (`weights.param_shapes`, in the
 plan's dtype), every pool from `Pools.allocate` traced abstractly (`jax.eval_shape`: the exact
-shapes the Program allocates, no memory), and an estimate of the vision encoder's working
-memory at its largest bucket (its attention scores dominate). With tensor_parallel = N the
+shapes the Program allocates, no memory; K/V pages in the page dtype, `kv_dtype`, and what one
+page holds per GB), and an estimate of the vision encoder's working memory at its largest
+bucket (its attention scores dominate). With tensor_parallel = N the
 per-device figures follow the head-sharded layout DESIGN §13 describes (weights split N ways;
 K/V pages by KV head and GDN state by value head, each at most N ways, replicated beyond the
 head count; the rest replicated); tensor parallelism itself is the [scale] work, so those
@@ -27,7 +28,7 @@ GIB = 1 << 30
 H200_BYTES = 141 * 10**9  # one H200's HBM3e
 # Pool fields by region, and the head count each is sharded by ("kv", "v", or None: replicated).
 _REGIONS = {
-    "kv_pages": (("k", "v"), "kv"),
+    "kv_pages": (("k", "v", "k_scale", "v_scale"), "kv"),
     "gdn_state": (("conv", "rec", "ctx"), "v"),
     "provisional": (("prov_conv", "prov_rec", "prov_ctx"), "v"),
     "checkpoint_state": (("ck_conv", "ck_rec", "ck_ctx"), "v"),
@@ -42,6 +43,16 @@ class MemoryPlan:
     per_device: dict[str, int]  # bytes on each device, per region
     tensor_parallel: int
     device_bytes: int
+    page_size: int = 16  # K/V positions per page
+    # One K/V page over all attention layers (ProgramLimits.page_bytes: the page dtype's K and
+    # V, plus INT8 pages' scales) in all, and on each device
+    page_bytes: int = 0
+    device_page_bytes: int = 0
+
+    @property
+    def pages_per_gb(self) -> float:
+        """K/V pages (of every attention layer) that 10^9 bytes of one device hold."""
+        return 1e9 / self.device_page_bytes if self.device_page_bytes else 0.0
 
     @property
     def total(self) -> int:
@@ -100,13 +111,16 @@ def memory_plan(cfg: ModelConfig, pcfg: ProgramConfig, num_mtp_layers: int | Non
     vision = vision_estimate(cfg, pcfg)
     if vision:
         regions["vision (estimate)"] = per_device["vision (estimate)"] = vision
-    return MemoryPlan(regions, per_device, tensor_parallel, device_bytes)
+    page = regions["kv_pages"] // (pcfg.num_pages + 1)
+    return MemoryPlan(regions, per_device, tensor_parallel, device_bytes, pcfg.page_size, page,
+                      -(-page // min(tensor_parallel, heads["kv"])))
 
 
 def format_plan(name: str, cfg: ModelConfig, pcfg: ProgramConfig, plan: MemoryPlan) -> str:
     """The plan as a table: GiB per region, in all and per device, and whether it fits."""
     tp = plan.tensor_parallel
-    head = (f"{name}: {pcfg.dtype}, max_seq_len {pcfg.max_seq_len}, max_concurrency "
+    kv = "" if pcfg.kv_dtype == "auto" else f", {pcfg.kv_dtype} K/V pages"
+    head = (f"{name}: {pcfg.dtype}{kv}, max_seq_len {pcfg.max_seq_len}, max_concurrency "
             f"{pcfg.max_concurrency}, {pcfg.num_pages} pages of {pcfg.page_size}, "
             f"{pcfg.num_checkpoint_slots} checkpoint slots, on {tp} device(s) of "
             f"{plan.device_bytes / 1e9:.0f} GB")
@@ -117,6 +131,9 @@ def format_plan(name: str, cfg: ModelConfig, pcfg: ProgramConfig, plan: MemoryPl
     lines.append(f"  {'total':<20}{plan.total / GIB:>12.2f}{plan.device_total / GIB:>18.2f}"
                  f"   {verdict} ({(plan.device_bytes - plan.device_total) / GIB:+.1f} GiB left "
                  f"a device)")
+    lines.append(f"  K/V page ({pcfg.page_dtype}): {plan.device_page_bytes:,} bytes a device "
+                 f"over all attention layers, {plan.pages_per_gb:,.1f} pages "
+                 f"({plan.pages_per_gb * plan.page_size:,.0f} tokens) per GB")
     if tp > 1:
         lines.append("  (per device: the head-sharded tensor-parallel layout, planned; "
                      "tensor parallelism is not implemented yet)")

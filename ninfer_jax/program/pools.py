@@ -3,7 +3,9 @@
 Owns the physical layout (DESIGN §10): attention K/V in pages, all layers in one flat page space
 `[layers * (pages + 1), page_size, kv_heads, head_dim]` (each layer's last page is a sink for
 padding writes; with MTP speculation the head's attention layers follow the model's, so a
-sequence's pages hold its MTP K/V too); committed GDN state, penalty state and the MTP context
+sequence's pages hold its MTP K/V too), in the program dtype or, with `kv_dtype="int8"`, as INT8
+with a float32 scale per token and kv head (`k_scale`, `v_scale`: quantized as they are
+written, dequantized page by page inside attention); committed GDN state, penalty state and the MTP context
 (the main model's hidden state at the frontier's last position) per slot, plus one sink slot
 that rejected rows are written to; provisional rows (one per batch row, with the GDN state and
 MTP context after each of the step's T = verify_width positions) that the step in flight writes
@@ -31,7 +33,13 @@ import jax.numpy as jnp
 from ninfer_jax.models.dflash import DFlashConfig
 from ninfer_jax.models.qwen3_6 import ModelConfig
 from ninfer_jax.program.config import ProgramConfig
-from pallas_kernels.paged_attention import paged_attention_decode, paged_attention_prefill
+from pallas_kernels.paged_attention import (
+    dequantize,
+    paged_attention_decode,
+    paged_attention_prefill,
+    quantize,
+)
+from pallas_kernels.paged_attention.quant import SCALE_DTYPE
 from pallas_kernels.platform import per_device
 
 
@@ -39,14 +47,15 @@ from pallas_kernels.platform import per_device
     jax.tree_util.register_dataclass,
     data_fields=["k", "v", "conv", "rec", "ctx", "prov_conv", "prov_rec", "prov_ctx", "ck_conv",
                  "ck_rec", "ck_ctx", "output_counts", "prompt_mask", "dk", "dv", "ck_dk",
-                 "ck_dv"],
+                 "ck_dv", "k_scale", "v_scale"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
 class Pools:
-    # La counts the MTP head's attention layers too when speculation is on.
-    k: jax.Array  # [La * (P + 1), page_size, Hkv, D] dtype: layer l's page p at l * (P + 1) + p
-    v: jax.Array  # [La * (P + 1), page_size, Hkv, D] dtype (page P of each layer: the sink)
+    # La counts the MTP head's attention layers too when speculation is on. The page dtype is
+    # the program dtype, or int8 with kv_dtype="int8" (then with k_scale and v_scale).
+    k: jax.Array  # [La * (P + 1), page_size, Hkv, D] page dtype: layer l's page p at l * (P+1) + p
+    v: jax.Array  # [La * (P + 1), page_size, Hkv, D] page dtype (page P of each layer: the sink)
     conv: jax.Array  # [S + 1, Ll, conv_dim, K-1] dtype, committed GDN conv state per slot
     rec: jax.Array  # [S + 1, Ll, Hv, dk, dv] float32, committed recurrent state (slot S: sink)
     ctx: jax.Array  # [S + 1, H] dtype, committed MTP context: the hidden state at frontier - 1
@@ -63,6 +72,23 @@ class Pools:
     dv: jax.Array | None = None  # [S + 1, R + 1, Ld, Hkv_d, D_d] dtype
     ck_dk: jax.Array | None = None  # [C, R + 1, Ld, Hkv_d, D_d] dtype, per checkpoint slot
     ck_dv: jax.Array | None = None  # [C, R + 1, Ld, Hkv_d, D_d] dtype
+    # INT8 pages' scales (None for float pages): position t's K in kv head h is k[.., t, h] *
+    # k_scale[.., t, h]
+    k_scale: jax.Array | None = None  # [La * (P + 1), page_size, Hkv] float32
+    v_scale: jax.Array | None = None  # [La * (P + 1), page_size, Hkv] float32
+
+    @property
+    def kv(self) -> tuple[jax.Array, ...]:
+        """The paged K/V arrays, all indexed by flat page first: (k, v), or (k, v, k_scale,
+        v_scale) for INT8 pages. A page image holds each one's rows of the page, in this
+        order."""
+        if self.k_scale is None:
+            return self.k, self.v
+        return self.k, self.v, self.k_scale, self.v_scale
+
+    def with_kv(self, kv: tuple[jax.Array, ...]) -> Pools:
+        """These pools with the paged K/V arrays `kv` (in `Pools.kv`'s order)."""
+        return dataclasses.replace(self, **dict(zip(("k", "v", "k_scale", "v_scale"), kv)))
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, pcfg: ProgramConfig, mtp_layers: int = 0,
@@ -77,8 +103,11 @@ class Pools:
         rec = (cfg.num_linear_layers, cfg.linear_num_v_heads, cfg.linear_k_dim,
                cfg.linear_v_dim)
         c = pcfg.num_checkpoint_slots
+        pages = jnp.dtype(pcfg.page_dtype)
+        scales = {} if pages != jnp.int8 else {"k_scale": jnp.zeros(kv_shape[:3], SCALE_DTYPE),
+                                               "v_scale": jnp.zeros(kv_shape[:3], SCALE_DTYPE)}
         return cls(
-            k=jnp.zeros(kv_shape, dtype), v=jnp.zeros(kv_shape, dtype),
+            k=jnp.zeros(kv_shape, pages), v=jnp.zeros(kv_shape, pages), **scales,
             conv=jnp.zeros((s + 1, *conv), dtype), rec=jnp.zeros((s + 1, *rec), jnp.float32),
             ctx=jnp.zeros((s + 1, h), dtype),
             prov_conv=jnp.zeros((b, t, *conv), dtype),
@@ -153,10 +182,14 @@ class PagedKV:
     """`KVAccess` over the page pool.
 
     Row b's new tokens go to positions lengths[b] + t for t < num_valid[b] (padding is dropped,
-    never written); a token attends to every position of its row up to itself.
+    never written); a token attends to every position of its row up to itself. With INT8
+    pages the new K/V are quantized as they are written, and a chunk attends to its own K/V
+    quantized and dequantized: the numbers its pages hold, so a position's K/V read the same
+    whether it is in the chunk or in the cache (chunked prefill, decode and a restored
+    checkpoint agree).
     """
 
-    layers: tuple[jax.Array, jax.Array]  # (k, v) [La * (P + 1), page_size, Hkv, D]
+    layers: tuple[jax.Array, ...]  # `Pools.kv`: (k, v[, k_scale, v_scale]) [La * (P + 1), ...]
     page_tables: jax.Array  # [B, max_pages_per_seq] int32
     lengths: jax.Array  # [B] int32 positions already in the pages
     num_valid: jax.Array  # [B] int32 real tokens among this call's T
@@ -168,7 +201,7 @@ class PagedKV:
         return dataclasses.replace(self, layers=layers)
 
     def attend(self, layers, layer, q, k, v):
-        k_flat, v_flat = layers
+        k_flat, v_flat, *scales = layers
         page_size = k_flat.shape[1]
         # Layer l's page p is l * (P + 1) + p; the last page of each layer is a sink that
         # padding tokens write to, so every write is in bounds and XLA updates the pool in
@@ -182,14 +215,22 @@ class PagedKV:
         page = jnp.take_along_axis(tables, positions // page_size, axis=1, mode="clip")
         page = jnp.where(valid, page, layer * per_layer + per_layer - 1)
         offset = positions % page_size
-        k_flat, v_flat = _write(k_flat, page, offset, k), _write(v_flat, page, offset, v)
+        stored_k, stored_v = k, v
+        if scales:  # INT8 pages: store int8 and scales; the chunk attends to what they read
+            (stored_k, k_s), (stored_v, v_s) = quantize(k), quantize(v)
+            scales = [_write(scales[0], page, offset, k_s), _write(scales[1], page, offset, v_s)]
+            k, v = dequantize(stored_k, k_s, q.dtype), dequantize(stored_v, v_s, q.dtype)
+        k_flat = _write(k_flat, page, offset, stored_k)
+        v_flat = _write(v_flat, page, offset, stored_v)
+        scale_args = [(s, 2) for s in scales]  # [N, page_size, Hkv]: heads on axis 2
         if t == 1:
             out = attention(paged_attention_decode, self.impl, (q[:, 0], 1), (k_flat, 2),
-                            (v_flat, 2), tables, self.lengths + self.num_valid)[:, None]
+                            (v_flat, 2), tables, self.lengths + self.num_valid,
+                            *scale_args)[:, None]
         else:
             out = attention(paged_attention_prefill, self.impl, (q, 2), (k_flat, 2), (v_flat, 2),
-                            tables, self.lengths, (k, 2), (v, 2), self.num_valid)
-        return out.astype(q.dtype), (k_flat, v_flat)
+                            tables, self.lengths, (k, 2), (v, 2), self.num_valid, *scale_args)
+        return out.astype(q.dtype), (k_flat, v_flat, *scales)
 
 
 def attention(kernel, impl: str, *args):
@@ -203,15 +244,16 @@ def attention(kernel, impl: str, *args):
 
 
 def _write(pool: jax.Array, page: jax.Array, offset: jax.Array, new: jax.Array) -> jax.Array:
-    """pool [N, page_size, Hkv, D] with new [B, T, Hkv, D] written at (page, offset) [B, T].
-    One token per row (decode) is a dynamic-update-slice per row, which XLA does in place; a
-    scatter of one element became a select over the whole pool, i.e. a copy of it."""
+    """pool [N, page_size, ...] (K/V [.., Hkv, D] or scales [.., Hkv]) with new [B, T, ...]
+    written at (page, offset) [B, T]. One token per row (decode) is a dynamic-update-slice per
+    row, which XLA does in place; a scatter of one element became a select over the whole
+    pool, i.e. a copy of it."""
     new = new.astype(pool.dtype)
     b, t = page.shape
     if t != 1:
         return pool.at[page, offset].set(new, mode="promise_in_bounds")
-    zero = jnp.zeros((), jnp.int32)
+    zeros = (jnp.zeros((), jnp.int32),) * (pool.ndim - 2)
     for row in range(b):
         pool = jax.lax.dynamic_update_slice(pool, new[row:row + 1],
-                                            (page[row, 0], offset[row, 0], zero, zero))
+                                            (page[row, 0], offset[row, 0], *zeros))
     return pool

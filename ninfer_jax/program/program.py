@@ -129,7 +129,7 @@ class Program(HostProgram):
             total_slots=pcfg.num_slots, max_concurrency=pcfg.max_concurrency,
             prefill_chunk=pcfg.prefill_chunk, vocab_size=cfg.vocab_size,
             total_checkpoint_slots=pcfg.num_checkpoint_slots,
-            page_bytes=2 * pools.k.nbytes // (pcfg.num_pages + 1),
+            page_bytes=sum(a.nbytes for a in pools.kv) // (pcfg.num_pages + 1),
             checkpoint_state_bytes=sum(a.nbytes for a in _image_pools(pools))
             // max(pcfg.num_checkpoint_slots, 1),
             verify_width=pcfg.verify_width,
@@ -241,7 +241,7 @@ class Program(HostProgram):
         """The copies between checkpoints and the host (the context store's offload/reload)."""
         pcfg, g = self.pcfg, PAGE_GROUP
         pages = np.zeros(g, np.int32)
-        kv = np.zeros((g, *self._page_shape()), self._pools.k.dtype)
+        kv = [np.zeros((g, *shape), dtype) for shape, dtype in self._page_parts()]
         one = np.zeros(1, np.int32)
         self.executables.compile(StepKey(StepKind.EXPORT_PAGES, g),
                                  bind(export_pages_step, pcfg=pcfg), self._pools,
@@ -250,15 +250,18 @@ class Program(HostProgram):
                                  self._pools, StateRow(one), background=later)
         self.executables.compile(StepKey(StepKind.IMPORT_PAGES, g),
                                  bind(import_pages_step, pcfg=pcfg), self._pools,
-                                 PageImport(pages, kv, kv), background=later)
+                                 PageImport(pages, *kv), background=later)
         image = [np.zeros((1, *a.shape[1:]), a.dtype) for a in _image_pools(self._pools)]
         self.executables.compile(StepKey(StepKind.IMPORT_STATE, 1), import_state_step,
                                  self._pools, StateImport(one, *image), background=later)
 
-    def _page_shape(self) -> tuple[int, ...]:
-        """[La, page_size, Hkv, D]: one page in every attention layer."""
-        k = self._pools.k
-        return (k.shape[0] // (self.pcfg.num_pages + 1), *k.shape[1:])
+    def _page_parts(self) -> list[tuple[tuple[int, ...], np.dtype]]:
+        """(shape, dtype) of each buffer of a page image, in `Pools.kv`'s order: one page in
+        every attention layer, [La, page_size, Hkv, D] for K and V (and [La, page_size, Hkv]
+        for INT8 pages' K and V scales)."""
+        per_layer = self.pcfg.num_pages + 1
+        return [((a.shape[0] // per_layer, *a.shape[1:]), np.dtype(a.dtype))
+                for a in self._pools.kv]
 
     def _no_commit(self, rows: int) -> CommitInputs:
         """A commit of `rows` provisional rows that moves nothing: all go to the sink slot."""
@@ -451,12 +454,14 @@ class Program(HostProgram):
         self._pools, state = self.executables(StepKey(StepKind.EXPORT_STATE, 1), self._pools,
                                               StateRow(np.array([ckpt.slot], np.int32)))
         out: list[list[np.ndarray]] = [[] for _ in ckpt.pages]
-        for part, (k, v) in copies:
-            k, v = np.asarray(k), np.asarray(v)
+        for part, kv in copies:
+            kv = [np.asarray(a) for a in kv]
             for row, i in enumerate(part):
-                out[i] = [np.array(k[row]), np.array(v[row])]
+                out[i] = [np.array(a[row]) for a in kv]
         last = len(ckpt.pages) - 1
-        if out[last]:  # the tail page: only what the tokens determine (engine/blocks.py)
+        # the tail page: only what the tokens determine (engine/blocks.py); INT8 pages' scales
+        # are zeroed with their positions
+        if out[last]:
             used = ckpt.frontier - last * self.pcfg.page_size
             mtp = self.cfg.num_attention_layers
             for part in out[last]:
@@ -468,17 +473,21 @@ class Program(HostProgram):
 
     def _run_import(self, ckpt: CheckpointRecord, image: CheckpointImage) -> None:
         g, sink = PAGE_GROUP, self.pcfg.num_pages
-        shape, dtype = self._page_shape(), self._pools.k.dtype
+        parts = self._page_parts()
         self._flush()
         for start in range(0, len(ckpt.pages), g):
             part = ckpt.pages[start:start + g]
             rows = np.full(g, sink, np.int32)
             rows[: len(part)] = part
-            kv = np.zeros((2, g, *shape), dtype)
+            kv = [np.zeros((g, *shape), dtype) for shape, dtype in parts]
             for row, buffers in enumerate(image.pages[start:start + g]):
-                kv[:, row] = _bytes(buffers).view(dtype).reshape(2, *shape)
+                raw = _bytes(buffers)  # the page's buffers, back to back in Pools.kv's order
+                for a, (shape, dtype) in zip(kv, parts):
+                    n = a[row].nbytes
+                    a[row] = raw[:n].view(dtype).reshape(shape)
+                    raw = raw[n:]
             self._pools = self.executables(StepKey(StepKind.IMPORT_PAGES, g), self._pools,
-                                           PageImport(rows, kv[0], kv[1]))
+                                           PageImport(rows, *kv))
         raw, parts = _bytes([image.state]), []
         for pool in _image_pools(self._pools):
             n = pool.nbytes // pool.shape[0]

@@ -148,10 +148,12 @@ def placement(cfg: ModelConfig, mesh: Mesh, moe: str = "intermediate"
 
 
 def pool_shardings(pools: Any, cfg: ModelConfig, mesh: Mesh) -> Any:
-    """The NamedSharding of every pool (a pytree like the Pools): K/V pages by KV head, the GDN
-    recurrent state by value head, the conv state by channel as the GDN in-projection."""
+    """The NamedSharding of every pool (a pytree like the Pools): K/V pages and INT8 pages'
+    scales by KV head, the GDN recurrent state by value head, the conv state by channel as the
+    GDN in-projection."""
     tp, counts = mesh.shape[AXIS], _counts(cfg)
-    by_head = {"k": (2, "kv_heads"), "v": (2, "kv_heads"),
+    by_head = {"k": (2, "kv_heads"), "v": (2, "kv_heads"), "k_scale": (2, "kv_heads"),
+               "v_scale": (2, "kv_heads"),
                "conv": (-2, "qkv_heads"), "prov_conv": (-2, "qkv_heads"),
                "ck_conv": (-2, "qkv_heads"),
                "rec": (-3, "v_heads"), "prov_rec": (-3, "v_heads"), "ck_rec": (-3, "v_heads")}

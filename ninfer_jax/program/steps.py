@@ -145,12 +145,20 @@ class PageRows:
     pages: jax.Array  # [G] int32 page ids (num_pages, the sink, for unused rows)
 
 
-@_register(["pages", "k", "v"])
+@_register(["pages", "k", "v", "k_scale", "v_scale"])
 @dataclasses.dataclass(frozen=True)
 class PageImport:
     pages: jax.Array  # [G] int32 page ids (num_pages, the sink, for unused rows)
-    k: jax.Array  # [G, La, page_size, Hkv, D] each page's K in every attention layer
+    k: jax.Array  # [G, La, page_size, Hkv, D] page dtype, each page's K in every attention layer
     v: jax.Array  # [G, La, page_size, Hkv, D]
+    k_scale: jax.Array | None = None  # [G, La, page_size, Hkv] float32 (INT8 pages; else None)
+    v_scale: jax.Array | None = None
+
+    @property
+    def kv(self) -> tuple[jax.Array, ...]:
+        """The pages' arrays in `Pools.kv`'s order."""
+        return (self.k, self.v) if self.k_scale is None else (
+            self.k, self.v, self.k_scale, self.v_scale)
 
 
 @_register(["ckpt_slot"])
@@ -232,7 +240,7 @@ def write_provisional(pools: Pools, kv_layers, gdn: GDNState, ctx: jax.Array) ->
         return jnp.moveaxis(a, 0, 2)
 
     return dataclasses.replace(
-        pools, k=kv_layers[0], v=kv_layers[1],
+        pools.with_kv(kv_layers),
         prov_conv=write_rows(pools.prov_conv, rows, by_row(gdn.conv)),
         prov_rec=write_rows(pools.prov_rec, rows, by_row(gdn.recurrent)),
         prov_ctx=write_rows(pools.prov_ctx, rows, ctx))
@@ -262,7 +270,7 @@ def prefill_step(params: dict, pools: Pools, inputs: PrefillInputs, *, cfg: Mode
                               inputs.token_ids, chunk_valid)
     pools = dataclasses.replace(pools, output_counts=write_rows(pools.output_counts, slot, counts),
                                 prompt_mask=write_rows(pools.prompt_mask, slot, mask))
-    kv = PagedKV(layers=(pools.k, pools.v), page_tables=inputs.page_table,
+    kv = PagedKV(layers=pools.kv, page_tables=inputs.page_table,
                  lengths=inputs.start_pos, num_valid=inputs.num_valid, impl=pcfg.attention_impl,
                  pages_per_layer=pcfg.num_pages + 1)
     last_at = inputs.num_valid - 1
@@ -304,10 +312,10 @@ def _prefill_mtp(params: dict, cfg: ModelConfig, pools: Pools, hidden: jax.Array
     next_ids = jnp.where(before[:, None] == 1, ids,
                          jnp.concatenate([ids[:, 1:], ids[:, :1]], axis=1))
     start = inputs.start_pos - before
-    mkv = _mtp_kv(dataclasses.replace(kv, layers=(pools.k, pools.v)), cfg, start,
+    mkv = _mtp_kv(dataclasses.replace(kv, layers=pools.kv), cfg, start,
                   nv - 1 + before)
     _, mkv = mtp_hidden(params, cfg, hidden, next_ids, start, mkv)
-    return dataclasses.replace(pools, k=mkv.layers[0], v=mkv.layers[1])
+    return pools.with_kv(mkv.layers)
 
 
 def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelConfig,
@@ -316,7 +324,7 @@ def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
     pools = commit_step(pools, inputs.commit)
     slots = inputs.slots
     b = slots.shape[0]
-    kv = PagedKV(layers=(pools.k, pools.v), page_tables=inputs.page_tables,
+    kv = PagedKV(layers=pools.kv, page_tables=inputs.page_tables,
                  lengths=inputs.positions, num_valid=jnp.ones((b,), jnp.int32),
                  impl=pcfg.attention_impl, pages_per_layer=pcfg.num_pages + 1)
     rope = None if inputs.rope_delta is None else (inputs.positions + inputs.rope_delta)[:, None]
@@ -336,7 +344,7 @@ def verify_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
     slots, pos, limit = inputs.slots, inputs.positions, inputs.limit
     b, k = slots.shape[0], pcfg.num_speculative_tokens
     counts, masks = pools.output_counts[slots], pools.prompt_mask[slots]
-    kv = PagedKV(layers=(pools.k, pools.v), page_tables=inputs.page_tables, lengths=pos,
+    kv = PagedKV(layers=pools.kv, page_tables=inputs.page_tables, lengths=pos,
                  num_valid=limit, impl=pcfg.attention_impl, pages_per_layer=pcfg.num_pages + 1)
     # Draft 1 from (hidden state at frontier - 1, last token); draft j from the head's own
     # output at the previous position and draft j - 1, up to the row's limit.
@@ -392,7 +400,8 @@ def capture_step(pools: Pools, inputs: CaptureInputs, *, pcfg: ProgramConfig,
 def restore_step(pools: Pools, inputs: RestoreInputs, *, pcfg: ProgramConfig) -> Pools:
     """Starts a sequence from a checkpoint: its GDN state and MTP context, fresh penalty state
     with the prefix marked as prompt, and its own copy of the checkpoint's last page where the
-    sequence writes into it (in every attention layer, the MTP head's included)."""
+    sequence writes into it (in every attention layer, the MTP head's included; INT8 pages
+    with their scales)."""
     slot, ck = inputs.slot, inputs.ckpt_slot
     valid = jnp.arange(inputs.prefix_ids.shape[1])[None, :] < inputs.prefix_len[:, None]
     mask = mark_prompt_tokens(jnp.zeros_like(pools.prompt_mask[slot]), inputs.prefix_ids, valid)
@@ -402,6 +411,7 @@ def restore_step(pools: Pools, inputs: RestoreInputs, *, pcfg: ProgramConfig) ->
     if pools.dk is not None:  # the drafter's context window
         pools = dataclasses.replace(pools, dk=write_rows(pools.dk, slot, pools.ck_dk[ck]),
                                     dv=write_rows(pools.dv, slot, pools.ck_dv[ck]))
+    pools = pools.with_kv(tuple(a.at[dst].set(a[src]) for a in pools.kv))
     return dataclasses.replace(
         pools,
         conv=write_rows(pools.conv, slot, pools.ck_conv[ck]),
@@ -409,9 +419,7 @@ def restore_step(pools: Pools, inputs: RestoreInputs, *, pcfg: ProgramConfig) ->
         ctx=write_rows(pools.ctx, slot, pools.ck_ctx[ck]),
         output_counts=write_rows(pools.output_counts, slot,
                                  jnp.zeros_like(pools.output_counts[slot])),
-        prompt_mask=write_rows(pools.prompt_mask, slot, mask),
-        k=pools.k.at[dst].set(pools.k[src]),
-        v=pools.v.at[dst].set(pools.v[src]))
+        prompt_mask=write_rows(pools.prompt_mask, slot, mask))
 
 
 def _page_rows(pools: Pools, pages: jax.Array, pcfg: ProgramConfig) -> jax.Array:
@@ -422,17 +430,18 @@ def _page_rows(pools: Pools, pages: jax.Array, pcfg: ProgramConfig) -> jax.Array
 
 
 def export_pages_step(pools: Pools, inputs: PageRows, *, pcfg: ProgramConfig):
-    """Copies pages out of the pool: (pools unchanged, (k, v) [G, La, page_size, Hkv, D])."""
+    """Copies pages out of the pool: (pools unchanged, `Pools.kv`'s arrays at the pages:
+    (k, v[, k_scale, v_scale]) [G, La, page_size, ...])."""
     rows = _page_rows(pools, inputs.pages, pcfg)
-    return pools, (pools.k[rows], pools.v[rows])
+    return pools, tuple(a[rows] for a in pools.kv)
 
 
 def import_pages_step(pools: Pools, inputs: PageImport, *, pcfg: ProgramConfig) -> Pools:
-    """Writes whole pages into the pool (unused rows go to each layer's sink page)."""
+    """Writes whole pages into the pool, as they are (unused rows go to each layer's sink
+    page)."""
     rows = _page_rows(pools, inputs.pages, pcfg)
-    return dataclasses.replace(
-        pools, k=pools.k.at[rows].set(inputs.k.astype(pools.k.dtype)),
-        v=pools.v.at[rows].set(inputs.v.astype(pools.v.dtype)))
+    return pools.with_kv(tuple(a.at[rows].set(x.astype(a.dtype))
+                               for a, x in zip(pools.kv, inputs.kv, strict=True)))
 
 
 def export_state_step(pools: Pools, inputs: StateRow):

@@ -30,7 +30,8 @@ than the state image; a follow-up of 1 token checks both (the harness test uses 
 
 Settings: BENCH_TIERS_MODEL=medium|tiny (default medium), BENCH_TIERS_HISTORY (2048),
 BENCH_TIERS_FOLLOW_UP (32), BENCH_TIERS_NEW_TOKENS (4), BENCH_TIERS_REPS (5),
-BENCH_TIERS_WARMUP (1), BENCH_TIERS_PREFILL_CHUNK (256, as the engine suite's multi_turn).
+BENCH_TIERS_WARMUP (1), BENCH_TIERS_PREFILL_CHUNK (256, as the engine suite's multi_turn),
+BENCH_TIERS_KV_DTYPE=auto|int8 (the Programs' K/V pages, `ProgramConfig.kv_dtype`; auto).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class Settings:
     reps: int = 5
     warmup: int = 1
     prefill_chunk: int = 256
+    kv_dtype: str = "auto"
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -78,7 +80,8 @@ class Settings:
                 new_tokens=env_int("BENCH_TIERS_NEW_TOKENS", 4, maximum=256),
                 reps=env_int("BENCH_TIERS_REPS", 5, maximum=100),
                 warmup=env_int("BENCH_TIERS_WARMUP", 1, minimum=0, maximum=10),
-                prefill_chunk=env_int("BENCH_TIERS_PREFILL_CHUNK", 256, maximum=4096))
+                prefill_chunk=env_int("BENCH_TIERS_PREFILL_CHUNK", 256, maximum=4096),
+                kv_dtype=env_choice("BENCH_TIERS_KV_DTYPE", "auto", ("auto", "int8")))
         positions = _model_config(s.model).max_position_embeddings
         if s.max_seq_len > positions:
             raise SettingError(
@@ -274,7 +277,7 @@ def measure(s: Settings, workdir: str) -> dict:
     frontend = Frontend(ByteTokenizer(vocab_size=cfg.vocab_size))
     pcfg = ProgramConfig(max_concurrency=1, page_size=16, max_seq_len=s.max_seq_len,
                          num_pages=4 * -(-s.max_seq_len // 16), prefill_chunk=s.prefill_chunk,
-                         num_checkpoint_slots=8)
+                         num_checkpoint_slots=8, kv_dtype=s.kv_dtype)
     start_load = os.getloadavg()
     with contextlib.ExitStack() as stack:
         redis = stack.enter_context(RedisServer())

@@ -54,6 +54,23 @@ def test_preset_plans_on_one_and_eight_h200(cfg, params_b):
     assert eight.per_device["kv_pages"] == kv // min(8, cfg.num_kv_heads)
 
 
+@pytest.mark.parametrize("cfg", [QWEN3_6_27B, QWEN3_6_35B_A3B])
+def test_int8_pages_hold_about_twice_the_tokens_of_bf16_pages(cfg):
+    """kv_dtype="int8": int8 K and V plus a float32 scale per position and kv head for each,
+    so a page holds D / (D / 2 + 4) times the bf16 page's tokens per GB (1.97 at D = 256)."""
+    bf16, int8 = memory_plan(cfg, _pcfg()), memory_plan(cfg, _pcfg(kv_dtype="int8"))
+    d, positions = cfg.head_dim, 2 * 8 * 32768 + 16
+    per_position = cfg.num_attention_layers * cfg.num_kv_heads * 2  # K and V
+    assert bf16.regions["kv_pages"] == positions * per_position * d * 2
+    assert int8.regions["kv_pages"] == positions * per_position * (d + 4)
+    assert int8.page_bytes == 16 * per_position * (d + 4)
+    assert int8.pages_per_gb / bf16.pages_per_gb == pytest.approx(2 * d / (d + 4))
+    assert {k: v for k, v in int8.regions.items() if k != "kv_pages"} == {
+        k: v for k, v in bf16.regions.items() if k != "kv_pages"}  # nothing else changes
+    eight = memory_plan(cfg, _pcfg(kv_dtype="int8"), tensor_parallel=8)
+    assert eight.device_page_bytes == int8.page_bytes // min(8, cfg.num_kv_heads)
+
+
 def test_ninfer_plan_prints_the_table():
     out = subprocess.run([sys.executable, "-m", "ninfer_jax.gateway.cli", "plan",
                           "--model_preset=qwen3_6_27b", "--max_seq_len=32768",
@@ -64,3 +81,5 @@ def test_ninfer_plan_prints_the_table():
     assert "on 8 device(s) of 141 GB" in out.stdout and "fits" in out.stdout
     weights = memory_plan(QWEN3_6_27B, _pcfg()).regions["weights"]
     assert f"{weights / GIB:.2f}" in out.stdout
+    # 16 layers x 16 positions x 1 of 4 kv heads x (K, V) x 256 x 2 bytes
+    assert "K/V page (bfloat16): 262,144 bytes a device" in out.stdout

@@ -101,3 +101,12 @@ def test_pallas_kernels_per_device_equal_one_device():
     runs = _run("--model=dense", "--tp=1,2", "--impl=pallas")
     _check(runs, split={2: ATTENTION | {"k", "v"} | GDN_HEADS | CONV | MLP},
            pools={2: {"k", "v", "conv", "prov_conv", "ck_conv"} | STATE})
+
+
+@pytest.mark.slow  # ~110 s cold
+def test_int8_kv_pages_per_device_equal_one_device():
+    """INT8 K/V pages (with MTP verify windows, prefix reuse and the Pallas kernels, interpret
+    mode) at tp = 2: the pages and their scales split by KV head, tp = 1's tokens and logits."""
+    runs = _run("--model=dense", "--tp=1,2", "--impl=pallas", "--kv_dtype=int8")
+    _check(runs, split={2: ATTENTION | {"k", "v"} | GDN_HEADS | CONV | MLP},
+           pools={2: {"k", "v", "k_scale", "v_scale", "conv", "prov_conv", "ck_conv"} | STATE})

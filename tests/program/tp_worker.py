@@ -2,7 +2,7 @@
 with 4 host devices, and prints what `test_tensor_parallel.py` checks, as JSON.
 
 `python -m tests.program.tp_worker --model=dense --tp=1,2,4 [--loop=scan] [--impl=pallas]
-[--moe_sharding=expert]`. The model is a transformers fixture (`tests/fixtures/<model>`) with a
+[--moe_sharding=expert] [--kv_dtype=int8]`. The model is a transformers fixture (`tests/fixtures/<model>`) with a
 seeded random MTP head added, so MTP speculation is on; prefix reuse is on (a multi-turn session
 restores a checkpoint). For each size: the greedy tokens and log-probs of every request through
 an EngineCore, the share of each weight and pool one device holds (from the arrays' shardings),
@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--loop", default="auto")
     ap.add_argument("--impl", default="reference")
     ap.add_argument("--moe_sharding", default="intermediate")
+    ap.add_argument("--kv_dtype", default="auto")
     args = ap.parse_args()
     enable_persistent_cache()  # $NINFER_JAX_CACHE_DIR: the test run's cache
     warnings.filterwarnings("error", message="Some donated buffers were not usable")
@@ -93,7 +94,8 @@ def main() -> None:
                              num_checkpoint_slots=6, speculative="mtp",
                              num_speculative_tokens=2, layer_loop=args.loop,
                              attention_impl=args.impl, gdn_impl=args.impl, tensor_parallel=tp,
-                             moe_sharding=args.moe_sharding, max_vision_patches=0)
+                             moe_sharding=args.moe_sharding, max_vision_patches=0,
+                             kv_dtype=args.kv_dtype)
         program = Program(cfg, params, pcfg)
         program.wait_compiled()
         before = sorted(map(str, program.executables.keys()))
