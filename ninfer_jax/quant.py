@@ -322,3 +322,11 @@ def leaf_dtypes(shapes: dict, quantization: dict | None, dtype: str) -> dict[str
         else:
             out[".".join(names)] = np.dtype(dtype)
     return out
+
+
+def decode_weight_bytes(params: dict, cfg) -> int:
+    """The weight bytes one decode step reads: every weight (values and scales) but the MTP
+    head's, the vision tower's and an untied embedding table's (one row of it is read)."""
+    skip = {"mtp", "vision", "dflash"} | (set() if cfg.tie_word_embeddings else {"embed"})
+    return sum(weight_bytes(v) if isinstance(v, dict) else weight_bytes({"": v})
+               for k, v in params.items() if k not in skip)

@@ -40,8 +40,8 @@ from transformers import (
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from ninfer_jax.quant import fp8_blocks  # noqa: E402
-from scripts.make_reference import perturb  # noqa: E402
+from ninfer_jax.quant import fp8_blocks
+from scripts.make_reference import perturb
 
 OUT = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures"
 BATCH, SEQ_LEN = 2, 24

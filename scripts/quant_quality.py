@@ -22,8 +22,8 @@ from absl import app, flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from ninfer_jax import Engine, SamplingParams  # noqa: E402
-from ninfer_jax.scoring.scorer import Scorer  # noqa: E402
+from ninfer_jax import Engine, SamplingParams
+from ninfer_jax.scoring.scorer import Scorer
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories"
 PROMPTS = ("Once upon a time, there was a little", "Tom and his mom went to the park. Tom saw",

@@ -1,7 +1,8 @@
 """Worker: our Program, through its public API, on a model directory (the `program` suite).
 
 setup args: path (HF checkpoint dir, loaded with `load_model`), max_batch, prompt_len,
-max_new_tokens (per decode sequence), prefill_len, prefill_chunk, page_size. Two Programs are
+max_new_tokens (per decode sequence), prefill_len, prefill_chunk, page_size, and optionally
+quantize ("int8" | "int4": `load_model(quantize=)`). Two Programs are
 built: one for decode (exact-B executables for B = 1..max_batch, prefill chunk = prompt_len, so
 a decode prompt is one chunk) and one for the prefill measurement (B = 1, prefill_chunk).
 
@@ -34,6 +35,7 @@ class ProgramJax(BenchWorker):
     def setup(self, args: dict) -> dict:
         import jax
 
+        from ninfer_jax import quant
         from ninfer_jax.compile_cache import enable_persistent_cache
         from ninfer_jax.loader import load_model
         from ninfer_jax.program.config import ProgramConfig
@@ -41,7 +43,7 @@ class ProgramJax(BenchWorker):
 
         enable_persistent_cache()
         start = time.perf_counter()
-        model = load_model(args["path"], verify=False)
+        model = load_model(args["path"], verify=False, quantize=args.get("quantize"))
         load_s = time.perf_counter() - start
         ps = args["page_size"]
         per_seq = -(-(args["prompt_len"] + args["max_new_tokens"]) // ps)
@@ -62,6 +64,7 @@ class ProgramJax(BenchWorker):
         self.prefill_prog = Program(model.config, model.params, prefill_cfg)
         self.max_new = args["max_new_tokens"]
         return {"load_s": load_s, "decode_compile_s": decode_compile_s,
+                "decode_weight_bytes": quant.decode_weight_bytes(model.params, model.config),
                 "prefill_compile_s": time.perf_counter() - start,
                 "jax": jax.__version__, "devices": [str(d) for d in jax.devices()]}
 

@@ -1,0 +1,143 @@
+"""Pallas (Triton backend) matmul with a group-quantized weight: the dequantize fused into the
+weight operand's read.
+
+`quant_matmul(x, q, scale, method=, group=)` is `x @ dequantize(q, scale).T` for x [M, K] and a
+weight [N, K] held as int8 values (`method="int8"`, q [N, K]) or packed int4 (`"int4"`, q
+[N, K / 2] uint8: in each group, byte j holds channel j in its low nibble and channel
+j + group / 2 in its high one, each as value + 8), with one fp32 scale per `group` input
+channels of a row (scale [N, K / group]). `quant_matmul_reference` is the jnp oracle (the
+dequantized weight, then one dot). The kernel reads each weight byte once: the grid is
+(M / block_m, N / block_n); each program loops over the K groups, loads its [block_n, group]
+tile of values (int4: two [block_n, group / 2] half-tiles from one byte tile), multiplies by
+the tile's scales in fp32 and accumulates `x_tile @ w_tile^T` in fp32 (Triton's dot needs 16+
+rows: M is padded to block_m >= 16). On CPU it runs only with `interpret=True`.
+
+Shapes the kernel takes (`kernel_supports`): group a power of two >= 16, N divisible by a
+power-of-two block_n >= 16; callers fall back to the reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+METHODS = ("int8", "int4")
+MIN_BLOCK = 16  # Triton's tl.dot needs 16+ rows and columns
+MAX_BLOCK_N = 128
+_PRECISION = lax.Precision.HIGHEST  # fp32 operands stay IEEE (Triton's default is TF32)
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _check(x: jax.Array, q: jax.Array, scale: jax.Array, method: str, group: int) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if x.ndim != 2 or q.ndim != 2 or scale.ndim != 2:
+        raise ValueError(f"x, q and scale must be 2-D, got {x.shape}, {q.shape}, {scale.shape}")
+    m, k = x.shape
+    n = q.shape[0]
+    want_q = (n, k // 2) if method == "int4" else (n, k)
+    if k % group or q.shape != want_q or scale.shape != (n, k // group):
+        raise ValueError(f"for x [{m}, {k}] and group {group}, {method} q must be {want_q} and "
+                         f"scale {(n, k // group)}; got q {q.shape}, scale {scale.shape}")
+
+
+def quant_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, *, method: str,
+                           group: int) -> jax.Array:
+    """x [M, K] @ dequantize(q, scale)^T -> [M, N] fp32 (the kernel's oracle)."""
+    _check(x, q, scale, method, group)
+    n, k = q.shape[0], x.shape[1]
+    if method == "int8":
+        w = q.astype(jnp.float32).reshape(n, k // group, group)
+    else:
+        p = q.reshape(n, k // group, group // 2).astype(jnp.int32)
+        w = jnp.concatenate([(p & 15) - 8, (p >> 4) - 8], axis=-1).astype(jnp.float32)
+    w = (w * scale.astype(jnp.float32)[..., None]).reshape(n, k)
+    return jnp.dot(x.astype(jnp.float32), w.T, precision=_PRECISION,
+                   preferred_element_type=jnp.float32)
+
+
+def block_n_for(n: int) -> int | None:
+    """The largest power-of-two block of rows (16..128) dividing N, or None."""
+    b = MAX_BLOCK_N
+    while b >= MIN_BLOCK:
+        if n % b == 0:
+            return b
+        b //= 2
+    return None
+
+
+def kernel_supports(n: int, group: int) -> bool:
+    return _is_pow2(group) and group >= MIN_BLOCK and block_n_for(n) is not None
+
+
+def _kernel(x_ref, q_ref, s_ref, o_ref, *, method: str, group: int, num_groups: int):
+    # x_ref [block_m, K]; q_ref [block_n, K or K / 2]; s_ref [block_n, K / group]
+    block_m, block_n = o_ref.shape
+    dtype = x_ref.dtype
+
+    def tile(i, width, offset):
+        return x_ref[:, pl.ds(i * group + offset, width)]
+
+    def body(i, acc):
+        s = s_ref[:, pl.ds(i, 1)].astype(jnp.float32)  # [block_n, 1]
+        if method == "int8":
+            w = (q_ref[:, pl.ds(i * group, group)].astype(jnp.float32) * s).astype(dtype)
+            return acc + plgpu.dot(tile(i, group, 0), w, trans_b=True, precision=_PRECISION)
+        half = group // 2
+        p = q_ref[:, pl.ds(i * half, half)].astype(jnp.int32)
+        lo = (((p & 15) - 8).astype(jnp.float32) * s).astype(dtype)
+        hi = (((p >> 4) - 8).astype(jnp.float32) * s).astype(dtype)
+        acc = acc + plgpu.dot(tile(i, half, 0), lo, trans_b=True, precision=_PRECISION)
+        return acc + plgpu.dot(tile(i, half, half), hi, trans_b=True, precision=_PRECISION)
+
+    acc = lax.fori_loop(0, num_groups, body, jnp.zeros((block_m, block_n), jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def quant_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, *, method: str, group: int,
+                 block_m: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                 interpret: bool = False) -> jax.Array:
+    """x [M, K] @ dequantize(q, scale)^T -> [M, N] fp32 with the Pallas kernel.
+
+    Args:
+      x: [M, K] activations (bf16 on GPU; fp32 keeps IEEE products).
+      q, scale, method, group: the weight, as in the module docstring.
+      block_m: rows per program, a power of two >= 16 (default: M rounded up, at most 64).
+      num_warps, num_stages: Triton launch parameters (ignored in interpret mode).
+      interpret: run the Pallas interpreter (required on CPU).
+    """
+    _check(x, q, scale, method, group)
+    m, k = x.shape
+    n = q.shape[0]
+    block_n = block_n_for(n)
+    if not kernel_supports(n, group):
+        raise ValueError(f"the kernel needs a power-of-two group >= {MIN_BLOCK} and N "
+                         f"divisible by a power of two >= {MIN_BLOCK}; got group {group}, N {n}")
+    if block_m is None:
+        block_m = min(64, max(MIN_BLOCK, pl.next_power_of_2(m)))
+    if not _is_pow2(block_m) or block_m < MIN_BLOCK:
+        raise ValueError(f"block_m must be a power of two >= {MIN_BLOCK}, got {block_m}")
+    rows = pl.cdiv(m, block_m) * block_m
+    xp = jnp.pad(x, ((0, rows - m), (0, 0)))
+    kernel = functools.partial(_kernel, method=method, group=group, num_groups=k // group)
+    out = pl.pallas_call(
+        kernel,
+        grid=(rows // block_m, n // block_n),
+        in_specs=[pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
+                  pl.BlockSpec((block_n, q.shape[1]), lambda i, j: (j, 0)),
+                  pl.BlockSpec((block_n, k // group), lambda i, j: (j, 0))],
+        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((rows, n), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"quant_matmul_{method}",
+    )(xp, q, scale.astype(jnp.float32))
+    return out[:m]

@@ -1,0 +1,86 @@
+"""The fused-dequantize matmul kernel (interpret mode) against its reference and the quantized
+weights' own dequantize; its CUDA lowering, in the kernel and in a quantized Program's steps."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ninfer_jax import quant
+from ninfer_jax.models.qwen3_6.layers import linear32
+from ninfer_jax.models.qwen3_6.weights import param_shapes
+from ninfer_jax.program.executables import StepKey, StepKind
+from ninfer_jax.program.program import lower_all
+from ninfer_jax.testing import tiny_dense
+from pallas_kernels.quant_matmul import kernel_supports, quant_matmul, quant_matmul_reference
+from tests.pallas_kernels.test_paged_attention import _triton_custom_call_target
+from tests.program.test_lowering import PCFG
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("m,n,k,group", [(1, 48, 256, 128), (5, 128, 128, 64), (33, 16, 96, 32)])
+def test_kernel_equals_reference_and_dequantized_weights(method, m, n, k, group):
+    rng = np.random.default_rng(m + n)
+    w = quant.quantize_int(rng.normal(size=(n, k)).astype(np.float32), method, group)
+    assert w.block == (1, group)
+    x = jnp.asarray(rng.normal(size=(m, k)).astype(np.float32))
+    ref = quant_matmul_reference(x, w.q, w.scale, method=method, group=group)
+    got = quant_matmul(x, w.q, w.scale, method=method, group=group, interpret=True)
+    assert got.shape == (m, n) and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(ref, x @ w.dequantize().T, rtol=1e-5, atol=1e-4)
+
+
+def test_bf16_activations_accumulate_in_fp32():
+    rng = np.random.default_rng(3)
+    w = quant.quantize_int(rng.normal(size=(64, 256)).astype(np.float32), "int4")
+    x = jnp.asarray(rng.normal(size=(4, 256)), jnp.bfloat16)
+    got = quant_matmul(x, w.q, w.scale, method="int4", group=128, interpret=True)
+    ref = quant_matmul_reference(x, w.q, w.scale, method="int4", group=128)
+    np.testing.assert_allclose(got, ref, rtol=2e-2, atol=0.3)  # the weight tile is rounded to bf16
+
+
+def test_bad_shapes_are_refused_naming_them():
+    w = quant.quantize_int(np.ones((48, 256), np.float32), "int4")
+    x = jnp.ones((2, 256), jnp.float32)
+    with pytest.raises(ValueError, match="int4 q must be"):
+        quant_matmul(x, w.q[:, :64], w.scale, method="int4", group=128, interpret=True)
+    with pytest.raises(ValueError, match="method must be"):
+        quant_matmul(x, w.q, w.scale, method="fp8", group=128, interpret=True)
+    assert not kernel_supports(48, 96) and not kernel_supports(40, 128)
+    with pytest.raises(ValueError, match="power-of-two group"):
+        w96 = quant.quantize_int(np.ones((48, 192), np.float32), "int8", 96)
+        quant_matmul(jnp.ones((1, 192)), w96.q, w96.scale, method="int8", group=96)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_linear_lowers_to_the_kernel_for_cuda_and_to_xla_for_cpu(method):
+    w = quant.quantize_int(np.ones((256, 512), np.float32), method)
+    x = jax.ShapeDtypeStruct((3, 512), jnp.bfloat16)
+    fn = jax.jit(linear32)
+    cuda = fn.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert cuda.count(f"custom_call @{_triton_custom_call_target()}") == 1
+    assert f"quant_matmul_{method}" in cuda and "interpret" not in cuda.lower()
+    cpu = fn.trace(x, w).lower(lowering_platforms=("cpu",)).as_text()
+    assert _triton_custom_call_target() not in cpu
+
+
+@functools.cache
+def _lowered(platform: str) -> dict:
+    cfg = tiny_dense()
+    zeros = jax.tree.map(lambda s: np.zeros(s, np.float32), param_shapes(cfg),
+                         is_leaf=lambda x: isinstance(x, tuple))
+    return lower_all(cfg, PCFG, platform, params=quant.quantize_params(zeros, "int8"))
+
+
+def test_a_quantized_program_lowers_its_projections_to_the_kernel_for_cuda():
+    """tiny_dense: inputs of 64 or 128 give power-of-two groups (the kernel); 96 (the MLP's
+    down, GDN's out) gives group 96, which stays an XLA dot; for CPU every one is XLA."""
+    cuda, cpu = _lowered("cuda"), _lowered("cpu")
+    for key in (StepKey(StepKind.PREFILL, 1), StepKey(StepKind.DECODE, 1)):
+        assert cuda[key].count("quant_matmul_int8") > 0, key
+        assert "quant_matmul" not in cpu[key], key
