@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ninfer_jax import quant
 from ninfer_jax.engine import (
     AsyncRequestHandle,
     AsyncTextStream,
@@ -69,7 +70,7 @@ class Engine:
              max_concurrency: int | None = None, verify_weights: bool = True,
              progress: bool | None = None, drafter: str | pathlib.Path | None = None,
              local_media: bool | str | pathlib.Path = True, media_fetch_timeout_s: float = 0.0,
-             **config: Any) -> Engine:
+             quantize: str | None = None, **config: Any) -> Engine:
         """Loads `model` (artifact or HF checkpoint directory; None = the embedded default).
 
         purpose="causal_scoring": an Engine that scores texts (`score`, `rolling`,
@@ -94,7 +95,10 @@ class Engine:
         the default, or "selector": what turns its block into drafts) (Program);
         max_queue, queue_timeout_s, prefix_reuse (Engine; on by default);
         verify_weights (check digests and finiteness while loading, see `load_model`'s
-        `verify`). Compiled executables go to the persistent compilation cache that the CLI
+        `verify`); quantize ("int8" | "int4": quantize a float model's weights as it loads,
+        group-wise weight-only, see `ninfer_jax.quant`; an FP8 checkpoint or a quantized
+        artifact loads quantized as it is). Compiled executables go to the persistent
+        compilation cache that the CLI
         uses (`compile_cache.ensure_persistent_cache`: unless jax already has one configured
         or NINFER_JAX_CACHE_DIR=off), so the next process loads them instead of compiling.
         Context store (prefix checkpoints beyond the device, `context_store.py`):
@@ -131,7 +135,7 @@ class Engine:
                 raise ConfigError("max_concurrency is a generation setting; an Engine with "
                                   "purpose='causal_scoring' batches by max_batch_tokens")
             scorer = Scorer.open(model, verify_weights=verify_weights, progress=progress,
-                                 **config)
+                                 quantize=quantize, **config)
             return cls(None, None, scorer.model_path, scorer=scorer)
         max_concurrency = 4 if max_concurrency is None else max_concurrency
         from ninfer_jax import context_store
@@ -161,7 +165,8 @@ class Engine:
             placement = sharding.placement(model_config(model),
                                            sharding.tp_mesh(pcfg.tensor_parallel),
                                            pcfg.moe_sharding)
-        loaded = load_model(model, dtype=pcfg.dtype, verify=verify_weights, placement=placement)
+        loaded = load_model(model, dtype=pcfg.dtype, verify=verify_weights, placement=placement,
+                            quantize=quantize)
         try:
             if isinstance(media_fetch_timeout_s, bool) or not isinstance(
                     media_fetch_timeout_s, (int, float)) or not 0 <= media_fetch_timeout_s < 3600:
@@ -188,10 +193,10 @@ class Engine:
                 else f"{pcfg.dtype}, {pcfg.kv_dtype} K/V")
             tiers = context_store.open_tiers(store, program, identity)
         core = EngineCore(program, frontend, core_config, tiers)
-        _LOG.info("Engine on %s: dtype %s, K/V pages %s, attention %s, GDN %s, "
+        _LOG.info("Engine on %s: dtype %s, weights %s, K/V pages %s, attention %s, GDN %s, "
                   "max_concurrency %d, tensor_parallel %d", jax_backend(), pcfg.dtype,
-                  pcfg.page_dtype, pcfg.attention_impl, pcfg.gdn_impl, pcfg.max_concurrency,
-                  pcfg.tensor_parallel)
+                  quant.method_of(params) or pcfg.dtype, pcfg.page_dtype, pcfg.attention_impl,
+                  pcfg.gdn_impl, pcfg.max_concurrency, pcfg.tensor_parallel)
         return cls(core, frontend, loaded.path)
 
     def __enter__(self) -> Engine:
@@ -373,6 +378,9 @@ class Engine:
                     f"{self.core.limits.max_concurrency}")
         line = (f"{jax_backend()}: dtype {pcfg.dtype}, attention {pcfg.attention_impl}, "
                 f"GDN {pcfg.gdn_impl}, max_concurrency {pcfg.max_concurrency}")
+        method = quant.method_of(getattr(self.core.program, "params", {}))
+        if method is not None:
+            line += f", {method} weights"
         if pcfg.kv_dtype != "auto":
             line += f", {pcfg.kv_dtype} K/V pages"
         if pcfg.tensor_parallel > 1:

@@ -330,3 +330,22 @@ def decode_weight_bytes(params: dict, cfg) -> int:
     skip = {"mtp", "vision", "dflash"} | (set() if cfg.tie_word_embeddings else {"embed"})
     return sum(weight_bytes(v) if isinstance(v, dict) else weight_bytes({"": v})
                for k, v in params.items() if k not in skip)
+
+
+def planned_record(shapes: dict, method: str) -> dict:
+    """The `record` that quantizing params of `shapes` (the schema's shape tree) with `method`
+    gives: int8/int4 group-wise, fp8 in FP8_BLOCK blocks (`ninfer plan`)."""
+    check_method(method)
+    flat = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]
+    return {"method": method, "blocks": {
+        ".".join(key_path(p)): list(FP8_BLOCK if method == "fp8" else (1, group_size(s[-1])))
+        for p, s in flat if quantizes(key_path(p))}}
+
+
+def planned_bytes(shapes: dict, method: str | None, dtype: str) -> int:
+    """The bytes of params of `shapes` in `dtype`, quantized with `method` (None: not)."""
+    record_ = None if method is None else planned_record(shapes, method)
+    dtypes = leaf_dtypes(shapes, record_, dtype)
+    named = jax.tree_util.tree_flatten_with_path(spec_tree(shapes, record_),
+                                                 is_leaf=lambda x: isinstance(x, tuple))[0]
+    return sum(math.prod(s) * dtypes[".".join(key_path(p))].itemsize for p, s in named)

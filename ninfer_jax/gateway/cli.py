@@ -44,6 +44,11 @@ flags.DEFINE_bool("verify_weights", True, "every command that loads a model: che
                   "and finiteness while loading; --noverify_weights skips it")
 flags.DEFINE_string("model", None,
                     "artifact or HF checkpoint directory (default: the embedded demo model)")
+flags.DEFINE_enum("quantize", None, ["int8", "int4", "fp8"],
+                  "convert: write the decoder's projections as group-wise (128) symmetric "
+                  "weight-only int8 or int4 (ninfer_jax.quant; an FP8 checkpoint stays FP8); "
+                  "generate, chat, serve, score: quantize them as the model loads (int8, "
+                  "int4); plan: weights held so (int8, int4, fp8)")
 flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"],
                   "weights/activations dtype; auto: bf16 on GPU, fp32 on CPU (convert and "
                   "export-hf: fp32)")
@@ -94,7 +99,8 @@ def _convert() -> int:
     start = time.perf_counter()
     dtype = "float32" if FLAGS.dtype == "auto" else FLAGS.dtype  # a lossless artifact
     path, notes = convert(FLAGS.hf_dir, FLAGS.out, dtype=dtype, overwrite=FLAGS.overwrite,
-                          progress=sys.stderr.isatty(), drafter=FLAGS.drafter)
+                          progress=sys.stderr.isatty(), drafter=FLAGS.drafter,
+                          quantize=FLAGS.quantize)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     print(f"wrote {path} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
@@ -169,6 +175,7 @@ def _serve() -> int:
     return run_serve(model=FLAGS.model, host=FLAGS.host, port=FLAGS.port,
                      api_key=keys or None, max_concurrency=FLAGS.max_concurrency,
                      max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype, kv_dtype=FLAGS.kv_dtype,
+                     quantize=FLAGS.quantize,
                      verify_weights=FLAGS.verify_weights, **generate.speculative_settings(),
                      **generate.parallel_settings(), **generate.store_settings(),
                      header_timeout_s=FLAGS.header_timeout_s, body_timeout_s=FLAGS.body_timeout_s,
@@ -224,8 +231,8 @@ def _plan() -> int:
     pcfg = dataclasses.replace(pcfg, num_pages=2 * pcfg.max_concurrency * pcfg.max_pages_per_seq,
                                num_checkpoint_slots=4 * pcfg.max_concurrency)
     plan = memory_plan(cfg, pcfg, tensor_parallel=FLAGS.tensor_parallel,
-                       device_bytes=int(FLAGS.device_gb * 1e9))
-    print(format_plan(name, cfg, pcfg, plan))
+                       device_bytes=int(FLAGS.device_gb * 1e9), quantize=FLAGS.quantize)
+    print(format_plan(name, cfg, pcfg, plan, FLAGS.quantize))
     return 0
 
 

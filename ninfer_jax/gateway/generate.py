@@ -165,7 +165,8 @@ def _open_engine():
     engine = Engine.open(FLAGS.model, max_concurrency=FLAGS.max_concurrency,
                          max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype,
                          prefix_reuse=FLAGS.prefix_reuse, verify_weights=FLAGS.verify_weights,
-                         kv_dtype=FLAGS.kv_dtype, **speculative_settings(),
+                         kv_dtype=FLAGS.kv_dtype, quantize=FLAGS.quantize,
+                         **speculative_settings(),
                          **parallel_settings(), **store_settings())
     print(f"[ninfer] model {engine.model_path} ready in {time.perf_counter() - start:.1f}s "
           f"({engine.describe()})", file=sys.stderr)

@@ -79,7 +79,8 @@ def _open_scorer():
     config = {"window": FLAGS.window, "stride": FLAGS.stride, "max_len": FLAGS.max_len,
               "max_batch_tokens": FLAGS.max_batch_tokens,
               "dtype": resolve_dtype(FLAGS.dtype)}
-    scorer = Scorer.open(FLAGS.model, verify_weights=FLAGS.verify_weights, **config)
+    scorer = Scorer.open(FLAGS.model, verify_weights=FLAGS.verify_weights,
+                         quantize=FLAGS.quantize, **config)
     print(f"[ninfer] scoring {scorer.model_path}: windows {scorer.core.keys()} compiled in "
           f"{time.perf_counter() - start:.1f}s", file=sys.stderr)
     return scorer

@@ -20,6 +20,7 @@ import math
 import jax
 import numpy as np
 
+from ninfer_jax import quant
 from ninfer_jax.models.qwen3_6.config import ModelConfig
 from ninfer_jax.models.qwen3_6.weights import param_shapes
 from ninfer_jax.program.config import ProgramConfig
@@ -67,10 +68,8 @@ class MemoryPlan:
         return self.device_total <= self.device_bytes
 
 
-def _nbytes(tree, itemsize: int | None = None) -> int:
+def _nbytes(tree) -> int:
     leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple))
-    if itemsize is not None:  # shape tuples
-        return sum(math.prod(s) * itemsize for s in leaves)
     return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in leaves)
 
 
@@ -88,16 +87,18 @@ def vision_estimate(cfg: ModelConfig, pcfg: ProgramConfig) -> int:
 
 
 def memory_plan(cfg: ModelConfig, pcfg: ProgramConfig, num_mtp_layers: int | None = None,
-                tensor_parallel: int = 1, device_bytes: int = H200_BYTES) -> MemoryPlan:
+                tensor_parallel: int = 1, device_bytes: int = H200_BYTES,
+                quantize: str | None = None) -> MemoryPlan:
     """The plan of a Program of `cfg` with `pcfg` (its dtype, pools and buckets), the MTP head's
-    layers (default the config's) included, on `tensor_parallel` devices of `device_bytes`."""
+    layers (default the config's) included, on `tensor_parallel` devices of `device_bytes`;
+    `quantize` ("int8" | "int4" | "fp8"): the decoder's projections quantized as
+    `ninfer_jax.quant` holds them (values and fp32 scales)."""
     from ninfer_jax.program.pools import Pools
 
     if tensor_parallel < 1:
         raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
     mtp = cfg.mtp_num_layers if num_mtp_layers is None else num_mtp_layers
-    itemsize = np.dtype(pcfg.dtype).itemsize
-    regions = {"weights": _nbytes(param_shapes(cfg, mtp), itemsize)}
+    regions = {"weights": quant.planned_bytes(param_shapes(cfg, mtp), quantize, pcfg.dtype)}
     pools = jax.eval_shape(lambda: Pools.allocate(cfg, pcfg, mtp if pcfg.speculative == "mtp"
                                                   else 0))
     heads = {"kv": cfg.num_kv_heads, "v": cfg.linear_num_v_heads, None: 1}
@@ -116,11 +117,13 @@ def memory_plan(cfg: ModelConfig, pcfg: ProgramConfig, num_mtp_layers: int | Non
                       -(-page // min(tensor_parallel, heads["kv"])))
 
 
-def format_plan(name: str, cfg: ModelConfig, pcfg: ProgramConfig, plan: MemoryPlan) -> str:
+def format_plan(name: str, cfg: ModelConfig, pcfg: ProgramConfig, plan: MemoryPlan,
+                quantize: str | None = None) -> str:
     """The plan as a table: GiB per region, in all and per device, and whether it fits."""
     tp = plan.tensor_parallel
     kv = "" if pcfg.kv_dtype == "auto" else f", {pcfg.kv_dtype} K/V pages"
-    head = (f"{name}: {pcfg.dtype}{kv}, max_seq_len {pcfg.max_seq_len}, max_concurrency "
+    weights = "" if quantize is None else f", {quantize} weights"
+    head = (f"{name}: {pcfg.dtype}{weights}{kv}, max_seq_len {pcfg.max_seq_len}, max_concurrency "
             f"{pcfg.max_concurrency}, {pcfg.num_pages} pages of {pcfg.page_size}, "
             f"{pcfg.num_checkpoint_slots} checkpoint slots, on {tp} device(s) of "
             f"{plan.device_bytes / 1e9:.0f} GB")

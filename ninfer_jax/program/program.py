@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from ninfer_jax import quant
 from ninfer_jax.errors import ConfigError
 from ninfer_jax.models.dflash import DFlashConfig
 from ninfer_jax.models.qwen3_6 import ModelConfig
@@ -140,7 +141,7 @@ class Program(HostProgram):
         self.vision_on = cfg.takes_media and "vision" in params and bool(pcfg.vision_buckets)
         unrolled = pcfg.resolved_layer_loop() == "unrolled"
         if self.mesh is None:
-            params = jax.tree.map(lambda a: jax.numpy.asarray(a, pcfg.dtype), params)
+            params = quant.cast_params(params, pcfg.dtype)
             self.params = unstack_layers(params, cfg) if unrolled else params
         else:  # each leaf cast and sent to its devices in turn (per layer when unrolled)
             self.params = place_params(

@@ -25,6 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ninfer_jax.errors import ConfigError
 from ninfer_jax.models.qwen3_6 import ModelConfig
+from ninfer_jax.quant import QUANTIZED_LEAVES
 from pallas_kernels.platform import TP_AXIS
 
 AXIS = TP_AXIS
@@ -124,24 +125,31 @@ def place_params(params: dict, cfg: ModelConfig, mesh: Mesh, dtype: str,
     tree = prepare(jax.tree.map(host, params))
     shardings = param_shardings(tree, cfg, mesh, moe)
 
-    def put(a, sharding):
+    def put(path, a, sharding):
+        # a quantized weight's values and scales (QArray fields) keep their dtypes
+        want = a.dtype if isinstance(path[-1], jax.tree_util.GetAttrKey) else dt
         if isinstance(a, jax.Array):
-            if a.dtype == dt and a.sharding == sharding:
+            if a.dtype == want and a.sharding == sharding:
                 return a
-            return jax.device_put(a.astype(dt), sharding)
-        return jax.device_put(np.asarray(a, dt), sharding)
+            return jax.device_put(a.astype(want), sharding)
+        return jax.device_put(np.asarray(a, want), sharding)
 
-    return jax.tree.map(put, tree, shardings)
+    return jax.tree_util.tree_map_with_path(put, tree, shardings)
 
 
 def placement(cfg: ModelConfig, mesh: Mesh, moe: str = "intermediate"
               ) -> Callable[[tuple[str, ...], np.ndarray], jax.Array]:
     """A `loader.load_params` placement: each leaf goes from the host straight to its devices,
-    split by `param_spec` (no device ever holds a whole split leaf)."""
+    split by `param_spec` (no device ever holds a whole split leaf). A quantized weight's
+    values and scales (paths ending in its QArray field) split as the weight does, each where
+    its own dims divide."""
     tp = mesh.shape[AXIS]
 
     def put(path: tuple[str, ...], host: np.ndarray) -> jax.Array:
-        spec = param_spec(tuple(path), tuple(host.shape), cfg, tp, moe)
+        path = tuple(path)
+        if len(path) > 1 and path[-1] in ("q", "scale") and path[-2] in QUANTIZED_LEAVES:
+            path = path[:-1]
+        spec = param_spec(path, tuple(host.shape), cfg, tp, moe)
         return jax.device_put(host, NamedSharding(mesh, spec)).block_until_ready()
 
     return put

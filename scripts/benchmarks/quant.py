@@ -123,8 +123,8 @@ def _summary(r: dict, methods, weight_bytes: dict, b: int) -> dict:
 
 
 def format_table(out: dict) -> str:
-    lines = [f"{out['config']}: {out['num_params'] / 1e6:.1f}M params; {out['reps']} reps x "
-             f"{out['steps']} decode steps a side, in turns; set-up (load + compile):"]
+    lines = [(f"{out['config']}: {out['num_params'] / 1e6:.1f}M params; {out['reps']} reps x "
+              f"{out['steps']} decode steps a side, in turns; set-up (load + compile):")]
     lines.append("  " + ", ".join(f"{m} {out['setup'][m]['wall_s']:.0f} s"
                                   for m in out["methods"]))
     for job, m in out["measurements"].items():

@@ -175,3 +175,23 @@ def test_program_with_quantized_weights_gives_forward_greedy_at_every_b(name, me
         assert prog.tokens(h)[len(p):] == _greedy(m.params, m.config, p, n)
         prog.release(h)
     _assert_all_free(prog)
+
+
+def test_engine_with_int4_weights_mtp_speculation_and_prefix_reuse_keeps_the_greedy_tokens():
+    """The embedded model with int4 weights and MTP drafts: greedy tokens equal the full
+    forward's on the same quantized weights, for a first turn and for a second turn that
+    resumes from the first one's checkpoint."""
+    from ninfer_jax import Engine, SamplingParams
+
+    m = load_model(None, quantize="int4")
+    ids = np.random.default_rng(5).integers(10, m.config.vocab_size, 21).tolist()
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    with Engine.open(None, quantize="int4", speculative="mtp", max_concurrency=1,
+                     max_seq_len=64, context_store="off") as engine:
+        assert "int4 weights" in engine.describe()
+        first = engine.generate(prompt_token_ids=ids, sampling=sampling, session="s")
+        history = ids + list(first.token_ids) + ids[:3]
+        second = engine.generate(prompt_token_ids=history, sampling=sampling, session="s")
+    assert list(first.token_ids) == _greedy(m.params, m.config, ids, 8, width=48)
+    assert list(second.token_ids) == _greedy(m.params, m.config, history, 8, width=48)
+    assert first.usage.cached_tokens == 0 and second.usage.cached_tokens > 0
