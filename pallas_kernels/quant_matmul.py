@@ -3,12 +3,14 @@ weight operand's read.
 
 `quant_matmul(x, q, scale, method=, group=)` is `x @ dequantize(q, scale).T` for x [M, K] and a
 weight [N, K] held as int8 values (`method="int8"`, q [N, K]) or packed int4 (`"int4"`, q
-[N, K / 2] uint8: in each group, byte j holds channel j in its low nibble and channel
-j + group / 2 in its high one, each as value + 8), with one fp32 scale per `group` input
-channels of a row (scale [N, K / group]). `quant_matmul_reference` is the jnp oracle (the
+[N, K / 2] uint8: byte j of a row holds channel 2j in its low nibble and 2j + 1 in its high
+one, each as value + 8), with one fp32 scale per `group` input channels of a row (scale
+[N, K / group]). `quant_matmul_reference` is the jnp oracle (the
 dequantized weight, then one dot). The kernel reads each weight byte once: the grid is
 (M / block_m, N / block_n); each program loops over the K groups, loads its [block_n, group]
-tile of values (int4: two [block_n, group / 2] half-tiles from one byte tile), multiplies by
+tile of values (int4: the low and the high nibbles of one [block_n, group / 2] byte tile, the
+even and the odd channels of the group, met by the activations permuted to that order before
+the call: a copy of x, not of the weight), multiplies by
 the tile's scales in fp32 and accumulates `x_tile @ w_tile^T` in fp32 (Triton's dot needs 16+
 rows: M is padded to block_m >= 16). On CPU it runs only with `interpret=True`.
 
@@ -57,8 +59,8 @@ def quant_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, *, meth
     if method == "int8":
         w = q.astype(jnp.float32).reshape(n, k // group, group)
     else:
-        p = q.reshape(n, k // group, group // 2).astype(jnp.int32)
-        w = jnp.concatenate([(p & 15) - 8, (p >> 4) - 8], axis=-1).astype(jnp.float32)
+        w = jnp.stack([q & 15, q >> 4], axis=-1).astype(jnp.float32) - 8.0
+        w = w.reshape(n, k // group, group)
     w = (w * scale.astype(jnp.float32)[..., None]).reshape(n, k)
     return jnp.dot(x.astype(jnp.float32), w.T, precision=_PRECISION,
                    preferred_element_type=jnp.float32)
@@ -127,6 +129,8 @@ def quant_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, *, method: str, g
         raise ValueError(f"block_m must be a power of two >= {MIN_BLOCK}, got {block_m}")
     rows = pl.cdiv(m, block_m) * block_m
     xp = jnp.pad(x, ((0, rows - m), (0, 0)))
+    if method == "int4":  # each group's even channels, then its odd ones (the nibble order)
+        xp = xp.reshape(rows, k // group, group // 2, 2).swapaxes(-1, -2).reshape(rows, k)
     kernel = functools.partial(_kernel, method=method, group=group, num_groups=k // group)
     out = pl.pallas_call(
         kernel,

@@ -29,7 +29,7 @@ _forward = jax.jit(forward, static_argnums=1)
 
 @pytest.mark.parametrize("shape", [(3, 256), (2, 5, 192), (4, 96)])
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_group_quantization_is_within_half_a_step_and_packs_by_half_groups(shape, method):
+def test_group_quantization_is_within_half_a_step_and_packs_channel_pairs(shape, method):
     w = np.random.default_rng(0).normal(size=shape).astype(np.float32)
     q = quant.quantize_int(w, method)
     g = quant.group_size(shape[-1])
@@ -41,11 +41,11 @@ def test_group_quantization_is_within_half_a_step_and_packs_by_half_groups(shape
     top = 127 if method == "int8" else 7
     np.testing.assert_allclose(np.abs(w).reshape(*shape[:-1], -1, g).max(-1), q.scale * top,
                                rtol=1e-6)
-    if method == "int4":  # byte j of a group: channel j low, channel j + g/2 high, value + 8
-        u = np.asarray(q.q).reshape(*shape[:-1], -1, g // 2)
-        v = np.rint(w.reshape(*shape[:-1], -1, g) / q.scale[..., None]).astype(int)
-        np.testing.assert_array_equal(u & 15, v[..., : g // 2] + 8)
-        np.testing.assert_array_equal(u >> 4, v[..., g // 2:] + 8)
+    if method == "int4":  # byte j of a row: channel 2j low, channel 2j + 1 high, value + 8
+        u = np.asarray(q.q)
+        v = np.rint(w / step).astype(int)
+        np.testing.assert_array_equal(u & 15, v[..., 0::2] + 8)
+        np.testing.assert_array_equal(u >> 4, v[..., 1::2] + 8)
         assert q.q.dtype == np.uint8 and q.q.shape[-1] == shape[-1] // 2
 
 

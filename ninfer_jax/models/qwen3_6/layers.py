@@ -65,9 +65,8 @@ def _fused_dequant(w: QArray) -> bool:
     """Whether an accelerator runs this quantized matmul as the Pallas kernel that dequantizes
     the weight tile by tile (`pallas_kernels.quant_matmul`): one int8/int4 [out, in] matrix of
     a shape the kernel takes, not split over a tensor-parallel mesh (the kernel is opaque to
-    XLA's partitioner). Elsewhere the weight is dequantized into the dot's operand by XLA; on
-    CPU always (XLA:CPU fuses the int8 dequantize into its dot: an int8 B=1 chain of MEDIUM-size
-    matrices ran 1.9x faster than fp32)."""
+    XLA's partitioner). Elsewhere the weight is dequantized into the dot's operand by XLA, on
+    CPU always (`scripts/bench.py --suite=quant` measures what that gives)."""
     mesh = jax.sharding.get_abstract_mesh()
     split = not mesh.empty and TP_AXIS in mesh.axis_names and mesh.shape[TP_AXIS] > 1
     return (w.method in ("int8", "int4") and w.q.ndim == 2 and not split
