@@ -110,3 +110,21 @@ def test_int8_kv_pages_per_device_equal_one_device():
     runs = _run("--model=dense", "--tp=1,2", "--impl=pallas", "--kv_dtype=int8")
     _check(runs, split={2: ATTENTION | {"k", "v"} | GDN_HEADS | CONV | MLP},
            pools={2: {"k", "v", "k_scale", "v_scale", "conv", "prov_conv", "ck_conv"} | STATE})
+
+
+@pytest.mark.slow
+def test_quantized_weights_per_device_equal_one_device():
+    """int4 weights at tp = 2 (values and scales split with their weight where their own dims
+    divide, `sharding.placement`): tp = 1's tokens, log-probs and logits, nothing recompiles;
+    the split values are 1/2 a device."""
+    runs = _run("--model=dense", "--tp=1,2", "--quantize=int4")
+    base, run = runs["1"], runs["2"]
+    assert base["prefix_hits"] >= 1 and run["prefix_hits"] == base["prefix_hits"]
+    assert not run["recompiled"]
+    for want, got in zip(base["results"], run["results"], strict=True):
+        assert got["tokens"] == want["tokens"]
+        np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=TOL, rtol=0)
+    np.testing.assert_allclose(run["logits"], base["logits"], atol=TOL, rtol=0)
+    q_values = [share for leaf, share in run["params"].items() if leaf.endswith("['q'].q")]
+    assert q_values and all(share == 0.5 for share in q_values)
+    assert run["per_device_bytes"] < run["total_bytes"]

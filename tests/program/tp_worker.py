@@ -26,6 +26,7 @@ import warnings
 import jax
 import numpy as np
 
+from ninfer_jax import quant
 from ninfer_jax.compile_cache import enable_persistent_cache
 from ninfer_jax.engine import EngineCore, EngineCoreConfig
 from ninfer_jax.frontend import Frontend
@@ -79,10 +80,13 @@ def main() -> None:
     ap.add_argument("--impl", default="reference")
     ap.add_argument("--moe_sharding", default="intermediate")
     ap.add_argument("--kv_dtype", default="auto")
+    ap.add_argument("--quantize", default=None)
     args = ap.parse_args()
     enable_persistent_cache()  # $NINFER_JAX_CACHE_DIR: the test run's cache
     warnings.filterwarnings("error", message="Some donated buffers were not usable")
     cfg, params = _model(args.model)
+    if args.quantize:
+        params = quant.quantize_params(params, args.quantize)
     tokenizer = ByteTokenizer(vocab_size=cfg.vocab_size)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 250, size=n).tolist() for n in (21, 5, 37)]
