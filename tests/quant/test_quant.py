@@ -4,6 +4,7 @@ with quantized weights."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -195,3 +196,26 @@ def test_engine_with_int4_weights_mtp_speculation_and_prefix_reuse_keeps_the_gre
     assert list(first.token_ids) == _greedy(m.params, m.config, ids, 8, width=48)
     assert list(second.token_ids) == _greedy(m.params, m.config, history, 8, width=48)
     assert first.usage.cached_tokens == 0 and second.usage.cached_tokens > 0
+
+
+def test_plan_sizes_quantized_weights_exactly_and_the_27b_fits_a_32_gb_gpu():
+    from ninfer_jax.models.qwen3_6.weights import init_params, param_shapes
+    from ninfer_jax.presets import PRESETS
+    from ninfer_jax.program.plan import memory_plan
+    from ninfer_jax.testing import tiny_moe
+
+    cfg = tiny_moe()
+    params = jax.tree.map(np.asarray, init_params(cfg, jax.random.key(0)))
+    for method in ("int8", "int4"):
+        assert quant.planned_bytes(param_shapes(cfg), method, "float32") == quant.weight_bytes(
+            quant.quantize_params(params, method))
+    big = PRESETS["qwen3_6_27b"]
+    pcfg = ProgramConfig(max_concurrency=1, max_seq_len=32768, dtype="bfloat16",
+                         attention_impl="reference", gdn_impl="reference", num_pages=2048)
+    bf16 = memory_plan(big, pcfg).regions["weights"]
+    sizes = {m: memory_plan(big, pcfg, quantize=m).regions["weights"] for m in quant.METHODS}
+    assert 0.5 < sizes["fp8"] / bf16 < sizes["int8"] / bf16 < 0.6
+    assert 0.3 < sizes["int4"] / bf16 < 0.4
+    int8_kv = dataclasses.replace(pcfg, kv_dtype="int8")
+    assert not memory_plan(big, pcfg, device_bytes=32 * 10**9).fits
+    assert memory_plan(big, int8_kv, device_bytes=32 * 10**9, quantize="int4").fits
