@@ -5,7 +5,10 @@ weight operand's read.
 weight [N, K] held as int8 values (`method="int8"`, q [N, K]) or packed int4 (`"int4"`, q
 [N, K / 2] uint8: byte j of a row holds channel 2j in its low nibble and 2j + 1 in its high
 one, each as value + 8), with one fp32 scale per `group` input channels of a row (scale
-[N, K / group]). `quant_matmul_reference` is the jnp oracle (the
+[N, K / group]), or FP8 (`"fp8"`, q [N, K] float8_e4m3fn with one fp32 scale per 128 x 128
+block, scale [N / 128, K / 128]: the official fine-grained checkpoints' layout, dequantized to
+the activations' dtype tile by tile; the products are not FP8 x FP8). `quant_matmul_reference`
+is the jnp oracle (the
 dequantized weight, then one dot). The kernel reads each weight byte once: the grid is
 (M / block_m, N / block_n); each program loops over the K groups, loads its [block_n, group]
 tile of values (int4: the low and the high nibbles of one [block_n, group / 2] byte tile, the
@@ -15,7 +18,8 @@ the tile's scales in fp32 and accumulates `x_tile @ w_tile^T` in fp32 (Triton's 
 rows: M is padded to block_m >= 16). On CPU it runs only with `interpret=True`.
 
 Shapes the kernel takes (`kernel_supports`): group a power of two >= 16, N divisible by a
-power-of-two block_n >= 16; callers fall back to the reference elsewhere.
+power-of-two block_n >= 16 (fp8: group 128 and N divisible by 128, one scale row a program);
+callers fall back to the reference elsewhere.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-METHODS = ("int8", "int4")
+METHODS = ("int8", "int4", "fp8")
+FP8_BLOCK = 128
 MIN_BLOCK = 16  # Triton's tl.dot needs 16+ rows and columns
 MAX_BLOCK_N = 128
 _PRECISION = lax.Precision.HIGHEST  # fp32 operands stay IEEE (Triton's default is TF32)
@@ -46,9 +51,10 @@ def _check(x: jax.Array, q: jax.Array, scale: jax.Array, method: str, group: int
     m, k = x.shape
     n = q.shape[0]
     want_q = (n, k // 2) if method == "int4" else (n, k)
-    if k % group or q.shape != want_q or scale.shape != (n, k // group):
+    rows = -(-n // FP8_BLOCK) if method == "fp8" else n
+    if k % group or q.shape != want_q or scale.shape != (rows, k // group):
         raise ValueError(f"for x [{m}, {k}] and group {group}, {method} q must be {want_q} and "
-                         f"scale {(n, k // group)}; got q {q.shape}, scale {scale.shape}")
+                         f"scale {(rows, k // group)}; got q {q.shape}, scale {scale.shape}")
 
 
 def quant_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, *, method: str,
@@ -56,6 +62,11 @@ def quant_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, *, meth
     """x [M, K] @ dequantize(q, scale)^T -> [M, N] fp32 (the kernel's oracle)."""
     _check(x, q, scale, method, group)
     n, k = q.shape[0], x.shape[1]
+    if method == "fp8":
+        s = jnp.repeat(jnp.repeat(scale.astype(jnp.float32), FP8_BLOCK, axis=0)[:n], group, 1)
+        w = q.astype(jnp.float32) * s
+        return jnp.dot(x.astype(jnp.float32), w.T, precision=_PRECISION,
+                       preferred_element_type=jnp.float32)
     if method == "int8":
         w = q.astype(jnp.float32).reshape(n, k // group, group)
     else:
@@ -76,12 +87,14 @@ def block_n_for(n: int) -> int | None:
     return None
 
 
-def kernel_supports(n: int, group: int) -> bool:
+def kernel_supports(n: int, group: int, method: str = "int8") -> bool:
+    if method == "fp8":
+        return group == FP8_BLOCK and n % FP8_BLOCK == 0
     return _is_pow2(group) and group >= MIN_BLOCK and block_n_for(n) is not None
 
 
 def _kernel(x_ref, q_ref, s_ref, o_ref, *, method: str, group: int, num_groups: int):
-    # x_ref [block_m, K]; q_ref [block_n, K or K / 2]; s_ref [block_n, K / group]
+    # x_ref [block_m, K]; q_ref [block_n, K or K / 2]; s_ref [block_n or 1 (fp8), K / group]
     block_m, block_n = o_ref.shape
     dtype = x_ref.dtype
 
@@ -89,8 +102,8 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, *, method: str, group: int, num_groups: 
         return x_ref[:, pl.ds(i * group + offset, width)]
 
     def body(i, acc):
-        s = s_ref[:, pl.ds(i, 1)].astype(jnp.float32)  # [block_n, 1]
-        if method == "int8":
+        s = s_ref[:, pl.ds(i, 1)].astype(jnp.float32)  # [block_n, 1] ([1, 1]: fp8's block)
+        if method in ("int8", "fp8"):
             w = (q_ref[:, pl.ds(i * group, group)].astype(jnp.float32) * s).astype(dtype)
             return acc + plgpu.dot(tile(i, group, 0), w, trans_b=True, precision=_PRECISION)
         half = group // 2
@@ -119,10 +132,12 @@ def quant_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, *, method: str, g
     _check(x, q, scale, method, group)
     m, k = x.shape
     n = q.shape[0]
-    block_n = block_n_for(n)
-    if not kernel_supports(n, group):
+    if not kernel_supports(n, group, method):
         raise ValueError(f"the kernel needs a power-of-two group >= {MIN_BLOCK} and N "
-                         f"divisible by a power of two >= {MIN_BLOCK}; got group {group}, N {n}")
+                         f"divisible by a power of two >= {MIN_BLOCK} (fp8: 128 and 128); got "
+                         f"group {group}, N {n}")
+    block_n = FP8_BLOCK if method == "fp8" else block_n_for(n)
+    scale_rows = 1 if method == "fp8" else block_n
     if block_m is None:
         block_m = min(64, max(MIN_BLOCK, pl.next_power_of_2(m)))
     if not _is_pow2(block_m) or block_m < MIN_BLOCK:
@@ -137,7 +152,7 @@ def quant_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, *, method: str, g
         grid=(rows // block_m, n // block_n),
         in_specs=[pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
                   pl.BlockSpec((block_n, q.shape[1]), lambda i, j: (j, 0)),
-                  pl.BlockSpec((block_n, k // group), lambda i, j: (j, 0))],
+                  pl.BlockSpec((scale_rows, k // group), lambda i, j: (j, 0))],
         out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((rows, n), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),

@@ -50,7 +50,7 @@ def test_bad_shapes_are_refused_naming_them():
     with pytest.raises(ValueError, match="int4 q must be"):
         quant_matmul(x, w.q[:, :64], w.scale, method="int4", group=128, interpret=True)
     with pytest.raises(ValueError, match="method must be"):
-        quant_matmul(x, w.q, w.scale, method="fp8", group=128, interpret=True)
+        quant_matmul(x, w.q, w.scale, method="int3", group=128, interpret=True)
     assert not kernel_supports(48, 96) and not kernel_supports(40, 128)
     with pytest.raises(ValueError, match="power-of-two group"):
         w96 = quant.quantize_int(np.ones((48, 192), np.float32), "int8", 96)
@@ -84,3 +84,18 @@ def test_a_quantized_program_lowers_its_projections_to_the_kernel_for_cuda():
     for key in (StepKey(StepKind.PREFILL, 1), StepKey(StepKind.DECODE, 1)):
         assert cuda[key].count("quant_matmul_int8") > 0, key
         assert "quant_matmul" not in cpu[key], key
+
+
+@pytest.mark.parametrize("m", [1, 20])
+def test_fp8_block_kernel_equals_reference_and_the_checkpoint_dequantize(m):
+    rng = np.random.default_rng(m)
+    w = quant.fp8_blocks(rng.normal(size=(256, 384)).astype(np.float32))
+    x = jnp.asarray(rng.normal(size=(m, 384)).astype(np.float32))
+    ref = quant_matmul_reference(x, w.q, w.scale, method="fp8", group=128)
+    got = quant_matmul(x, w.q, w.scale, method="fp8", group=128, interpret=True)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(ref, x @ w.dequantize().T, rtol=1e-5, atol=1e-4)
+    assert not kernel_supports(200, 128, "fp8") and kernel_supports(256, 128, "fp8")
+    cuda = jax.jit(linear32).trace(jax.ShapeDtypeStruct((m, 384), jnp.bfloat16), w).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "quant_matmul_fp8" in cuda
