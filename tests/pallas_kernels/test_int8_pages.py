@@ -61,10 +61,14 @@ def test_quantize_is_symmetric_per_vector_and_rounds_to_nearest():
     np.testing.assert_array_equal(q, np.round(x / np.where(s > 0, s, 1)[..., None]))
 
 
-SLOW = pytest.mark.slow  # interpret-mode compiles take seconds each: the default tier runs two
+# Interpret-mode compiles take seconds each: the default tier runs one decode config (fp32) and
+# two prefill configs (an fp32 chunk, a bf16 verify window; bf16 goes through the same
+# `load_pages`), the slow tier the rest.
+SLOW = pytest.mark.slow
 # group x head_dim x compute dtype x pages_per_block
 DECODE_CONFIGS = [(1, 64, jnp.float32, 2), pytest.param(4, 128, jnp.float32, None, marks=SLOW),
-                  pytest.param(2, 64, jnp.bfloat16, 4, marks=SLOW), (8, 128, jnp.bfloat16, 2)]
+                  pytest.param(2, 64, jnp.bfloat16, 4, marks=SLOW),
+                  pytest.param(8, 128, jnp.bfloat16, 2, marks=SLOW)]
 
 
 @pytest.mark.parametrize("group, head_dim, dtype, pages_per_block", DECODE_CONFIGS)
