@@ -108,3 +108,24 @@ def test_a_dflash_program_lowers_for_cuda_with_the_kernel_in_its_verify_steps():
     assert verify.count(f"custom_call @{_triton_custom_call_target()}") == len(cfg.layer_types)
     assert "paged_attention_prefill" in verify and "gated_delta_recurrent" in verify
     assert "tensor<2x22x1x1x32xf32>" in texts[StepKey(StepKind.EXPORT_STATE, 1)]
+
+
+def test_an_int8_kv_program_lowers_for_cuda_with_the_kernels_reading_int8_pages():
+    """kv_dtype="int8": every layer's Triton call as with float pages; the attention calls take
+    the int8 pool and its float32 scales, and no step makes a float copy of the pool."""
+    import dataclasses
+
+    cfg = tiny_dense()
+    texts = lower_all(cfg, dataclasses.replace(PCFG, kv_dtype="int8"), "cuda")
+    assert set(texts) == set(lowered("dense", "cuda"))
+    flat = cfg.num_attention_layers * (PCFG.num_pages + 1)
+    pool = f"{flat}x{PCFG.page_size}x{cfg.num_kv_heads}x{cfg.head_dim}"
+    triton = f"custom_call @{_triton_custom_call_target()}"
+    for key in (StepKey(StepKind.PREFILL, 1), StepKey(StepKind.DECODE, B)):
+        calls = [line for line in texts[key].splitlines() if triton in line]
+        assert len(calls) == len(cfg.layer_types), key
+        attention = [c for c in calls if f"tensor<{pool}xi8>" in c]
+        assert len(attention) == cfg.num_attention_layers, key
+        assert all(f"tensor<{pool[:pool.rindex('x')]}xf32>" in c for c in attention), key
+    for key, text in texts.items():
+        assert f"tensor<{pool}xf32>" not in text, key
