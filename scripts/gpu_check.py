@@ -17,7 +17,11 @@ Without a GPU backend (and without --cpu_smoke) it says it needs a GPU and exits
    reads), against the reference on the same pages. The GDN kernels
    (`pallas_kernels.gdn`) against the model's jnp forms at the 27B's GDN dims: decode (B = max
    concurrency), a 4-token verify window (every token's state) and a 512-token prefill: error,
-   both times, and both against the floor of the bytes the state and inputs must move.
+   both times, and both against the floor of the bytes the state and inputs must move. The
+   fused-dequantize matmul (`pallas_kernels.quant_matmul`) with int8, int4 and FP8 weights at
+   the 27B's MLP up-projection (17408 x 5120; dims rounded up to 128 at tiny sizes), B = max
+   concurrency bf16 rows, against its jnp reference: relative error, both times, the kernel
+   against the floor of the weight's bytes.
 2. Decode (B = 1 and max B) and MTP verify rounds (K drafts) of the 27B and 35B-A3B presets
    through the real Program (bf16, random weights of the real per-layer shapes), cut to
    `--layers` layers (every 4th full attention). A round is the suite helper
@@ -343,6 +347,46 @@ def gdn_rows(cfg: ModelConfig, batch: int, chunk: int, reps: int, gbps: float) -
     return rows
 
 
+def quant_rows(cfg: ModelConfig, batch: int, reps: int, gbps: float) -> list[tuple]:
+    """The fused-dequantize matmul (`pallas_kernels.quant_matmul`) against its jnp reference at
+    `cfg`'s MLP up-projection [intermediate, hidden] (the largest dense weight a decode step
+    reads), int8, int4 and FP8 (128 x 128 blocks), B rows of bf16 activations. Each row: max
+    relative error, both times, the kernel against the floor of the weight's bytes at `gbps`."""
+    from ninfer_jax import quant
+    from pallas_kernels.quant_matmul import quant_matmul, quant_matmul_reference
+
+    n, k = (-(-d // 128) * 128 for d in (cfg.intermediate_size or cfg.moe_intermediate_size,
+                                          cfg.hidden_size))
+    interpret = jax.default_backend() == "cpu"
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
+    x = jnp.asarray(rng.standard_normal((batch, k)), jnp.bfloat16)
+    rows = []
+    for method in ("int8", "int4", "fp8"):
+        qa = quant.fp8_blocks(w) if method == "fp8" else quant.quantize_int(w, method)
+        args = (x, jnp.asarray(qa.q), jnp.asarray(qa.scale))
+        case = f"{method}, [{n}, {k}] weight, B={batch}"
+        kernel = functools.partial(quant_matmul, interpret=interpret)
+        fns = {impl: jax.jit(functools.partial(f, method=method, group=qa.block[1]))
+               for impl, f in (("pallas", kernel), ("reference", quant_matmul_reference))}
+        try:
+            out = {impl: np.asarray(jax.block_until_ready(f(*args))) for impl, f in fns.items()}
+            err = float(np.max(np.abs(out["pallas"] - out["reference"]))
+                        / np.max(np.abs(out["reference"])))
+            ms = {impl: 1e3 * median_seconds(lambda f=f: jax.block_until_ready(f(*args)),
+                                              4 * reps) for impl, f in fns.items()}
+        except Exception as e:  # noqa: BLE001
+            rows.append(("1 quant matmul", case, failure(e), "FAIL"))
+            continue
+        moved = qa.nbytes + x.nbytes + batch * n * 4
+        floor = 1e3 * moved / (gbps * 1e9)
+        result = (f"max rel err {err:.2e} (tol 2e-2, bf16 tiles); kernel {ms['pallas']:.3f} ms "
+                  f"({ms['pallas'] / floor:.2f}x floor), jnp {ms['reference']:.3f} ms; floor "
+                  f"{floor:.4f} ms ({_bytes(moved)} at {gbps:g} GB/s)")
+        rows.append(("1 quant matmul", case, result, "pass" if err <= 2e-2 else "FAIL"))
+    return rows
+
+
 # 2. Bytes a round must move --------------------------------------------------------------------
 def _numel(tree) -> int:
     return sum(math.prod(s) for s in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple)))
@@ -583,7 +627,8 @@ def run(s: Sizes, scale: str, reps: int, gbps: float) -> int:
     rows = [defaults_row()]
     log("row 1: decode kernel against the reference")
     rows[:0] = kernel_rows(s.kernel, reps) + gdn_rows(
-        s.models[0][1], s.max_concurrency, s.prompt_len, reps, gbps)
+        s.models[0][1], s.max_concurrency, s.prompt_len, reps, gbps) + quant_rows(
+        s.models[0][1], s.max_concurrency, reps, gbps)
     built = build_all(s, reps)
     compile_wall = time.perf_counter() - start
     rows += [executables_row(b) for b in built]
