@@ -373,7 +373,7 @@ def quant_rows(cfg: ModelConfig, batch: int, reps: int, gbps: float) -> list[tup
             out = {impl: np.asarray(jax.block_until_ready(f(*args))) for impl, f in fns.items()}
             err = float(np.max(np.abs(out["pallas"] - out["reference"]))
                         / np.max(np.abs(out["reference"])))
-            ms = {impl: 1e3 * median_seconds(lambda f=f: jax.block_until_ready(f(*args)),
+            ms = {impl: 1e3 * median_seconds(lambda f=f, a=args: jax.block_until_ready(f(*a)),
                                               4 * reps) for impl, f in fns.items()}
         except Exception as e:  # noqa: BLE001
             rows.append(("1 quant matmul", case, failure(e), "FAIL"))
