@@ -6,9 +6,13 @@ weight [N, K] held as int8 values (`method="int8"`, q [N, K]) or packed int4 (`"
 [N, K / 2] uint8: byte j of a row holds channel 2j in its low nibble and 2j + 1 in its high
 one, each as value + 8), with one fp32 scale per `group` input channels of a row (scale
 [N, K / group]), or FP8 (`"fp8"`, q [N, K] float8_e4m3fn with one fp32 scale per 128 x 128
-block, scale [N / 128, K / 128]: the official fine-grained checkpoints' layout, dequantized to
-the activations' dtype tile by tile; the products are not FP8 x FP8). `quant_matmul_reference`
-is the jnp oracle (the
+block, scale [N / 128, K / 128]: the official fine-grained checkpoints' layout). FP8 weights
+are dequantized to the activations' dtype tile by tile, or with `fp8_activations` (Hopper-class
+GPUs, compute capability 9.0+: the checkpoints' "activation_scheme": "dynamic") the matmul runs
+FP8 x FP8: each row's 128-channel activation tile is quantized to e4m3 with its own scale
+(amax / 448) in the kernel, the tensor-core dot accumulates in fp32, and the two block scales
+multiply the partial sum. `quant_matmul_reference` (with the same `fp8_activations`) is the
+jnp oracle (the
 dequantized weight, then one dot). The kernel reads each weight byte once: the grid is
 (M / block_m, N / block_n); each program loops over the K groups, loads its [block_n, group]
 tile of values (int4: the low and the high nibbles of one [block_n, group / 2] byte tile, the
@@ -34,6 +38,7 @@ from jax.experimental.pallas import triton as plgpu
 
 METHODS = ("int8", "int4", "fp8")
 FP8_BLOCK = 128
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 MIN_BLOCK = 16  # Triton's tl.dot needs 16+ rows and columns
 MAX_BLOCK_N = 128
 _PRECISION = lax.Precision.HIGHEST  # fp32 operands stay IEEE (Triton's default is TF32)
@@ -57,14 +62,25 @@ def _check(x: jax.Array, q: jax.Array, scale: jax.Array, method: str, group: int
                          f"scale {(rows, k // group)}; got q {q.shape}, scale {scale.shape}")
 
 
+def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., 128] -> (e4m3 values, fp32 scales [..., 1]): amax / 448 per 128-channel tile
+    (a zero tile: scale 0, values 0)."""
+    xf = x.astype(jnp.float32)
+    s = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / FP8_MAX
+    return (xf / jnp.where(s > 0, s, 1.0)).astype(jnp.float8_e4m3fn), s
+
+
 def quant_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, *, method: str,
-                           group: int) -> jax.Array:
+                           group: int, fp8_activations: bool = False) -> jax.Array:
     """x [M, K] @ dequantize(q, scale)^T -> [M, N] fp32 (the kernel's oracle)."""
     _check(x, q, scale, method, group)
     n, k = q.shape[0], x.shape[1]
     if method == "fp8":
         s = jnp.repeat(jnp.repeat(scale.astype(jnp.float32), FP8_BLOCK, axis=0)[:n], group, 1)
         w = q.astype(jnp.float32) * s
+        if fp8_activations:
+            xq, xs = quantize_activations(x.reshape(x.shape[0], k // group, group))
+            x = (xq.astype(jnp.float32) * xs).reshape(x.shape[0], k)
         return jnp.dot(x.astype(jnp.float32), w.T, precision=_PRECISION,
                        preferred_element_type=jnp.float32)
     if method == "int8":
@@ -93,7 +109,8 @@ def kernel_supports(n: int, group: int, method: str = "int8") -> bool:
     return _is_pow2(group) and group >= MIN_BLOCK and block_n_for(n) is not None
 
 
-def _kernel(x_ref, q_ref, s_ref, o_ref, *, method: str, group: int, num_groups: int):
+def _kernel(x_ref, q_ref, s_ref, o_ref, *, method: str, group: int, num_groups: int,
+            fp8_activations: bool):
     # x_ref [block_m, K]; q_ref [block_n, K or K / 2]; s_ref [block_n or 1 (fp8), K / group]
     block_m, block_n = o_ref.shape
     dtype = x_ref.dtype
@@ -103,6 +120,10 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, *, method: str, group: int, num_groups: 
 
     def body(i, acc):
         s = s_ref[:, pl.ds(i, 1)].astype(jnp.float32)  # [block_n, 1] ([1, 1]: fp8's block)
+        if fp8_activations:  # FP8 x FP8 on the tensor cores, both block scales after the dot
+            xq, xs = quantize_activations(tile(i, group, 0))  # [block_m, g], [block_m, 1]
+            part = plgpu.dot(xq, q_ref[:, pl.ds(i * group, group)], trans_b=True)
+            return acc + part * xs * s
         if method in ("int8", "fp8"):
             w = (q_ref[:, pl.ds(i * group, group)].astype(jnp.float32) * s).astype(dtype)
             return acc + plgpu.dot(tile(i, group, 0), w, trans_b=True, precision=_PRECISION)
@@ -118,17 +139,20 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, *, method: str, group: int, num_groups: 
 
 
 def quant_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, *, method: str, group: int,
-                 block_m: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                 interpret: bool = False) -> jax.Array:
+                 fp8_activations: bool = False, block_m: int | None = None,
+                 num_warps: int = 4, num_stages: int = 2, interpret: bool = False) -> jax.Array:
     """x [M, K] @ dequantize(q, scale)^T -> [M, N] fp32 with the Pallas kernel.
 
     Args:
       x: [M, K] activations (bf16 on GPU; fp32 keeps IEEE products).
       q, scale, method, group: the weight, as in the module docstring.
+      fp8_activations: with method="fp8", FP8 x FP8 products (see the module docstring).
       block_m: rows per program, a power of two >= 16 (default: M rounded up, at most 64).
       num_warps, num_stages: Triton launch parameters (ignored in interpret mode).
       interpret: run the Pallas interpreter (required on CPU).
     """
+    if fp8_activations and method != "fp8":
+        raise ValueError(f"fp8_activations is for method 'fp8', got {method!r}")
     _check(x, q, scale, method, group)
     m, k = x.shape
     n = q.shape[0]
@@ -146,7 +170,8 @@ def quant_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, *, method: str, g
     xp = jnp.pad(x, ((0, rows - m), (0, 0)))
     if method == "int4":  # each group's even channels, then its odd ones (the nibble order)
         xp = xp.reshape(rows, k // group, group // 2, 2).swapaxes(-1, -2).reshape(rows, k)
-    kernel = functools.partial(_kernel, method=method, group=group, num_groups=k // group)
+    kernel = functools.partial(_kernel, method=method, group=group, num_groups=k // group,
+                               fp8_activations=fp8_activations)
     out = pl.pallas_call(
         kernel,
         grid=(rows // block_m, n // block_n),

@@ -17,6 +17,7 @@ from ninfer_jax.program.executables import StepKey, StepKind
 from ninfer_jax.program.program import lower_all
 from ninfer_jax.testing import tiny_dense
 from pallas_kernels.quant_matmul import kernel_supports, quant_matmul, quant_matmul_reference
+from tests.models.conftest import rel_err
 from tests.pallas_kernels.test_paged_attention import _triton_custom_call_target
 from tests.program.test_lowering import PCFG
 
@@ -99,3 +100,23 @@ def test_fp8_block_kernel_equals_reference_and_the_checkpoint_dequantize(m):
     cuda = jax.jit(linear32).trace(jax.ShapeDtypeStruct((m, 384), jnp.bfloat16), w).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "quant_matmul_fp8" in cuda
+
+
+def test_fp8_activations_kernel_equals_its_reference_and_lowers_for_cuda():
+    """W8A8: activations quantized per row and 128-channel tile in the kernel, FP8 x FP8 dot."""
+    rng = np.random.default_rng(7)
+    w = quant.fp8_blocks(rng.normal(size=(128, 256)).astype(np.float32))
+    x = rng.normal(size=(3, 256)).astype(np.float32)
+    x[1, :128] = 0  # a zero tile: scale 0
+    x = jnp.asarray(x, jnp.bfloat16)
+    kw = {"method": "fp8", "group": 128, "fp8_activations": True}
+    ref = quant_matmul_reference(x, w.q, w.scale, **kw)
+    got = quant_matmul(x, w.q, w.scale, interpret=True, **kw)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
+    exact = quant_matmul_reference(x, w.q, w.scale, method="fp8", group=128)
+    assert rel_err(ref, exact) < 0.05  # e4m3 activations
+    fn = jax.jit(functools.partial(quant_matmul, **kw))
+    cuda = fn.trace(x, w.q, w.scale).lower(lowering_platforms=("cuda",)).as_text()
+    assert cuda.count(f"custom_call @{_triton_custom_call_target()}") == 1
+    with pytest.raises(ValueError, match="fp8_activations is for method 'fp8'"):
+        quant_matmul(x, w.q, w.scale, method="int8", group=128, fp8_activations=True)

@@ -50,7 +50,8 @@ def linear32(x: jax.Array, w: jax.Array) -> jax.Array:
         y = jax.lax.platform_dependent(
             flat, cpu=lambda f: linear32(f, materialize(w, f.dtype)),
             default=lambda f: quant_matmul(f, w.q, w.scale, method=w.method,
-                                           group=w.block[1]))
+                                           group=w.block[1],
+                                           fp8_activations=w.method == "fp8" and _gpu_has(9.0)))
         return y.reshape(*x.shape[:-1], w.shape[-2])
     w = materialize(w, x.dtype)
     rows = math.prod(x.shape[:-1])
@@ -66,20 +67,26 @@ def _fused_dequant(w: QArray) -> bool:
     """Whether an accelerator runs this quantized matmul as the Pallas kernel that dequantizes
     the weight tile by tile (`pallas_kernels.quant_matmul`): one [out, in] matrix (int8, int4,
     or FP8 in 128 x 128 blocks, the latter on GPUs with FP8 conversions: compute capability
-    8.9+, or any when lowering on a host without one) of a shape the kernel takes, not split
-    over a tensor-parallel mesh (the kernel is opaque to XLA's partitioner). Elsewhere the weight is dequantized into the dot's operand by XLA, on
+    8.9+, or any when lowering on a host without one; on 9.0+ as FP8 x FP8 products) of a shape
+    the kernel takes, not split over a tensor-parallel mesh (the kernel is opaque to XLA's
+    partitioner). Elsewhere the weight is dequantized into the dot's operand by XLA, on
     CPU always (`scripts/bench.py --suite=quant` measures what that gives)."""
     mesh = jax.sharding.get_abstract_mesh()
     split = not mesh.empty and TP_AXIS in mesh.axis_names and mesh.shape[TP_AXIS] > 1
-    if w.method == "fp8" and (w.block[0] != w.block[1] or not _gpu_has_fp8()):
+    if w.method == "fp8" and (w.block[0] != w.block[1] or not _gpu_has(8.9, default=True)):
         return False
     return (w.q.ndim == 2 and not split
             and kernel_supports(w.shape[0], w.block[1], w.method))
 
 
-def _gpu_has_fp8() -> bool:
+def _gpu_has(capability: float, default: bool = False) -> bool:
+    """Whether every GPU has at least this compute capability (`default` with none: a CPU
+    host lowering for CUDA). 8.9: FP8 conversions; 9.0 (Hopper): FP8 x FP8 products, which
+    `quant_matmul` then runs for FP8 weights (activations quantized per 128-channel tile)."""
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    return not gpus or all(float(getattr(d, "compute_capability", "0")) >= 8.9 for d in gpus)
+    if not gpus:
+        return default
+    return all(float(getattr(d, "compute_capability", "0")) >= capability for d in gpus)
 
 
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:
