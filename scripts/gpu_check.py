@@ -19,8 +19,8 @@ Without a GPU backend (and without --cpu_smoke) it says it needs a GPU and exits
    concurrency), a 4-token verify window (every token's state) and a 512-token prefill: error,
    both times, and both against the floor of the bytes the state and inputs must move. The
    fused-dequantize matmul (`pallas_kernels.quant_matmul`) with int8, int4 and FP8 weights at
-   the 27B's MLP up-projection (17408 x 5120; dims rounded up to 128 at tiny sizes), B = max
-   concurrency bf16 rows, against its jnp reference: relative error, both times, the kernel
+   the 27B's MLP up-projection (17408 x 5120; dims rounded up to 128 at tiny sizes), and FP8
+   x FP8 (`fp8_activations`, Hopper), B = max concurrency bf16 rows, against its jnp reference: relative error, both times, the kernel
    against the floor of the weight's bytes.
 2. Decode (B = 1 and max B) and MTP verify rounds (K drafts) of the 27B and 35B-A3B presets
    through the real Program (bf16, random weights of the real per-layer shapes), cut to
@@ -362,12 +362,13 @@ def quant_rows(cfg: ModelConfig, batch: int, reps: int, gbps: float) -> list[tup
     w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
     x = jnp.asarray(rng.standard_normal((batch, k)), jnp.bfloat16)
     rows = []
-    for method in ("int8", "int4", "fp8"):
+    for method, fp8_act in (("int8", False), ("int4", False), ("fp8", False), ("fp8", True)):
         qa = quant.fp8_blocks(w) if method == "fp8" else quant.quantize_int(w, method)
         args = (x, jnp.asarray(qa.q), jnp.asarray(qa.scale))
-        case = f"{method}, [{n}, {k}] weight, B={batch}"
+        case = f"{method}{' x fp8' if fp8_act else ''}, [{n}, {k}] weight, B={batch}"
         kernel = functools.partial(quant_matmul, interpret=interpret)
-        fns = {impl: jax.jit(functools.partial(f, method=method, group=qa.block[1]))
+        fns = {impl: jax.jit(functools.partial(f, method=method, group=qa.block[1],
+                                               fp8_activations=fp8_act))
                for impl, f in (("pallas", kernel), ("reference", quant_matmul_reference))}
         try:
             out = {impl: np.asarray(jax.block_until_ready(f(*args))) for impl, f in fns.items()}

@@ -46,7 +46,7 @@ def test_cpu_smoke_prints_every_row_and_passes():
     assert checks.count("1 decode kernel") == 2  # bf16 and fp32
     assert checks.count("1 prefill kernel") == 4  # a chunk and a verify window, bf16 and fp32
     assert checks.count("1 GDN kernel") == 3  # decode, verify, prefill
-    assert checks.count("1 quant matmul") == 3  # int8, int4, fp8
+    assert checks.count("1 quant matmul") == 4  # int8, int4, fp8, fp8 x fp8
     assert checks.count("4 executables") == 6  # every Program built
     status = [line.rstrip(" |").rsplit(" | ", 1)[1] for line in table]
     assert "FAIL" not in status, r.stdout
