@@ -48,11 +48,14 @@ def linear32(x: jax.Array, w: jax.Array) -> jax.Array:
     if isinstance(w, QArray) and _fused_dequant(w):
         flat = x.reshape(-1, x.shape[-1])
         y = jax.lax.platform_dependent(
-            flat, cpu=lambda f: linear32(f, materialize(w, f.dtype)),
+            flat, cpu=lambda f: _dequantized_rows(f, w),
             default=lambda f: quant_matmul(f, w.q, w.scale, method=w.method,
                                            group=w.block[1],
                                            fp8_activations=w.method == "fp8" and _gpu_has(9.0)))
         return y.reshape(*x.shape[:-1], w.shape[-2])
+    if isinstance(w, QArray) and jax.default_backend() == "cpu" and w.q.ndim == 2:
+        flat = x.reshape(-1, x.shape[-1])
+        return _dequantized_rows(flat, w).reshape(*x.shape[:-1], w.shape[-2])
     w = materialize(w, x.dtype)
     rows = math.prod(x.shape[:-1])
     if not (jax.default_backend() == "cpu" and 1 < rows < _FEW_ROWS):
@@ -61,6 +64,36 @@ def linear32(x: jax.Array, w: jax.Array) -> jax.Array:
     yt = jax.lax.dot_general(w.astype(jnp.float32), xt, (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32)  # [out, rows]
     return jax.lax.optimization_barrier(yt).T.reshape(*x.shape[:-1], w.shape[0])
+
+
+_GEMV_ROWS = 8  # up to this many rows a quantized matmul on CPU runs as one GEMV a row
+
+
+def _dequantized_rows(x: jax.Array, w: QArray) -> jax.Array:
+    """x [rows, in] times a quantized w [out, in] on XLA:CPU, fp32. A single row as
+    `x @ dequantize(w).T`, which XLA:CPU runs as one fused loop reading the stored values (the
+    dequantize fused into the reduction); the same product written as a contraction over both
+    operands' last dims materializes the dequantized weight first. Up to `_GEMV_ROWS` rows,
+    one such product a row; more (prefill chunks), the dequantized weight and one dot."""
+    rows = x.shape[0]
+    if rows > _GEMV_ROWS:
+        return einsum32("ri,oi->ro", x, w.dequantize(jnp.float32))
+    xf = x.astype(jnp.float32)
+    if w.method != "int4":
+        halves = [(xf, w.dequantize(jnp.float32))]
+    else:  # the even channels meet the low nibbles, the odd ones the high: no interleave
+        out, cols = w.shape
+        g = w.block[1]
+        scale = w.scale.astype(jnp.float32)[..., None]
+
+        def nibbles(v):
+            v = (v.astype(jnp.float32) - 8.0).reshape(out, cols // g, g // 2)
+            return (v * scale).reshape(out, cols // 2)
+
+        halves = [(xf[:, 0::2], nibbles(w.q & 15)), (xf[:, 1::2], nibbles(w.q >> 4))]
+    return jnp.concatenate([
+        sum(jnp.matmul(xh[r:r + 1], wh.T, preferred_element_type=jnp.float32)
+            for xh, wh in halves) for r in range(rows)], axis=0)
 
 
 def _fused_dequant(w: QArray) -> bool:
