@@ -2,7 +2,7 @@
 int8 and int4 weights (group-wise 128, weight-only; `ninfer_jax.quant`), and greedy
 continuations side by side.
 
-    python scripts/quant_quality.py [--chars=200000] [--window=512]
+    python scripts/quant_quality.py [--chars=100000] [--window=512]
 
 Perplexity: the causal-scoring path (`Scorer`, rolling windows of --window tokens, stride half a
 window) over the first --chars characters of TinyStories' validation text
@@ -30,7 +30,7 @@ PROMPTS = ("Once upon a time, there was a little", "Tom and his mom went to the 
            "The sun was hot and the flowers were")
 LIMITS = {"int8": 0.01, "int4": 0.05}
 
-flags.DEFINE_integer("chars", 200_000, "held-out characters scored", lower_bound=1000)
+flags.DEFINE_integer("chars", 100_000, "held-out characters scored", lower_bound=1000)
 flags.DEFINE_integer("window", 512, "rolling window (tokens)", lower_bound=64)
 flags.DEFINE_integer("max_new_tokens", 32, "greedy tokens per prompt", lower_bound=1)
 FLAGS = flags.FLAGS
