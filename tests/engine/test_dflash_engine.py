@@ -49,6 +49,7 @@ def _check_greedy_equal(k: int, opened, requests, want_out: dict, orders) -> Non
             assert (e.stats().prefix.hits > 0) == reuse
 
 
+@pytest.mark.slow  # ~51 s cold: the default run's 15 minutes
 def test_greedy_equals_no_speculation_with_reuse_on_and_off_in_any_arrival_order():
     n = len(_requests())
     _check_greedy_equal(K, _dflash(), _requests(), _reference(),

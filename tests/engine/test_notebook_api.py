@@ -43,7 +43,13 @@ def _assert_idle(engine, timeout: float = 5.0) -> None:
 
 
 def _interrupt_main_in(seconds: float) -> threading.Timer:
-    """A real SIGINT delivered to the main thread (what Jupyter's interrupt sends)."""
+    """A real SIGINT delivered to the main thread (what Jupyter's interrupt sends), with
+    Python's own handler installed and SIGINT unblocked there, whatever earlier tests in this
+    process left (in one full run both interrupt tests saw no KeyboardInterrupt; alone they
+    pass)."""
+    assert threading.current_thread() is threading.main_thread()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     main = threading.main_thread().ident
     timer = threading.Timer(seconds, signal.pthread_kill, (main, signal.SIGINT))
     timer.start()

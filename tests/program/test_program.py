@@ -103,6 +103,7 @@ def test_every_batch_size_gives_reference_greedy_with_zero_compilations():
     _assert_all_free(prog)
 
 
+@pytest.mark.slow  # ~36 s cold; the kernels' interpret tests and the CUDA lowering stay default
 def test_pallas_kernels_give_identical_tokens():
     """The attention and GDN kernels (interpret mode) in the Program: prompts of 9 and 14
     tokens in 8-token chunks over 4-token pages (a second chunk of 1 and of 6 after 2 cached
