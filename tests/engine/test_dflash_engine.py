@@ -74,6 +74,7 @@ def test_greedy_equals_no_speculation_at_b_1_to_8(k):
                          ((0, 6, 1, 7, 2, 3, 4, 5), "one_at_a_time")))
 
 
+@pytest.mark.slow  # ~80 s cold: the default run's 15 minutes
 def test_multi_turn_chat_restores_the_drafters_context_and_equals_recompute():
     """Each follow-up restores a checkpoint (GDN state, K/V, the drafter's context window):
     its output equals decoding without speculation, and its rounds (how many drafts held)

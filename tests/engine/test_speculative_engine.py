@@ -167,6 +167,7 @@ def test_greedy_equals_no_speculation_in_any_arrival_order(reuse):
         assert (e.stats().prefix.hits > 0) == reuse
 
 
+@pytest.mark.slow  # ~44 s cold: the default run's 15 minutes
 def test_multi_turn_chat_restores_checkpoints_with_speculation_and_equals_recompute():
     """Each follow-up restores a checkpoint (GDN state, K/V, the head's context): its output
     equals decoding without speculation, and its rounds (how many drafts held) equal those of

@@ -178,6 +178,7 @@ def test_program_with_quantized_weights_gives_forward_greedy_at_every_b(name, me
     _assert_all_free(prog)
 
 
+@pytest.mark.slow  # ~35 s cold; the int4 Program test stays in the default run
 def test_engine_with_int4_weights_mtp_speculation_and_prefix_reuse_keeps_the_greedy_tokens():
     """The embedded model with int4 weights and MTP drafts: greedy tokens equal the full
     forward's on the same quantized weights, for a first turn and for a second turn that

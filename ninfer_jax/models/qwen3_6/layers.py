@@ -70,11 +70,11 @@ _GEMV_ROWS = 8  # up to this many rows a quantized matmul on CPU runs as one GEM
 
 
 def _dequantized_rows(x: jax.Array, w: QArray) -> jax.Array:
-    """x [rows, in] times a quantized w [out, in] on XLA:CPU, fp32. A single row as
-    `x @ dequantize(w).T`, which XLA:CPU runs as one fused loop reading the stored values (the
-    dequantize fused into the reduction); the same product written as a contraction over both
-    operands' last dims materializes the dequantized weight first. Up to `_GEMV_ROWS` rows,
-    one such product a row; more (prefill chunks), the dequantized weight and one dot."""
+    """x [rows, in] times a quantized w [out, in] on XLA:CPU, fp32. Up to `_GEMV_ROWS` rows,
+    one `x_row @ dequantize(w).T` a row (int4: the even / odd channels against the low / high
+    nibbles), the form XLA:CPU fused best in trials (the contraction over both operands' last
+    dims was slower); more rows (prefill chunks), the dequantized weight and one dot. Still
+    slower than fp32 on CPU: see WORKSPACE.md, "Quantized weights"."""
     rows = x.shape[0]
     if rows > _GEMV_ROWS:
         return einsum32("ri,oi->ro", x, w.dequantize(jnp.float32))
