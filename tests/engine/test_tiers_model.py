@@ -16,6 +16,12 @@ from ninfer_jax.sampling_params import SamplingParams
 from ninfer_jax.testing.redis_server import RedisServer
 from tests.engine.test_speculative_engine import MAX_CONCURRENCY, SETTINGS
 
+# ~130 s cold (the demo Engines with and without MTP, every tier): the default run's 15 minutes;
+# real-model reloads stay in the default run through tests/gateway/test_serve_tiers.py (disk,
+# across a SIGKILL) and test_vision_engine.py (host), the tiers' rules through FakeProgram
+# Engines in test_tiers_engine.py.
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
 HISTORY = "Once upon a time there was a little girl named Lily. She loved to play outside in"
 FOLLOW_UP = " the park. One day"
