@@ -336,11 +336,17 @@ def decode_weight_bytes(params: dict, cfg) -> int:
 def planned_record(shapes: dict, method: str) -> dict:
     """The `record` that quantizing params of `shapes` (the schema's shape tree) with `method`
     gives: int8/int4 group-wise, fp8 in FP8_BLOCK blocks (`ninfer plan`)."""
-    check_method(method)
     flat = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]
+    return blocks_record(((key_path(p), s) for p, s in flat), method)
+
+
+def blocks_record(leaves, method: str) -> dict:
+    """The `record` of quantizing, with `method`, the leaves `quantizes` names among `leaves`
+    ((key path, shape) pairs)."""
+    check_method(method)
     return {"method": method, "blocks": {
-        ".".join(key_path(p)): list(FP8_BLOCK if method == "fp8" else (1, group_size(s[-1])))
-        for p, s in flat if quantizes(key_path(p))}}
+        ".".join(path): list(FP8_BLOCK if method == "fp8" else (1, group_size(shape[-1])))
+        for path, shape in leaves if quantizes(path)}}
 
 
 def planned_bytes(shapes: dict, method: str | None, dtype: str) -> int:

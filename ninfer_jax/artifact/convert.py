@@ -85,9 +85,8 @@ def convert(hf_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str = "f
             else:
                 leaves[name] = (plan.shape(path), lambda path=path: plan.pieces(path, cast))
         if quantize is not None:
-            quantization = {"method": quantize, "blocks": {
-                ".".join(p): [1, quant.group_size(plan.shape(p)[-1])]
-                for p in plan.paths() if quant.quantizes(p)}}
+            quantization = quant.blocks_record(((p, plan.shape(p)) for p in plan.paths()),
+                                               quantize)
         sources = {f.name: artifact_format.sha256_file(f)
                    for f in [root / "config.json", *source.files]}
         path = artifact_format.write_leaves(
