@@ -52,7 +52,7 @@ def paged_attention_decode(
     scale: float | None = None,
     impl: AttentionImpl = "reference",
     interpret: bool | None = None,
-    pages_per_block: int | None = None,
+    block_k: int | None = None,
 ) -> jax.Array:
     """Decode attention: q `[B, H_q, D]` over pages `[P, page_size, H_kv, D]` -> `[B, H_q, D]`.
 
@@ -64,14 +64,14 @@ def paged_attention_decode(
         is lowered for (`jax.lax.platform_dependent`): the interpreter on CPU, where the kernel
         cannot run compiled, the compiled kernel elsewhere; so a CPU host lowering for CUDA gets
         the real kernel.
-      pages_per_block: for impl="pallas" only; see `paged_attention`.
+      block_k: for impl="pallas" only; see `paged_attention`.
     """
     scales = () if k_scales is None and v_scales is None else (k_scales, v_scales)
     args = (q, k_pages, v_pages, page_tables, lengths, *scales)
     if impl == "reference":
         return paged_attention_reference(*args, scale=scale)
     if impl == "pallas":
-        run = functools.partial(paged_attention, scale=scale, pages_per_block=pages_per_block)
+        run = functools.partial(paged_attention, scale=scale, block_k=block_k)
         return by_platform(run, interpret, *args)
     raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
 

@@ -7,13 +7,18 @@ oracle; it does not write pages. On CPU it runs only with `interpret=True`.
 Shape of the computation. The grid is `(B, H_kv)`: one program per batch row and kv head. The
 program holds the `G = H_q // H_kv` query heads that share its kv head, padded to
 `block_h = max(16, next_pow2(G))` rows because Triton's dot needs at least 16 rows. Scalar
-prefetch is TPU-only, so pages are gathered inside the kernel: each `fori_loop` step loads
-`pages_per_block` page ids from the row's page table and reads those pages
-(`k_ref[page_ids]`, `[pages_per_block, page_size, D]`) for an online-softmax update (running max,
-running sum, fp32 accumulator). The loop runs `cdiv(length, pages_per_block * page_size)` steps,
-so pages past a row's length are never read and a zero-length row writes zeros. INT8 pages
-(`quant.py`) come with their scales `[P, page_size, H_kv]`: each loaded page tile is multiplied
-by its scales inside the loop (`load_pages`), so the pool is never dequantized whole.
+prefetch is TPU-only, so pages are gathered inside the kernel: each `fori_loop` step reads the
+next `block_k` key positions through the row's page table (`load_keys`: whole pages,
+`k_ref[page_ids]`, when `block_k >= page_size`, else part of one page) for an online-softmax
+update (running max, running sum, fp32 accumulator). The loop runs `cdiv(length, block_k)`
+steps, so pages past a row's length are never read and a zero-length row writes zeros. INT8
+pages (`quant.py`) come with their scales `[P, page_size, H_kv]`: each loaded tile is multiplied
+by its scales inside the loop, so the pool is never dequantized whole.
+
+Block sizes fit the GPU the kernel is built for (`pallas_kernels.target`): `block_k` is the
+largest power of two up to `TARGET_BLOCK_K` whose tiles fit its shared memory
+(`decode_shared_bytes`, Triton's use measured by ptxas on sm_90), so fp32 and bf16 at head_dim
+64..256 and page sizes 16..128 all compile.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paged_attention.reference import default_scale
 from pallas_kernels.paged_attention.shapes import check_decode_inputs
+from pallas_kernels.target import gpu_limits
 
 MIN_BLOCK_H = 16  # smallest M dimension Triton's tl.dot accepts
-TARGET_BLOCK_K = 128  # key positions per loop step when pages_per_block is chosen automatically
+MIN_BLOCK_K = 16  # smallest N / K dimension of a Triton dot
+TARGET_BLOCK_K = 128  # key positions per loop step when the target's shared memory allows
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # Triton's default for float32 operands is TF32; IEEE keeps fp32 pools on the reference's
 # numbers. bf16 operands are unaffected.
@@ -41,46 +48,76 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def load_pages(pages_ref, scales_ref, page_ids: jax.Array, dtype) -> jax.Array:
-    """The pages `page_ids` of one kv head's pool `[P, page_size, D]` as `[n * page_size, D]`;
-    int8 pages times their scales (`scales_ref [P, page_size]`, fp32 product: `quant.
-    dequantize`) in `dtype`, float pages as stored."""
-    x = pages_ref[page_ids]
-    n, page_size, head_dim = x.shape
-    x = x.reshape(n * page_size, head_dim)
-    if scales_ref is None:
+def load_keys(pages_ref, scales_ref, table_ref, start, block_k: int, num_pages: int,
+              dtype) -> jax.Array:
+    """Key (or value) positions `start .. start + block_k` of one row and kv head, `[block_k, D]`,
+    read through the row's page table `table_ref` from the pool `[P, page_size, D]`: whole
+    pages when `block_k >= page_size` (`start` a multiple of it), else part of the page holding
+    `start`. Table entries past the row's pages may hold any value: they are clamped (the
+    positions are masked by the caller). INT8 pages are multiplied by their scales
+    (`scales_ref [P, page_size]`, fp32 product: `quant.dequantize`) into `dtype`; float pages
+    come as stored."""
+    page_size, head_dim = pages_ref.shape[1], pages_ref.shape[2]
+    if block_k >= page_size:
+        n = block_k // page_size
+        ids = jnp.clip(table_ref[pl.ds(start // page_size, n)], 0, num_pages - 1)
+        x = pages_ref[ids].reshape(block_k, head_dim)
+        s = None if scales_ref is None else scales_ref[ids].reshape(block_k, 1)
+    else:
+        # lax.div / rem and min / max on these non-negative scalars: jnp's floor division,
+        # remainder and clip add selects that Pallas' Triton lowering mistypes as i1
+        page = jnp.minimum(jnp.maximum(table_ref[lax.div(start, page_size)], 0), num_pages - 1)
+        offset = pl.multiple_of(lax.rem(start, page_size), block_k)
+        x = pages_ref[page, pl.ds(offset, block_k), :]
+        s = None if scales_ref is None else scales_ref[page, pl.ds(offset, block_k)].reshape(
+            block_k, 1)
+    if s is None:
         return x
-    s = scales_ref[page_ids].reshape(n * page_size, 1)
     return (x.astype(jnp.float32) * s.astype(jnp.float32)).astype(dtype)
+
+
+def decode_shared_bytes(block_k: int, head_dim: int, block_h: int, itemsize: int) -> int:
+    """Shared memory Triton gives the decode kernel (ptxas's figure on sm_90 for fp32 and bf16,
+    head_dim 64..256, block_k 128..512: two stages of the K tile, one of V, the query tile and
+    the [block_h, block_k + 1] fp32 probabilities)."""
+    return (3 * block_k * head_dim + block_h * head_dim) * itemsize + \
+        block_h * (block_k + 1) * 4
+
+
+def fitting_block_k(target: int, keys: int, fits) -> int:
+    """The largest power of two from `target` down to 16 for which `fits(block_k)`, no larger
+    than `keys` (the table's positions) rounded up to a power of two; 16 if none fits."""
+    block_k = min(target, pl.next_power_of_2(max(keys, MIN_BLOCK_K)))
+    while block_k > MIN_BLOCK_K and not fits(block_k):
+        block_k //= 2
+    return max(block_k, MIN_BLOCK_K)
 
 
 def _decode_kernel(
     lengths_ref,  # [1] int32
-    page_ids_ref,  # [num_blocks * pages_per_block] int32
+    page_ids_ref,  # [padded_pages] int32, the row's page table
     q_ref,  # [block_h, D]
     k_pages_ref,  # [P, page_size, D] (this program's kv head)
     v_pages_ref,  # [P, page_size, D]
     *refs,  # int8 pages: k_scales_ref, v_scales_ref [P, page_size]; then o_ref [block_h, D]
     scale: float,
-    pages_per_block: int,
+    block_k: int,
     num_pages: int,
 ):
     *scale_refs, o_ref = refs
     k_scales_ref, v_scales_ref = scale_refs or (None, None)
     block_h, head_dim = q_ref.shape
-    page_size = k_pages_ref.shape[1]
-    block_k = pages_per_block * page_size
     length = lengths_ref[0]
     q = q_ref[...]
 
     def body(step, carry):
         acc, row_max, row_sum = carry
-        page_ids = page_ids_ref[pl.ds(step * pages_per_block, pages_per_block)]
-        # Table entries past the row's last page may be anything; keep every read in bounds.
-        page_ids = jnp.clip(page_ids, 0, num_pages - 1)
-        k = load_pages(k_pages_ref, k_scales_ref, page_ids, q.dtype)
-        v = load_pages(v_pages_ref, v_scales_ref, page_ids, q.dtype)
-        positions = step * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+        start = step * block_k
+        k = load_keys(k_pages_ref, k_scales_ref, page_ids_ref, start, block_k, num_pages,
+                      q.dtype)
+        v = load_keys(v_pages_ref, v_scales_ref, page_ids_ref, start, block_k, num_pages,
+                      q.dtype)
+        positions = start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
         valid = positions < length  # [1, block_k]
 
         logits = plgpu.dot(q, k, trans_b=True, precision=_PRECISION) * scale  # [block_h, block_k]
@@ -105,12 +142,6 @@ def _decode_kernel(
     o_ref[...] = (acc / row_sum[:, None]).astype(o_ref.dtype)
 
 
-def _auto_pages_per_block(page_size: int, max_pages: int, target: int = TARGET_BLOCK_K) -> int:
-    """Pages per loop step: about `target` keys, no more than the table needs."""
-    by_target = max(1, target // page_size)
-    return min(by_target, pl.next_power_of_2(max_pages))
-
-
 def paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -121,7 +152,7 @@ def paged_attention(
     v_scales: jax.Array | None = None,
     *,
     scale: float | None = None,
-    pages_per_block: int | None = None,
+    block_k: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
@@ -137,8 +168,9 @@ def paged_attention(
       k_scales, v_scales: `[P, page_size, H_kv]` the scales of int8 pages (None for float
         pages); pages are dequantized to q's dtype as they are loaded.
       scale: logit scale, default `D**-0.5`.
-      pages_per_block: pages read per loop step, a power of two; default gives about
-        `TARGET_BLOCK_K` keys per step.
+      block_k: key positions per loop step, a power of two >= 16 (whole pages, or part of
+        one); default: the largest up to `TARGET_BLOCK_K` that fits the target's shared
+        memory (`decode_shared_bytes`).
       num_warps, num_stages: Triton launch parameters (ignored in interpret mode).
       interpret: run the Pallas interpreter (required on CPU).
 
@@ -154,13 +186,17 @@ def paged_attention(
         raise ValueError(
             f"k_pages page_size must be a power of two for the kernel, got {dims.page_size}"
         )
-    if pages_per_block is None:
-        pages_per_block = _auto_pages_per_block(dims.page_size, max_pages)
-    if not _is_pow2(pages_per_block):
-        raise ValueError(f"pages_per_block must be a power of two, got {pages_per_block}")
-
     group = num_q_heads // dims.num_kv_heads
     block_h = max(MIN_BLOCK_H, pl.next_power_of_2(group))
+    if block_k is None:
+        limits = gpu_limits()
+        block_k = fitting_block_k(
+            TARGET_BLOCK_K, max_pages * dims.page_size,
+            lambda bk: limits.fits(decode_shared_bytes(bk, head_dim, block_h,
+                                                       q.dtype.itemsize)))
+    if not _is_pow2(block_k) or block_k < MIN_BLOCK_K:
+        raise ValueError(f"block_k must be a power of two >= {MIN_BLOCK_K}, got {block_k}")
+    pages_per_block = max(1, block_k // dims.page_size)
     q_blocks = q.reshape(batch, dims.num_kv_heads, group, head_dim)
     q_blocks = jnp.pad(q_blocks, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
     padded_pages = pl.cdiv(max_pages, pages_per_block) * pages_per_block
@@ -169,7 +205,7 @@ def paged_attention(
     kernel = functools.partial(
         _decode_kernel,
         scale=default_scale(head_dim, scale),
-        pages_per_block=pages_per_block,
+        block_k=block_k,
         num_pages=dims.num_pages,
     )
     pool_spec = pl.BlockSpec(

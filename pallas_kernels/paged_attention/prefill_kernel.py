@@ -11,14 +11,17 @@ query heads sharing a kv head become rows `t * G + g` (g fastest), so a block of
 covers consecutive tokens and every row of the block shares its kv head. The grid is
 `(B, H_kv, cdiv(T * G, block_m))`. A program runs two online-softmax loops (running max, running
 sum, fp32 accumulator) into one accumulator:
-  1. over the row's cached pages, `pages_per_block` pages per step gathered in the kernel
-     (`k_ref[page_ids]`, scalar prefetch being TPU-only), `cdiv(prior_len, block_k)` steps;
+  1. over the row's cached pages, `block_k` positions per step gathered in the kernel through
+     the page table (`kernel.load_keys`; scalar prefetch being TPU-only), `cdiv(prior_len,
+     block_k)` steps;
   2. over the chunk's keys, `block_c` per step, up to the block's last token (keys above the
      causal diagonal of every row of the block are never read).
 Masked logits never reach the sums (`where` on the probabilities), masked values are zeroed
 (stale pages and padding may hold NaN), and rows at or past `chunk_len` are written as zeros.
 INT8 pages come with their scales and are dequantized tile by tile as they are loaded
-(`kernel.load_pages`); the chunk's own K/V are floats (in q's dtype).
+(`kernel.load_keys`); the chunk's own K/V are floats (in q's dtype). `block_k` (cached keys per
+step) is the largest power of two up to `TARGET_BLOCK_K` whose tiles fit the target GPU's
+shared memory (`prefill_shared_bytes`, measured by ptxas on sm_90).
 """
 
 from __future__ import annotations
@@ -34,16 +37,26 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.paged_attention.kernel import (
     _PRECISION,
     MIN_BLOCK_H,
-    _auto_pages_per_block,
+    MIN_BLOCK_K,
     _is_pow2,
-    load_pages,
+    fitting_block_k,
+    load_keys,
 )
 from pallas_kernels.paged_attention.reference import default_scale
 from pallas_kernels.paged_attention.shapes import check_prefill_batch
+from pallas_kernels.target import gpu_limits
 
-TARGET_BLOCK_K = 64  # cached key positions per loop step when pages_per_block is automatic
+TARGET_BLOCK_K = 64  # cached key positions per loop step when the target's memory allows
 DEFAULT_BLOCK_M = 32  # query rows (token x head-in-group) per program
 DEFAULT_BLOCK_C = 32  # chunk keys per loop step
+
+
+def prefill_shared_bytes(block_k: int, block_c: int, block_m: int, head_dim: int,
+                         itemsize: int) -> int:
+    """Shared memory Triton gives the prefill kernel (ptxas's figure on sm_90 for fp32 and
+    bf16, head_dim 128..256: two stages of the K and V tiles of the larger key loop, and the
+    query tile)."""
+    return (4 * max(block_k, block_c) + block_m) * head_dim * itemsize
 
 
 def _online_update(carry, q, k, v, mask, scale):
@@ -61,7 +74,7 @@ def _online_update(carry, q, k, v, mask, scale):
 def _prefill_kernel(
     prior_ref,  # [1] int32 cached positions of this row
     chunk_len_ref,  # [1] int32 valid chunk tokens of this row
-    page_ids_ref,  # [num_blocks * pages_per_block] int32
+    page_ids_ref,  # [padded_pages] int32, the row's page table
     q_ref,  # [block_m, D]
     k_pages_ref,  # [P, page_size, D] (this program's kv head)
     v_pages_ref,  # [P, page_size, D]
@@ -70,15 +83,13 @@ def _prefill_kernel(
     *refs,  # int8 pages: k_scales_ref, v_scales_ref [P, page_size]; then o_ref [block_m, D]
     scale: float,
     group: int,
-    pages_per_block: int,
+    block_k: int,
     block_c: int,
     num_pages: int,
 ):
     *scale_refs, o_ref = refs
     k_scales_ref, v_scales_ref = scale_refs or (None, None)
     block_m, head_dim = q_ref.shape
-    page_size = k_pages_ref.shape[1]
-    block_k = pages_per_block * page_size
     prior_len, chunk_len = prior_ref[0], chunk_len_ref[0]
     first_row = pl.program_id(2) * block_m
     rows = first_row + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
@@ -90,11 +101,12 @@ def _prefill_kernel(
             jnp.zeros((block_m,), jnp.float32))
 
     def cached(step, carry):
-        page_ids = page_ids_ref[pl.ds(step * pages_per_block, pages_per_block)]
-        page_ids = jnp.clip(page_ids, 0, num_pages - 1)  # entries past the row's pages: any value
-        k = load_pages(k_pages_ref, k_scales_ref, page_ids, q.dtype)
-        v = load_pages(v_pages_ref, v_scales_ref, page_ids, q.dtype)
-        positions = step * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+        start = step * block_k
+        k = load_keys(k_pages_ref, k_scales_ref, page_ids_ref, start, block_k, num_pages,
+                      q.dtype)
+        v = load_keys(v_pages_ref, v_scales_ref, page_ids_ref, start, block_k, num_pages,
+                      q.dtype)
+        positions = start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
         valid = positions < prior_len  # [1, block_k]
         v = jnp.where(valid.reshape(block_k, 1), v, jnp.zeros_like(v))
         mask = jnp.broadcast_to(valid, (block_m, block_k))
@@ -131,7 +143,7 @@ def paged_prefill_attention(
     v_scales: jax.Array | None = None,
     *,
     scale: float | None = None,
-    pages_per_block: int | None = None,
+    block_k: int | None = None,
     block_m: int = DEFAULT_BLOCK_M,
     block_c: int = DEFAULT_BLOCK_C,
     num_warps: int = 4,
@@ -152,8 +164,9 @@ def paged_prefill_attention(
         pages); pages are dequantized to q's dtype as they are loaded, and the chunk's own K/V
         are taken in q's dtype.
       scale: logit scale, default `D**-0.5`.
-      pages_per_block: cached pages per loop step, a power of two (default about
-        `TARGET_BLOCK_K` keys).
+      block_k: cached key positions per loop step, a power of two >= 16 (whole pages or part
+        of one); default: the largest up to `TARGET_BLOCK_K` that fits the target's shared
+        memory (`prefill_shared_bytes`).
       block_m: query rows per program, a power of two >= 16 (Triton's smallest dot).
       block_c: chunk keys per loop step, a power of two >= 16.
       num_warps, num_stages: Triton launch parameters (ignored in interpret mode).
@@ -171,9 +184,13 @@ def paged_prefill_attention(
     if not _is_pow2(dims.page_size):
         raise ValueError(
             f"k_pages page_size must be a power of two for the kernel, got {dims.page_size}")
-    if pages_per_block is None:
-        pages_per_block = _auto_pages_per_block(dims.page_size, max_pages, TARGET_BLOCK_K)
-    for name, value, low in (("pages_per_block", pages_per_block, 1),
+    if block_k is None:
+        limits = gpu_limits()
+        block_k = fitting_block_k(
+            TARGET_BLOCK_K, max_pages * dims.page_size,
+            lambda bk: limits.fits(prefill_shared_bytes(bk, block_c, block_m, head_dim,
+                                                        q.dtype.itemsize)))
+    for name, value, low in (("block_k", block_k, MIN_BLOCK_K),
                              ("block_m", block_m, MIN_BLOCK_H), ("block_c", block_c, MIN_BLOCK_H)):
         if not _is_pow2(value) or value < low:
             raise ValueError(f"{name} must be a power of two >= {low}, got {value}")
@@ -193,12 +210,13 @@ def paged_prefill_attention(
         x = x.astype(chunk_dtype).transpose(0, 2, 1, 3)
         return jnp.pad(x, ((0, 0), (0, 0), (0, tokens_pad - num_tokens), (0, 0)))
 
+    pages_per_block = max(1, block_k // dims.page_size)
     padded_pages = pl.cdiv(max_pages, pages_per_block) * pages_per_block
     page_tables = jnp.pad(page_tables, ((0, 0), (0, padded_pages - max_pages)))
 
     kernel = functools.partial(
         _prefill_kernel, scale=default_scale(head_dim, scale), group=group,
-        pages_per_block=pages_per_block, block_c=block_c, num_pages=dims.num_pages)
+        block_k=block_k, block_c=block_c, num_pages=dims.num_pages)
     per_row = pl.BlockSpec((None, 1), lambda b, h, m: (b, 0))
     pool = pl.BlockSpec((dims.num_pages, dims.page_size, None, head_dim),
                         lambda b, h, m: (0, 0, h, 0))

@@ -63,19 +63,17 @@ def test_quantize_is_symmetric_per_vector_and_rounds_to_nearest():
 
 # Interpret-mode compiles take seconds each: the default tier runs one decode config (fp32) and
 # two prefill configs (an fp32 chunk, a bf16 verify window; bf16 goes through the same
-# `load_pages`), the slow tier the rest.
+# `load_keys`), the slow tier the rest.
 SLOW = pytest.mark.slow
-# group x head_dim x compute dtype x pages_per_block
-DECODE_CONFIGS = [(1, 64, jnp.float32, 2), pytest.param(4, 128, jnp.float32, None, marks=SLOW),
-                  pytest.param(2, 64, jnp.bfloat16, 4, marks=SLOW),
-                  pytest.param(8, 128, jnp.bfloat16, 2, marks=SLOW)]
+# group x head_dim x compute dtype x block_k (keys per step)
+DECODE_CONFIGS = [(1, 64, jnp.float32, 16), pytest.param(4, 128, jnp.float32, None, marks=SLOW),
+                  pytest.param(2, 64, jnp.bfloat16, 32, marks=SLOW),
+                  pytest.param(8, 128, jnp.bfloat16, 16, marks=SLOW)]
 
 
-@pytest.mark.parametrize("group, head_dim, dtype, pages_per_block", DECODE_CONFIGS)
-def test_decode_kernel_on_int8_pages_matches_the_reference(group, head_dim, dtype,
-                                                          pages_per_block):
-    kernel = jax.jit(functools.partial(paged_attention, pages_per_block=pages_per_block,
-                                       interpret=True))
+@pytest.mark.parametrize("group, head_dim, dtype, block_k", DECODE_CONFIGS)
+def test_decode_kernel_on_int8_pages_matches_the_reference(group, head_dim, dtype, block_k):
+    kernel = jax.jit(functools.partial(paged_attention, block_k=block_k, interpret=True))
     reference = jax.jit(paged_attention_reference)
     tol = TOLERANCES[dtype]
     for seed in (0, 1):  # each seed shuffles the ragged rows
@@ -97,9 +95,9 @@ def test_decode_kernel_on_int8_pages_matches_the_reference(group, head_dim, dtyp
 
 
 # tokens x group x head_dim x dtype x blocks: a chunk, a verify window, bf16
-PREFILL_CONFIGS = [pytest.param(8, 1, 64, jnp.float32, {"pages_per_block": 1}, marks=SLOW),
-                   (20, 3, 64, jnp.float32, {"block_m": 16, "block_c": 16, "pages_per_block": 2}),
-                   (4, 8, 64, jnp.bfloat16, {"block_m": 16, "pages_per_block": 4})]
+PREFILL_CONFIGS = [pytest.param(8, 1, 64, jnp.float32, {"block_k": 16}, marks=SLOW),
+                   (20, 3, 64, jnp.float32, {"block_m": 16, "block_c": 16, "block_k": 16}),
+                   (4, 8, 64, jnp.bfloat16, {"block_m": 16, "block_k": 32})]
 
 
 @pytest.mark.parametrize("tokens, group, head_dim, dtype, blocks", PREFILL_CONFIGS)

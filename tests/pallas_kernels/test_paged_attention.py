@@ -61,20 +61,22 @@ def _rounded(x: np.ndarray, dtype) -> np.ndarray:
     return np.array(jnp.asarray(x, dtype).astype(jnp.float32))
 
 
-def make_decode_case(seed: int, *, group: int, head_dim: int, dtype) -> DecodeCase:
+def make_decode_case(seed: int, *, group: int, head_dim: int, dtype,
+                     page_size: int = PAGE_SIZE) -> DecodeCase:
     rng = np.random.default_rng(seed)
-    lengths = np.asarray(rng.permutation(DECODE_LENS), np.int32)
+    lens = [length // PAGE_SIZE * page_size + length % PAGE_SIZE for length in DECODE_LENS]
+    lengths = np.asarray(rng.permutation(lens), np.int32)
     batch = len(lengths)
     num_pages = batch * MAX_PAGES + 3
-    pool_shape = (num_pages, PAGE_SIZE, NUM_KV_HEADS, head_dim)
+    pool_shape = (num_pages, page_size, NUM_KV_HEADS, head_dim)
     k_pages = _rounded(rng.standard_normal(pool_shape), dtype)
     v_pages = _rounded(rng.standard_normal(pool_shape), dtype)
     page_tables = rng.permutation(num_pages)[: batch * MAX_PAGES].reshape(batch, MAX_PAGES)
-    used = np.zeros((num_pages, PAGE_SIZE), bool)
+    used = np.zeros((num_pages, page_size), bool)
     for row, length in enumerate(lengths):
         for pos in range(length):
-            used[page_tables[row, pos // PAGE_SIZE], pos % PAGE_SIZE] = True
-        num_row_pages = -(-length // PAGE_SIZE)
+            used[page_tables[row, pos // page_size], pos % page_size] = True
+        num_row_pages = -(-length // page_size)
         page_tables[row, num_row_pages:] = rng.choice([-7, 0, num_pages + 11])
     k_pages[~used] = np.nan
     v_pages[~used] = np.nan
@@ -86,12 +88,13 @@ def dense_decode(case: DecodeCase) -> np.ndarray:
     """Naive float64 attention of each row over its first `length` positions -> `[B, H_q, D]`."""
     batch, num_q_heads, head_dim = case.q.shape
     group = num_q_heads // NUM_KV_HEADS
+    page_size = case.k_pages.shape[1]
     out = np.zeros((batch, num_q_heads, head_dim))
     for row, length in enumerate(case.lengths):
         positions = np.arange(length)
-        pages = case.page_tables[row, positions // PAGE_SIZE]
-        keys = case.k_pages[pages, positions % PAGE_SIZE].astype(np.float64)  # [L, H_kv, D]
-        values = case.v_pages[pages, positions % PAGE_SIZE].astype(np.float64)
+        pages = case.page_tables[row, positions // page_size]
+        keys = case.k_pages[pages, positions % page_size].astype(np.float64)  # [L, H_kv, D]
+        values = case.v_pages[pages, positions % page_size].astype(np.float64)
         for head in range(num_q_heads if length else 0):
             kv = head // group
             logits = keys[:, kv] @ case.q[row, head].astype(np.float64) / np.sqrt(head_dim)
@@ -106,24 +109,23 @@ def assert_close(actual: jax.Array, expected: np.ndarray, dtype) -> None:
     np.testing.assert_allclose(np.asarray(actual.astype(jnp.float32)), expected, atol=tol, rtol=tol)
 
 
-# Group sizes x dtypes, each seeing head_dim 64 and 128 and several pages_per_block.
+# Group sizes x dtypes, each seeing head_dim 64 and 128 and several block_k (keys per step:
+# 2 or 4 pages of PAGE_SIZE; None: the target's choice).
 KERNEL_CONFIGS = [
-    (1, 64, jnp.float32, 2),
-    (2, 128, jnp.float32, 1),
+    (1, 64, jnp.float32, 16),
+    (2, 128, jnp.float32, 32),
     (4, 64, jnp.float32, None),
-    (8, 128, jnp.float32, 2),
-    (1, 128, jnp.bfloat16, 2),
+    (8, 128, jnp.float32, 16),
+    (1, 128, jnp.bfloat16, 16),
     (2, 64, jnp.bfloat16, None),
-    (4, 128, jnp.bfloat16, 4),
-    (8, 64, jnp.bfloat16, 2),
+    (4, 128, jnp.bfloat16, 32),
+    (8, 64, jnp.bfloat16, 16),
 ]
 
 
-@pytest.mark.parametrize("group, head_dim, dtype, pages_per_block", KERNEL_CONFIGS)
-def test_kernel_matches_reference(group, head_dim, dtype, pages_per_block):
-    kernel = jax.jit(
-        functools.partial(paged_attention, pages_per_block=pages_per_block, interpret=True)
-    )
+@pytest.mark.parametrize("group, head_dim, dtype, block_k", KERNEL_CONFIGS)
+def test_kernel_matches_reference(group, head_dim, dtype, block_k):
+    kernel = jax.jit(functools.partial(paged_attention, block_k=block_k, interpret=True))
     reference = jax.jit(paged_attention_reference)
     for seed in SEEDS:
         case = make_decode_case(seed, group=group, head_dim=head_dim, dtype=dtype)
@@ -131,6 +133,16 @@ def test_kernel_matches_reference(group, head_dim, dtype, pages_per_block):
         out = kernel(*args)
         assert_close(out, np.asarray(reference(*args).astype(jnp.float32)), dtype)
         assert np.all(np.asarray(out)[case.lengths == 0] == 0), "length-0 rows must be zero"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("block_k", [16, 32])
+def test_key_blocks_smaller_than_a_page(block_k, dtype):
+    """Pages of 64 positions read 16 or 32 at a time (the tiles fp32 at head_dim 256 fit)."""
+    kernel = jax.jit(functools.partial(paged_attention, block_k=block_k, interpret=True))
+    case = make_decode_case(5, group=4, head_dim=64, dtype=dtype, page_size=64)
+    out = kernel(*case.device_args(dtype))
+    assert_close(out, dense_decode(case), dtype)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -148,14 +160,14 @@ def test_explicit_scale_is_used_by_both_paths():
     scaled_q = (args[0] * 0.3,) + args[1:]
     expected = paged_attention_reference(*scaled_q, scale=1.0)
     for impl in ("reference", "pallas"):
-        out = paged_attention_decode(*args, scale=0.3, impl=impl, pages_per_block=2)
+        out = paged_attention_decode(*args, scale=0.3, impl=impl, block_k=16)
         assert_close(out, np.asarray(expected), jnp.float32)
 
 
 def test_dispatch_defaults_to_interpret_on_cpu():
     case = make_decode_case(4, group=2, head_dim=64, dtype=jnp.float32)
     args = case.device_args(jnp.float32)
-    out = paged_attention_decode(*args, impl="pallas", pages_per_block=2)
+    out = paged_attention_decode(*args, impl="pallas", block_k=16)
     assert_close(out, dense_decode(case), jnp.float32)
 
 
@@ -210,7 +222,8 @@ def dense_causal(case: PrefillCase) -> np.ndarray:
     Returns `[T, H_q, D]` with zero padding rows.
     """
     positions = np.arange(case.prior_len)
-    pages, offsets = case.page_table[positions // PAGE_SIZE], positions % PAGE_SIZE
+    page_size = case.k_pages.shape[1]
+    pages, offsets = case.page_table[positions // page_size], positions % page_size
     seq_k = np.concatenate([case.k_pages[pages, offsets], case.chunk_k[: case.chunk_len]])
     seq_v = np.concatenate([case.v_pages[pages, offsets], case.chunk_v[: case.chunk_len]])
     _, num_q_heads, head_dim = case.q.shape
@@ -327,7 +340,8 @@ def test_bad_decode_inputs_name_the_argument(impl, overrides, message):
             {},
             "page_size must be a power of two",
         ),
-        ({}, {"pages_per_block": 3}, "pages_per_block must be a power of two"),
+        ({}, {"block_k": 24}, "block_k must be a power of two >= 16"),
+        ({}, {"block_k": 8}, "block_k must be a power of two >= 16"),
         ({}, {"impl": "flash"}, "impl must be one of"),
     ],
 )

@@ -33,27 +33,28 @@ from tests.pallas_kernels.test_paged_attention import (
 MAX_PAGES = 6
 
 
-def _rows(tokens: int) -> list[tuple[int, int]]:
-    """(prior_len, chunk_len) per row; the table holds MAX_PAGES * PAGE_SIZE positions."""
-    room = MAX_PAGES * PAGE_SIZE - tokens
-    rows = [(0, tokens), (0, 3), (5, tokens), (PAGE_SIZE, 5), (2 * PAGE_SIZE + 5, 1),
+def _rows(tokens: int, page_size: int = PAGE_SIZE) -> list[tuple[int, int]]:
+    """(prior_len, chunk_len) per row; the table holds MAX_PAGES * page_size positions."""
+    room = MAX_PAGES * page_size - tokens
+    rows = [(0, tokens), (0, 3), (5, tokens), (page_size, 5), (2 * page_size + 5, 1),
             (13, 0), (0, 0), (room, tokens)]
     return [(prior, min(chunk, tokens)) for prior, chunk in rows]
 
 
-def make_batch(seed: int, *, tokens: int, group: int, head_dim: int, dtype) -> list[PrefillCase]:
+def make_batch(seed: int, *, tokens: int, group: int, head_dim: int, dtype,
+               page_size: int = PAGE_SIZE) -> list[PrefillCase]:
     """One PrefillCase per row of `_rows(tokens)`, all on one shared, shuffled pool."""
     rng = np.random.default_rng(seed)
-    rows = rng.permutation(_rows(tokens)).tolist()
+    rows = rng.permutation(_rows(tokens, page_size)).tolist()
     num_pages = len(rows) * MAX_PAGES + 3
-    shape = (num_pages, PAGE_SIZE, NUM_KV_HEADS, head_dim)
+    shape = (num_pages, page_size, NUM_KV_HEADS, head_dim)
     k, v = _rounded(rng.standard_normal(shape), dtype), _rounded(rng.standard_normal(shape), dtype)
     tables = rng.permutation(num_pages)[: len(rows) * MAX_PAGES].reshape(len(rows), MAX_PAGES)
-    used = np.zeros((num_pages, PAGE_SIZE), bool)
+    used = np.zeros((num_pages, page_size), bool)
     for row, (prior, _) in enumerate(rows):
         positions = np.arange(prior)
-        used[tables[row, positions // PAGE_SIZE], positions % PAGE_SIZE] = True
-        tables[row, -(-prior // PAGE_SIZE):] = rng.choice([-7, 0, num_pages + 11])
+        used[tables[row, positions // page_size], positions % page_size] = True
+        tables[row, -(-prior // page_size):] = rng.choice([-7, 0, num_pages + 11])
     k[~used], v[~used] = np.nan, np.nan
     cases = []
     for row, (prior, chunk) in enumerate(rows):
@@ -77,14 +78,14 @@ def batch_args(cases: list[PrefillCase], dtype) -> tuple[jax.Array, ...]:
 
 
 # tokens x group x head_dim x dtype x blocks: T not a multiple of block_c (20), group 3 and 6
-# (row blocks end inside a token), one row block and several, one page per step and several.
+# (row blocks end inside a token), one row block and several, two pages per step and four.
 CONFIGS = [
-    (8, 1, 64, jnp.float32, {"pages_per_block": 1}),
-    (20, 3, 64, jnp.float32, {"block_m": 16, "block_c": 16, "pages_per_block": 2}),
+    (8, 1, 64, jnp.float32, {"block_k": 16}),
+    (20, 3, 64, jnp.float32, {"block_m": 16, "block_c": 16, "block_k": 16}),
     (16, 6, 128, jnp.float32, {"block_m": 32, "block_c": 16}),
-    (4, 8, 64, jnp.float32, {"block_m": 16, "pages_per_block": 4}),  # a verify window
+    (4, 8, 64, jnp.float32, {"block_m": 16, "block_k": 32}),  # a verify window
     (20, 2, 128, jnp.bfloat16, {"block_m": 16, "block_c": 16}),
-    (4, 6, 64, jnp.bfloat16, {"block_m": 16, "pages_per_block": 2}),
+    (4, 6, 64, jnp.bfloat16, {"block_m": 16, "block_k": 16}),
 ]
 
 
@@ -100,6 +101,16 @@ def test_kernel_matches_reference_and_dense_numpy(tokens, group, head_dim, dtype
         for row, case in enumerate(cases):
             assert_close(out[row], dense_causal(case), dtype)
             assert np.all(np.asarray(out[row, case.chunk_len:]) == 0), "padding rows are zero"
+
+
+def test_key_blocks_smaller_than_a_page():
+    """Pages of 64 positions read 16 at a time, rows crossing and ending inside pages."""
+    kernel = jax.jit(functools.partial(paged_prefill_attention, interpret=True, block_k=16,
+                                       block_m=16, block_c=16))
+    cases = make_batch(4, tokens=12, group=2, head_dim=64, dtype=jnp.float32, page_size=64)
+    out = kernel(*batch_args(cases, jnp.float32))
+    for row, case in enumerate(cases):
+        assert_close(out[row], dense_causal(case), jnp.float32)
 
 
 def test_dispatch_runs_the_interpreter_on_cpu_and_scales_like_the_reference():
@@ -135,7 +146,7 @@ def test_kernel_lowers_to_triton_for_cuda(dtype):
         (lambda a: a[:7] + (a[7].astype(jnp.float32),), {}, "chunk_lens must be int32"),
         (lambda a: a, {"block_m": 8}, "block_m must be a power of two >= 16, got 8"),
         (lambda a: a, {"block_c": 24}, "block_c must be a power of two >= 16, got 24"),
-        (lambda a: a, {"pages_per_block": 3}, "pages_per_block must be a power of two"),
+        (lambda a: a, {"block_k": 24}, "block_k must be a power of two"),
     ],
 )
 def test_bad_inputs_name_the_argument(change, kwargs, message):
