@@ -1,8 +1,11 @@
 """The published Qwen3.6 sizes as frozen configs (DESIGN §14): what users bring; their
-config.json gives the same values. `ninfer plan --model_preset=NAME` plans their memory."""
+config.json gives the same values. `ninfer plan --model_preset=NAME` plans their memory;
+`scripts/cuda_compile_check.py` compiles their GPU build. `DRAFTERS`: the public DFlash drafters
+of the two (z-lab/Qwen3.6-27B-DFlash, z-lab/Qwen3.6-35B-A3B-DFlash), their config.json's sizes."""
 
 from __future__ import annotations
 
+from ninfer_jax.models.dflash import DFlashConfig
 from ninfer_jax.models.qwen3_6.config import ModelConfig
 
 _ROPE = {"rope_theta": 1e7, "rotary_dim": 64, "head_dim": 256}
@@ -29,3 +32,19 @@ QWEN3_6_35B_A3B = ModelConfig(
 )
 
 PRESETS = {"qwen3_6_27b": QWEN3_6_27B, "qwen3_6_35b_a3b": QWEN3_6_35B_A3B}
+
+
+def _drafter(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+             target_layer_ids: tuple[int, ...]) -> DFlashConfig:
+    return DFlashConfig(
+        hidden_size=hidden, intermediate_size=intermediate, num_layers=layers,
+        num_q_heads=heads, num_kv_heads=kv_heads, head_dim=128, vocab_size=248320,
+        rms_norm_eps=1e-6, rope_theta=1e7, layer_types=("full_attention",) * layers,
+        sliding_window=0, causal=(False,) * layers, block_size=16, mask_token_id=248070,
+        target_layer_ids=target_layer_ids)
+
+
+DRAFTERS = {
+    "qwen3_6_27b": _drafter(5120, 17408, 5, 32, 8, (1, 16, 31, 46, 61)),
+    "qwen3_6_35b_a3b": _drafter(2048, 6144, 8, 32, 4, (1, 10, 19, 28, 37)),
+}

@@ -349,10 +349,17 @@ def blocks_record(leaves, method: str) -> dict:
         for path, shape in leaves if quantizes(path)}}
 
 
-def planned_bytes(shapes: dict, method: str | None, dtype: str) -> int:
-    """The bytes of params of `shapes` in `dtype`, quantized with `method` (None: not)."""
+def planned_structs(shapes: dict, method: str | None, dtype: str) -> dict:
+    """Params of `shapes` (the schema's shape tree) as `jax.ShapeDtypeStruct`s: in `dtype`, and
+    with `method` (None: none) quantized as `quantize_params` / the FP8 loader hold them (QArrays
+    of values and fp32 scales). What a Program holds, without a byte of it."""
     record_ = None if method is None else planned_record(shapes, method)
     dtypes = leaf_dtypes(shapes, record_, dtype)
-    named = jax.tree_util.tree_flatten_with_path(spec_tree(shapes, record_),
-                                                 is_leaf=lambda x: isinstance(x, tuple))[0]
-    return sum(math.prod(s) * dtypes[".".join(key_path(p))].itemsize for p, s in named)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, s: jax.ShapeDtypeStruct(s, dtypes[".".join(key_path(p))]),
+        spec_tree(shapes, record_), is_leaf=lambda x: isinstance(x, tuple))
+
+
+def planned_bytes(shapes: dict, method: str | None, dtype: str) -> int:
+    """The bytes of params of `shapes` in `dtype`, quantized with `method` (None: not)."""
+    return sum(_nbytes(a) for a in jax.tree.leaves(planned_structs(shapes, method, dtype)))

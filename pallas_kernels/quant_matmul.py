@@ -109,9 +109,12 @@ def kernel_supports(n: int, group: int, method: str = "int8") -> bool:
     return _is_pow2(group) and group >= MIN_BLOCK and block_n_for(n) is not None
 
 
-def _kernel(x_ref, q_ref, s_ref, o_ref, *, method: str, group: int, num_groups: int,
-            fp8_activations: bool):
-    # x_ref [block_m, K]; q_ref [block_n, K or K / 2]; s_ref [block_n or 1 (fp8), K / group]
+def _kernel(x_ref, *refs, method: str, group: int, num_groups: int, fp8_activations: bool,
+            stacked: bool):
+    # x_ref [block_m, K]; (stacked: layer_ref [1]); q_ref [(L,) block_n, K or K / 2]; s_ref
+    # [(L,) block_n or 1 (fp8), K / group]
+    layer_ref, q_ref, s_ref, o_ref = refs if stacked else (None, *refs)
+    at = (slice(None),) if layer_ref is None else (layer_ref[0], slice(None))
     block_m, block_n = o_ref.shape
     dtype = x_ref.dtype
 
@@ -119,16 +122,16 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, *, method: str, group: int, num_groups: 
         return x_ref[:, pl.ds(i * group + offset, width)]
 
     def body(i, acc):
-        s = s_ref[:, pl.ds(i, 1)].astype(jnp.float32)  # [block_n, 1] ([1, 1]: fp8's block)
+        s = s_ref[(*at, pl.ds(i, 1))].astype(jnp.float32)  # [block_n, 1] ([1, 1]: fp8's)
         if fp8_activations:  # FP8 x FP8 on the tensor cores, both block scales after the dot
             xq, xs = quantize_activations(tile(i, group, 0))  # [block_m, g], [block_m, 1]
-            part = plgpu.dot(xq, q_ref[:, pl.ds(i * group, group)], trans_b=True)
+            part = plgpu.dot(xq, q_ref[(*at, pl.ds(i * group, group))], trans_b=True)
             return acc + part * xs * s
         if method in ("int8", "fp8"):
-            w = (q_ref[:, pl.ds(i * group, group)].astype(jnp.float32) * s).astype(dtype)
+            w = (q_ref[(*at, pl.ds(i * group, group))].astype(jnp.float32) * s).astype(dtype)
             return acc + plgpu.dot(tile(i, group, 0), w, trans_b=True, precision=_PRECISION)
         half = group // 2
-        p = q_ref[:, pl.ds(i * half, half)].astype(jnp.int32)
+        p = q_ref[(*at, pl.ds(i * half, half))].astype(jnp.int32)
         lo = (((p & 15) - 8).astype(jnp.float32) * s).astype(dtype)
         hi = (((p >> 4) - 8).astype(jnp.float32) * s).astype(dtype)
         acc = acc + plgpu.dot(tile(i, half, 0), lo, trans_b=True, precision=_PRECISION)
@@ -139,23 +142,30 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, *, method: str, group: int, num_groups: 
 
 
 def quant_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, *, method: str, group: int,
-                 fp8_activations: bool = False, block_m: int | None = None,
-                 num_warps: int = 4, num_stages: int = 2, interpret: bool = False) -> jax.Array:
+                 fp8_activations: bool = False, layer: jax.Array | None = None,
+                 block_m: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                 interpret: bool = False) -> jax.Array:
     """x [M, K] @ dequantize(q, scale)^T -> [M, N] fp32 with the Pallas kernel.
 
     Args:
       x: [M, K] activations (bf16 on GPU; fp32 keeps IEEE products).
       q, scale, method, group: the weight, as in the module docstring.
       fp8_activations: with method="fp8", FP8 x FP8 products (see the module docstring).
+      layer: [1] int32 with q and scale stacked [L, ...] (a scanned layer loop's buffers):
+        the kernel reads that layer in place (a slice would be copied before the call).
       block_m: rows per program, a power of two >= 16 (default: M rounded up, at most 64).
       num_warps, num_stages: Triton launch parameters (ignored in interpret mode).
       interpret: run the Pallas interpreter (required on CPU).
     """
     if fp8_activations and method != "fp8":
         raise ValueError(f"fp8_activations is for method 'fp8', got {method!r}")
-    _check(x, q, scale, method, group)
+    stacked = layer is not None
+    if stacked and (q.ndim != 3 or scale.ndim != 3):
+        raise ValueError(f"with layer, q and scale must be stacked [L, ...], got {q.shape}, "
+                         f"{scale.shape}")
+    _check(x, q[0] if stacked else q, scale[0] if stacked else scale, method, group)
     m, k = x.shape
-    n = q.shape[0]
+    n = q.shape[-2]
     if not kernel_supports(n, group, method):
         raise ValueError(f"the kernel needs a power-of-two group >= {MIN_BLOCK} and N "
                          f"divisible by a power of two >= {MIN_BLOCK} (fp8: 128 and 128); got "
@@ -171,17 +181,23 @@ def quant_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, *, method: str, g
     if method == "int4":  # each group's even channels, then its odd ones (the nibble order)
         xp = xp.reshape(rows, k // group, group // 2, 2).swapaxes(-1, -2).reshape(rows, k)
     kernel = functools.partial(_kernel, method=method, group=group, num_groups=k // group,
-                               fp8_activations=fp8_activations)
+                               fp8_activations=fp8_activations, stacked=stacked)
+    lead = q.shape[:1] if stacked else ()  # every layer of a stack: the kernel indexes one
+    operands = [xp, *([layer.astype(jnp.int32).reshape(1)] if stacked else []), q,
+                scale.astype(jnp.float32)]
+    specs = [pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
+             *([pl.BlockSpec((1,), lambda i, j: (0,))] if stacked else []),
+             pl.BlockSpec((*lead, block_n, q.shape[-1]), lambda i, j: (*(0,) * len(lead), j, 0)),
+             pl.BlockSpec((*lead, scale_rows, k // group),
+                          lambda i, j: (*(0,) * len(lead), j, 0))]
     out = pl.pallas_call(
         kernel,
         grid=(rows // block_m, n // block_n),
-        in_specs=[pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
-                  pl.BlockSpec((block_n, q.shape[1]), lambda i, j: (j, 0)),
-                  pl.BlockSpec((scale_rows, k // group), lambda i, j: (j, 0))],
+        in_specs=specs,
         out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((rows, n), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"quant_matmul_{method}",
-    )(xp, q, scale.astype(jnp.float32))
+    )(*operands)
     return out[:m]

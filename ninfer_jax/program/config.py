@@ -24,11 +24,14 @@ def platform_defaults(platform: str) -> dict[str, str]:
     "gpu", "tpu"). GPU: bf16 weights, activations and K/V (matmuls accumulate in fp32, GDN state
     stays fp32) and the Pallas (Triton) attention and GDN kernels. CPU: fp32, since XLA:CPU has
     no bf16 dot (bf16 operands are upcast every step), and the jnp references. TPU: bf16 with
-    the jnp references (the kernels are Triton-only)."""
+    the jnp references (the kernels are Triton-only). The layer loop: unrolled on CPU (XLA:CPU
+    copies a weight sliced from a stacked buffer in a loop), a scan elsewhere (compile time)."""
     if platform == "cpu":
-        return {"dtype": "float32", "attention_impl": "reference", "gdn_impl": "reference"}
+        return {"dtype": "float32", "attention_impl": "reference", "gdn_impl": "reference",
+                "layer_loop": "unrolled"}
     kernels = "pallas" if platform == "gpu" else "reference"
-    return {"dtype": "bfloat16", "attention_impl": kernels, "gdn_impl": kernels}
+    return {"dtype": "bfloat16", "attention_impl": kernels, "gdn_impl": kernels,
+            "layer_loop": "scan"}
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -89,7 +92,7 @@ class ProgramConfig:
 
     def __post_init__(self):
         auto = [name for name in ("dtype", "attention_impl", "gdn_impl")
-                if getattr(self, name) == AUTO]
+                if getattr(self, name) == AUTO]  # layer_loop: when the Program is built
         if auto:
             import jax  # the backend the Program will run on
 
@@ -152,7 +155,7 @@ class ProgramConfig:
             return self.layer_loop
         import jax  # resolved when the Program is built, on the backend it will run on
 
-        return "unrolled" if jax.default_backend() == "cpu" else "scan"
+        return platform_defaults(jax.default_backend())["layer_loop"]
 
     @property
     def page_dtype(self) -> str:

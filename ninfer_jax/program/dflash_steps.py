@@ -81,7 +81,7 @@ def dflash_verify_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg:
                  num_valid=limit, impl=pcfg.attention_impl, pages_per_layer=pcfg.num_pages + 1)
     ids = jnp.concatenate([inputs.token_ids[:, None], drafts], axis=1)  # [B, T]
     out = step(params, cfg, ids, pos, gdn_state(pools, slots, pcfg), kv, limit, keep_states=True,
-               feature_layers=drafter.target_layer_ids)
+               feature_layers=drafter.target_layer_ids, moe_sharding=pcfg.moe_sharding)
     verified = accept(out.logits, drafts, probs, inputs.sampling, pools.output_counts[slots],
                       masks, inputs.step_index, limit)
     valid = jnp.arange(t)[None, :] < limit[:, None]

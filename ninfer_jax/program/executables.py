@@ -52,12 +52,17 @@ class StepKey:
 
 def _abstract(tree: Any, mesh: Mesh | None = None) -> Any:
     """Shapes only (no buffer is kept). On a mesh every leaf carries its placement: a device
-    array its own, a host array (a step's inputs) replicated on every device."""
+    array or a placed ShapeDtypeStruct its own, a host array (a step's inputs) replicated on
+    every device."""
     if mesh is None:
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
     every = NamedSharding(mesh, PartitionSpec())
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(
-        a.shape, a.dtype, sharding=a.sharding if isinstance(a, jax.Array) else every), tree)
+
+    def placed(a):
+        sharding = a.sharding if isinstance(a, (jax.Array, jax.ShapeDtypeStruct)) else None
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding or every)
+
+    return jax.tree.map(placed, tree)
 
 
 def _on(mesh: Mesh | None):
@@ -200,24 +205,6 @@ class ExecutableTable:
     def keys(self) -> list[StepKey]:
         with self._lock:
             return list(self._table) + list(self._pending)
-
-
-class LoweringTable:
-    """Stands in for an ExecutableTable when a Program is built only to be lowered
-    (`program.lower_all`): each `compile` lowers the step for `platform` and keeps its text;
-    nothing is compiled and nothing can run."""
-
-    def __init__(self, platform: str, mesh: Mesh | None = None):
-        self.platform, self.mesh = platform, mesh
-        self.texts: dict[StepKey, str] = {}
-
-    def compile(self, key: StepKey, fn: Callable, *example_args: Any,
-                background: bool = False, donate: tuple[str, ...] = ("pools",)) -> None:
-        abstract = tuple(_abstract(a, self.mesh) for a in example_args)
-        with _on(self.mesh):
-            lowered = _jit(fn, abstract, donate, self.mesh).trace(*abstract).lower(
-                lowering_platforms=(self.platform,))
-        self.texts[key] = lowered.as_text()
 
 
 def _build(fn: Callable, abstract: tuple, donate: tuple[str, ...],

@@ -104,6 +104,11 @@ class CheckpointImage:
         return len(self.tokens)
 
 
+def mask_words(vocab_size: int) -> int:
+    """Width of an allowed-token bitmask: ceil(vocab_size / 32) uint32 words."""
+    return -(-vocab_size // 32)
+
+
 @dataclasses.dataclass(frozen=True)
 class ProgramLimits:
     """Static limits, safe to read from any thread (they never change after start-up)."""
@@ -127,8 +132,7 @@ class ProgramLimits:
 
     @property
     def mask_words(self) -> int:
-        """Width of an allowed-token bitmask: ceil(vocab_size / 32) uint32 words."""
-        return -(-self.vocab_size // 32)
+        return mask_words(self.vocab_size)
 
 
 @dataclasses.dataclass

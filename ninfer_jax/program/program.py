@@ -2,10 +2,11 @@
 
 Owns the device pools and the compiled step table; the host bookkeeping it shares with its test
 double lives in `host.py`. It knows nothing of requests, queues, text or users. All executables
-(prefill chunk, decode for every exact B, commit, capture, restore, and the copies of
-checkpoint images to and from the host) are compiled at start-up: the prefill step before the
-constructor returns, the rest on a background thread in the order they are first needed (decode B = 1 first), unless `ProgramConfig.background_compile` is off;
-`wait_compiled()` waits for all of them.
+(`executable_specs.program_executables`: prefill chunk, decode for every exact B, commit,
+capture, restore, and the copies of checkpoint images to and from the host) are compiled at
+start-up: the prefill step before the constructor returns, the rest on a background thread in
+the order they are first needed (decode B = 1 first), unless `ProgramConfig.background_compile`
+is off; `wait_compiled()` waits for all of them.
 
 A commit is applied by the next prefill or decode step (its `commit` input) rather than by a
 dispatch of its own, so a steady decode round is one dispatch; `pools` (and every step that
@@ -25,15 +26,16 @@ from ninfer_jax.models.qwen3_6.model import unstack_layers
 from ninfer_jax.models.qwen3_6.mrope import rope_index
 from ninfer_jax.models.qwen3_6.vision import vision_layout
 from ninfer_jax.program.config import ProgramConfig
-from ninfer_jax.program.dflash_steps import dflash_verify_step
 from ninfer_jax.program.errors import InfeasibleError
-from ninfer_jax.program.executables import (
-    ExecutableTable,
-    LoweringTable,
-    StepKey,
-    StepKind,
-    bind,
+from ninfer_jax.program.executable_specs import (
+    PAGE_GROUP,
+    image_pools,
+    no_commit,
+    page_parts,
+    program_executables,
+    vision_on,
 )
+from ninfer_jax.program.executables import ExecutableTable, StepKey, StepKind
 from ninfer_jax.program.host import (
     GREEDY,
     CheckpointImage,
@@ -56,60 +58,17 @@ from ninfer_jax.program.steps import (
     StateImport,
     StateRow,
     VisionEncodeInputs,
-    capture_step,
-    commit_step,
-    decode_step,
-    export_pages_step,
-    export_state_step,
-    import_pages_step,
-    import_state_step,
-    prefill_step,
-    restore_step,
-    verify_step,
-    vision_encode_step,
 )
 from ninfer_jax.progress import bar
-
-PAGE_GROUP = 16  # pages per export/import call (a fixed shape: one executable each)
-
-
-def lower_all(cfg: ModelConfig, pcfg: ProgramConfig, platform: str = "cuda",
-              params: dict | None = None, drafter: DFlashConfig | None = None
-              ) -> dict[StepKey, str]:
-    """The lowered (StableHLO) text of every executable a Program of `cfg` and `pcfg` compiles,
-    lowered for `platform` ("cuda", "rocm", "tpu", "cpu") on any host: a CPU machine checks
-    the GPU build (the Pallas kernels' custom calls, MoE's grouped GEMMs). Kernels choose
-    their form by the lowering platform, so nothing is in interpret mode off CPU. `params`:
-    the weights (default zeros of the config's shapes; values do not shape a lowering). The
-    Program is built for real (its pools and weights are allocated on the host), so this is
-    for configs that fit in host memory. `drafter`: a DFlash drafter's config, with
-    speculative="dflash"."""
-    from ninfer_jax.models.dflash.weights import param_shapes as drafter_shapes
-    from ninfer_jax.models.qwen3_6.weights import param_shapes
-
-    def zeros(shapes: dict) -> dict:
-        return jax.tree.map(lambda shape: np.zeros(shape, np.float32), shapes,
-                            is_leaf=lambda x: isinstance(x, tuple)
-                            and all(isinstance(n, int) for n in x))
-
-    if params is None:
-        mtp = cfg.mtp_num_layers if pcfg.speculative == "mtp" else 0
-        params = zeros(param_shapes(cfg, num_mtp_layers=mtp))
-        if drafter is not None:
-            params["dflash"] = zeros(drafter_shapes(drafter))
-    table = LoweringTable(platform)
-    Program(cfg, params, pcfg, executables=table, drafter=drafter)
-    return dict(table.texts)
-
 
 class Program(HostProgram):
     """Pools, allocators, sequences and the compiled steps of one model package."""
 
     def __init__(self, cfg: ModelConfig, params: dict, pcfg: ProgramConfig, *,
-                 executables: ExecutableTable | LoweringTable | None = None,
+                 executables: ExecutableTable | None = None,
                  drafter: DFlashConfig | None = None):
-        """`executables`: where the steps compile (default a new ExecutableTable; `lower_all`
-        passes a LoweringTable). `drafter`: the DFlash drafter's config, with
+        """`executables`: where the steps compile (default a new ExecutableTable).
+        `drafter`: the DFlash drafter's config, with
         speculative="dflash" (its weights are `params["dflash"]`)."""
         if pcfg.max_seq_len > cfg.max_position_embeddings:
             raise InfeasibleError(
@@ -131,14 +90,14 @@ class Program(HostProgram):
             prefill_chunk=pcfg.prefill_chunk, vocab_size=cfg.vocab_size,
             total_checkpoint_slots=pcfg.num_checkpoint_slots,
             page_bytes=sum(a.nbytes for a in pools.kv) // (pcfg.num_pages + 1),
-            checkpoint_state_bytes=sum(a.nbytes for a in _image_pools(pools))
+            checkpoint_state_bytes=sum(a.nbytes for a in image_pools(pools))
             // max(pcfg.num_checkpoint_slots, 1),
             verify_width=pcfg.verify_width,
             rewrites_below_frontier=int(pcfg.speculative == "mtp"),
             speculative=pcfg.speculative))
         self.cfg, self.pcfg = cfg, pcfg
         # The vision path: a tower whose special tokens are in the vocabulary, and buckets.
-        self.vision_on = cfg.takes_media and "vision" in params and bool(pcfg.vision_buckets)
+        self.vision_on = vision_on(cfg, pcfg, params)
         unrolled = pcfg.resolved_layer_loop() == "unrolled"
         if self.mesh is None:
             params = quant.cast_params(params, pcfg.dtype)
@@ -172,103 +131,17 @@ class Program(HostProgram):
         self.executables.close()
 
     def _compile_all(self) -> None:
-        cfg, pcfg = self.cfg, self.pcfg
-        c, w = pcfg.prefill_chunk, pcfg.max_pages_per_seq
-        later = pcfg.background_compile
-
-        drafter = self.drafter
-        round_step = {"mtp": bind(verify_step, cfg=cfg, pcfg=pcfg),
-                      "dflash": bind(dflash_verify_step, cfg=cfg, pcfg=pcfg, drafter=drafter),
-                      "off": bind(decode_step, cfg=cfg, pcfg=pcfg)}[pcfg.speculative]
-
-        vision = self.vision_on
-
-        def decode(b: int) -> None:
-            example = DecodeInputs(
-                commit=self._no_commit(b), token_ids=np.zeros(b, np.int32),
-                positions=np.zeros(b, np.int32), slots=np.arange(b, dtype=np.int32),
-                page_tables=np.zeros((b, w), np.int32), sampling=self._sampling_example(b),
-                step_index=np.zeros(b, np.int32), limit=np.ones(b, np.int32),
-                rope_delta=np.zeros(b, np.int32) if vision else None)
-            self.executables.compile(StepKey(StepKind.DECODE, b), round_step, self.params,
-                                     self._pools, example, background=later)
-
-        prefill_example = PrefillInputs(
-            commit=self._no_commit(1), token_ids=np.zeros((1, c), np.int32),
-            start_pos=np.zeros(1, np.int32), num_valid=np.ones(1, np.int32),
-            page_table=np.zeros((1, w), np.int32), slot=np.zeros(1, np.int32),
-            reset=np.ones(1, bool), sampling=self._sampling_example(1),
-            step_index=np.zeros(1, np.int32), **self._vision_rows(None, 0, 0))
-        # The prefill first, alone (a compile shares the two cores badly), then the rest on the
-        # background thread in the order of first need: the prompt's checkpoint right after its
-        # prefill (a commit, then a capture), then decoding one row.
-        self.executables.compile(StepKey(StepKind.PREFILL, 1),
-                                 bind(prefill_step, cfg=cfg, pcfg=pcfg, drafter=drafter),
-                                 self.params, self._pools, prefill_example)
-        bmax = pcfg.max_concurrency
-        self.executables.compile(StepKey(StepKind.COMMIT, bmax), commit_step, self._pools,
-                                 self._no_commit(bmax), background=later)
-        one = np.zeros(1, np.int32)
-        if pcfg.num_checkpoint_slots:
-            self.executables.compile(StepKey(StepKind.CAPTURE, 1),
-                                     bind(capture_step, pcfg=pcfg, drafter=drafter),
-                                     self._pools, CaptureInputs(slot=one, ckpt_slot=one,
-                                                                frontier=one),
-                                     background=later)
-        decode(1)
-        if vision:  # the vision encoder for each bucket of patches, before a prompt needs it
-            v = cfg.vision
-            for n in pcfg.vision_buckets:
-                self.executables.compile(
-                    StepKey(StepKind.VISION_ENCODE, 1, n), bind(vision_encode_step, cfg=cfg),
-                    self.params["vision"], VisionEncodeInputs(
-                        patches=np.zeros((n, v.patch_dim), np.float32),
-                        pos_index=np.zeros((n, 4), np.int32),
-                        pos_weight=np.zeros((n, 4), np.float32),
-                        rope_hw=np.zeros((n, 2), np.int32), segment=np.zeros(n, np.int32)),
-                    background=later, donate=())
-        if pcfg.num_checkpoint_slots:
-            self.executables.compile(
-                StepKey(StepKind.RESTORE, 1), bind(restore_step, pcfg=pcfg), self._pools,
-                RestoreInputs(ckpt_slot=one, slot=one,
-                              prefix_ids=np.zeros((1, pcfg.max_seq_len), np.int32),
-                              prefix_len=one, copy_src=one, copy_dst=one), background=later)
-        if pcfg.num_checkpoint_slots:
-            self._compile_images(later)
-        for b in range(2, bmax + 1):
-            decode(b)
-
-    def _compile_images(self, later: bool) -> None:
-        """The copies between checkpoints and the host (the context store's offload/reload)."""
-        pcfg, g = self.pcfg, PAGE_GROUP
-        pages = np.zeros(g, np.int32)
-        kv = [np.zeros((g, *shape), dtype) for shape, dtype in self._page_parts()]
-        one = np.zeros(1, np.int32)
-        self.executables.compile(StepKey(StepKind.EXPORT_PAGES, g),
-                                 bind(export_pages_step, pcfg=pcfg), self._pools,
-                                 PageRows(pages), background=later)
-        self.executables.compile(StepKey(StepKind.EXPORT_STATE, 1), export_state_step,
-                                 self._pools, StateRow(one), background=later)
-        self.executables.compile(StepKey(StepKind.IMPORT_PAGES, g),
-                                 bind(import_pages_step, pcfg=pcfg), self._pools,
-                                 PageImport(pages, *kv), background=later)
-        image = [np.zeros((1, *a.shape[1:]), a.dtype) for a in _image_pools(self._pools)]
-        self.executables.compile(StepKey(StepKind.IMPORT_STATE, 1), import_state_step,
-                                 self._pools, StateImport(one, *image), background=later)
+        later = self.pcfg.background_compile
+        for spec in program_executables(self.cfg, self.pcfg, self.params, self._pools,
+                                        self.drafter):
+            self.executables.compile(spec.key, spec.fn, *spec.args,
+                                     background=spec.background and later, donate=spec.donate)
 
     def _page_parts(self) -> list[tuple[tuple[int, ...], np.dtype]]:
-        """(shape, dtype) of each buffer of a page image, in `Pools.kv`'s order: one page in
-        every attention layer, [La, page_size, Hkv, D] for K and V (and [La, page_size, Hkv]
-        for INT8 pages' K and V scales)."""
-        per_layer = self.pcfg.num_pages + 1
-        return [((a.shape[0] // per_layer, *a.shape[1:]), np.dtype(a.dtype))
-                for a in self._pools.kv]
+        return page_parts(self._pools, self.pcfg)
 
     def _no_commit(self, rows: int) -> CommitInputs:
-        """A commit of `rows` provisional rows that moves nothing: all go to the sink slot."""
-        return CommitInputs(slots=np.full(rows, self.pcfg.num_slots, np.int32),
-                            tokens=np.zeros((rows, self.pcfg.verify_width), np.int32),
-                            num=np.ones(rows, np.int32), count=np.zeros(rows, bool))
+        return no_commit(self.pcfg, rows)
 
     def _take_commit(self, rows: int) -> CommitInputs:
         """The deferred commit, sized for a step of `rows` batch rows, which applies it first.
@@ -490,7 +363,7 @@ class Program(HostProgram):
             self._pools = self.executables(StepKey(StepKind.IMPORT_PAGES, g), self._pools,
                                            PageImport(rows, *kv))
         raw, parts = _bytes([image.state]), []
-        for pool in _image_pools(self._pools):
+        for pool in image_pools(self._pools):
             n = pool.nbytes // pool.shape[0]
             parts.append(raw[:n].view(pool.dtype).reshape(1, *pool.shape[1:]))
             raw = raw[n:]
@@ -501,9 +374,6 @@ class Program(HostProgram):
         return sampling_arrays([s.sampling for s in seqs], [s.stop_ids for s in seqs],
                                self.cfg.vocab_size, [s.mask for s in seqs],
                                self.limits.mask_words)
-
-    def _sampling_example(self, b: int):
-        return sampling_arrays([GREEDY] * b, mask_words=self.limits.mask_words)
 
     def _page_table(self, seqs: list[SeqRecord]) -> np.ndarray:
         table = np.zeros((len(seqs), self.pcfg.max_pages_per_seq), np.int32)
@@ -521,12 +391,6 @@ def _allocate(cfg: ModelConfig, pcfg: ProgramConfig, mtp_layers: int,
     if mesh is None:
         return make()
     return jax.jit(make, out_shardings=pool_shardings(jax.eval_shape(make), cfg, mesh))()
-
-
-def _image_pools(pools: Pools) -> list:
-    """The checkpoint-slot pools a StateImage holds, in its byte order."""
-    parts = [pools.ck_conv, pools.ck_rec, pools.ck_ctx]
-    return parts if pools.ck_dk is None else parts + [pools.ck_dk, pools.ck_dv]
 
 
 def _check_drafter(cfg: ModelConfig, params: dict, pcfg: ProgramConfig,

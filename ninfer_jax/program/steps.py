@@ -277,11 +277,11 @@ def prefill_step(params: dict, pools: Pools, inputs: PrefillInputs, *, cfg: Mode
     out = step(params, cfg, inputs.token_ids, inputs.start_pos, gdn, kv, inputs.num_valid,
                logits_at=last_at, feature_layers=_feature_layers(drafter),
                rope_positions=inputs.rope_positions, vision_embeds=inputs.vision_embeds,
-               vision_mask=inputs.vision_mask)
+               vision_mask=inputs.vision_mask, moe_sharding=pcfg.moe_sharding)
     ctx = jnp.take_along_axis(out.hidden, last_at[:, None, None], axis=1)[:, 0]
     pools, outputs = _finish(pools, out, out.logits[:, 0], counts, mask, inputs, ctx)
     if pcfg.speculative == "mtp":
-        pools = _prefill_mtp(params, cfg, pools, out.hidden, inputs, kv)
+        pools = _prefill_mtp(params, cfg, pools, out.hidden, inputs, kv, pcfg.moe_sharding)
     if drafter is not None:
         c = inputs.token_ids.shape[1]
         ring, _ = context_ring(drafter, pcfg)
@@ -298,7 +298,7 @@ def _feature_layers(drafter: DFlashConfig | None) -> tuple[int, ...]:
 
 
 def _prefill_mtp(params: dict, cfg: ModelConfig, pools: Pools, hidden: jax.Array,
-                 inputs: PrefillInputs, kv: PagedKV) -> Pools:
+                 inputs: PrefillInputs, kv: PagedKV, moe_sharding: str) -> Pools:
     """The MTP head's K/V for the chunk. Position p takes (hidden state p, token p + 1), from
     the position before the chunk (whose hidden state is the slot's context; none from root)
     to the one before the chunk's last: the last one's next token comes with the next chunk or
@@ -314,7 +314,7 @@ def _prefill_mtp(params: dict, cfg: ModelConfig, pools: Pools, hidden: jax.Array
     start = inputs.start_pos - before
     mkv = _mtp_kv(dataclasses.replace(kv, layers=pools.kv), cfg, start,
                   nv - 1 + before)
-    _, mkv = mtp_hidden(params, cfg, hidden, next_ids, start, mkv)
+    _, mkv = mtp_hidden(params, cfg, hidden, next_ids, start, mkv, moe_sharding)
     return pools.with_kv(mkv.layers)
 
 
@@ -329,7 +329,8 @@ def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
                  impl=pcfg.attention_impl, pages_per_layer=pcfg.num_pages + 1)
     rope = None if inputs.rope_delta is None else (inputs.positions + inputs.rope_delta)[:, None]
     out = step(params, cfg, inputs.token_ids[:, None], inputs.positions,
-               gdn_state(pools, slots, pcfg), kv, rope_positions=rope)
+               gdn_state(pools, slots, pcfg), kv, rope_positions=rope,
+               moe_sharding=pcfg.moe_sharding)
     return _finish(pools, out, out.logits[:, 0], pools.output_counts[slots],
                    pools.prompt_mask[slots], inputs, out.hidden[:, 0])
 
@@ -356,7 +357,8 @@ def verify_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
         at = pos - 1 + j
         valid = (j < limit).astype(jnp.int32)
         hidden, mkv = mtp_hidden(params, cfg, hidden, token[:, None], at,
-                                 _mtp_kv(kv.with_layers(layers), cfg, at, valid))
+                                 _mtp_kv(kv.with_layers(layers), cfg, at, valid),
+                                 pcfg.moe_sharding)
         layers = mkv.layers
         token, q = draft_token(lm_head(params, cfg, hidden[:, 0]), inputs.sampling, counts,
                                masks, inputs.step_index + j)
@@ -366,13 +368,13 @@ def verify_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
     drafts = jnp.stack(drafts, axis=1)  # [B, K]
     ids = jnp.concatenate([inputs.token_ids[:, None], drafts], axis=1)  # [B, T]
     out = step(params, cfg, ids, pos, gdn_state(pools, slots, pcfg), kv.with_layers(layers), limit,
-               keep_states=True)
+               keep_states=True, moe_sharding=pcfg.moe_sharding)
     verified = accept(out.logits, drafts, jnp.stack(probs, axis=1), inputs.sampling,
                       pools.output_counts[slots], masks, inputs.step_index, limit)
     tokens, num = verified.tokens, verified.num
     # The head's K/V at positions pos..: (the model's hidden state there, the token after it).
     _, mkv = mtp_hidden(params, cfg, out.hidden, tokens, pos,
-                        _mtp_kv(out.kv, cfg, pos, limit))
+                        _mtp_kv(out.kv, cfg, pos, limit), pcfg.moe_sharding)
     pools = write_provisional(pools, mkv.layers, out.gdn, out.hidden)
     return pools, StepOutputs(tokens=tokens, num=num, logprobs=verified.logprobs,
                               top_ids=verified.top_ids, top_logprobs=verified.top_logprobs)

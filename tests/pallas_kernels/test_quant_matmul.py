@@ -14,7 +14,7 @@ from ninfer_jax import quant
 from ninfer_jax.models.qwen3_6.layers import linear32
 from ninfer_jax.models.qwen3_6.weights import param_shapes
 from ninfer_jax.program.executables import StepKey, StepKind
-from ninfer_jax.program.program import lower_all
+from ninfer_jax.program.aot import lower_all
 from ninfer_jax.testing import tiny_dense
 from pallas_kernels.quant_matmul import kernel_supports, quant_matmul, quant_matmul_reference
 from tests.models.conftest import rel_err
@@ -85,6 +85,37 @@ def test_a_quantized_program_lowers_its_projections_to_the_kernel_for_cuda():
     for key in (StepKey(StepKind.PREFILL, 1), StepKey(StepKind.DECODE, 1)):
         assert cuda[key].count("quant_matmul_int8") > 0, key
         assert "quant_matmul" not in cpu[key], key
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
+def test_a_stacked_weight_is_read_in_place_at_its_layer(method):
+    """`layer`: q and scale stacked [L, ...] (a scanned layer loop's buffers), the kernel reads
+    one layer of them; `layers.layer_params` keeps quantized leaves stacked so `linear32` passes
+    the stack (XLA would copy a slice before the kernel) and the CUDA lowering holds it whole."""
+    from ninfer_jax.models.qwen3_6.layers import LayerOf, layer_params
+
+    rng = np.random.default_rng(2)
+    w = rng.normal(size=(3, 128, 256)).astype(np.float32)
+    q = quant.fp8_blocks(w) if method == "fp8" else quant.quantize_int(w, method)
+    x = jnp.asarray(rng.normal(size=(5, 256)).astype(np.float32))
+    for layer in range(3):
+        got = quant_matmul(x, q.q, q.scale, method=method, group=128,
+                           layer=jnp.asarray([layer]), interpret=True)
+        want = quant_matmul_reference(x, q.q[layer], q.scale[layer], method=method, group=128)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    params = layer_params({"w": q, "norm": np.ones((3, 256), np.float32)}, 1)
+    assert isinstance(params["w"], LayerOf) and params["norm"].shape == (256,)
+    np.testing.assert_allclose(linear32(x, params["w"]), x @ q[1].dequantize().T, rtol=1e-5,
+                               atol=1e-4)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), q)
+    cuda = jax.jit(lambda x, q: linear32(x, layer_params({"w": q}, 2)["w"])).trace(
+        jax.ShapeDtypeStruct((4, 256), jnp.bfloat16), abstract).lower(
+        lowering_platforms=("cuda",)).as_text()
+    stored = str(q.q.dtype).replace("float8_e4m3fn", "f8E4M3FN").replace("int8", "i8").replace(
+        "uint8", "ui8")
+    whole = f"tensor<3x128x{q.q.shape[-1]}x{stored}>"
+    calls = [line for line in cuda.splitlines() if "quant_matmul_" in line and "custom_call" in line]
+    assert len(calls) == 1 and whole in calls[0]
 
 
 @pytest.mark.parametrize("m", [1, 20])

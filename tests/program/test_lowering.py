@@ -1,7 +1,7 @@
-"""`lower_all`: every executable a Program compiles, lowered for CUDA on this CPU host. Decode
-and prefill hold the Pallas attention kernels' Triton calls (not the interpreter), a MoE
-Program's prefill and decode hold grouped GEMMs and no dense all-expert contraction, and the
-same Program lowered for CPU holds neither."""
+"""`lower_all`: every executable a Program compiles, lowered for CUDA on this CPU host from
+shapes. Decode and prefill hold the Pallas attention kernels' Triton calls (not the
+interpreter), a MoE Program's prefill and decode hold the grouped kernels and no dense
+all-expert contraction, and the same Program lowered for CPU holds neither."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 
 from ninfer_jax.program.config import ProgramConfig
 from ninfer_jax.program.executables import StepKey, StepKind
-from ninfer_jax.program.program import PAGE_GROUP, lower_all
+from ninfer_jax.program.aot import lower_all
+from ninfer_jax.program.executable_specs import PAGE_GROUP
 from ninfer_jax.testing import tiny_dense, tiny_moe
 from tests.pallas_kernels.test_paged_attention import _triton_custom_call_target
 
@@ -37,11 +38,13 @@ def test_every_executable_is_lowered_for_cuda_with_the_attention_kernel(variant)
                 *(StepKey(StepKind.DECODE, b) for b in range(1, B + 1))}
     assert set(texts) == expected
     triton = f"custom_call @{_triton_custom_call_target()}"
-    # an attention kernel in every attention layer, a GDN kernel in every GDN layer
+    # an attention kernel in every attention layer, a GDN kernel in every GDN layer (and a
+    # MoE layer's two grouped kernels)
     layers = len(CONFIGS[variant]().layer_types)
+    per_layer = 3 if variant == "moe" else 1
     for key in (StepKey(StepKind.PREFILL, 1), *(StepKey(StepKind.DECODE, b)
                                                  for b in range(1, B + 1))):
-        assert texts[key].count(triton) == layers, key
+        assert texts[key].count(triton) == layers * per_layer, key
         for name in ("gated_delta_chunked" if key.kind == StepKind.PREFILL
                      else "gated_delta_recurrent",
                      "paged_attention_prefill" if key.kind == StepKind.PREFILL
@@ -54,7 +57,9 @@ def test_every_executable_is_lowered_for_cuda_with_the_attention_kernel(variant)
     assert not any(_triton_custom_call_target() in t for t in cpu.values())
 
 
-def test_a_moe_program_lowers_grouped_gemms_for_cuda_and_dense_ones_for_cpu():
+def test_a_moe_program_lowers_grouped_kernels_for_cuda_and_dense_ones_for_cpu():
+    """Every MoE layer of a CUDA prefill and decode runs the Pallas grouped kernels (the fused
+    SwiGLU, then down) on the stacked experts, with no ragged_dot and no [N, E, I] tensor."""
     cfg = tiny_moe()
     moe_layers = len(cfg.layer_types)
     prefill_rows = PCFG.prefill_chunk
@@ -62,9 +67,10 @@ def test_a_moe_program_lowers_grouped_gemms_for_cuda_and_dense_ones_for_cpu():
     cuda, cpu = lowered("moe", "cuda"), lowered("moe", "cpu")
     for key in (StepKey(StepKind.PREFILL, 1), StepKey(StepKind.DECODE, 1),
                 StepKey(StepKind.DECODE, B)):
-        assert cuda[key].count('"chlo.ragged_dot"(') == 3 * moe_layers, key  # gate, up, down
-        assert dense not in cuda[key], key
-        assert "ragged_dot" not in cpu[key], key
+        for kernel in ("grouped_swiglu", "grouped_matmul"):
+            assert cuda[key].count(f'name = "{kernel}"') == moe_layers, (key, kernel)
+        assert "ragged_dot" not in cuda[key] and dense not in cuda[key], key
+        assert "grouped_matmul" not in cpu[key] and "ragged_dot" not in cpu[key], key
     assert f"tensor<{prefill_rows}{dense}" in cpu[StepKey(StepKind.PREFILL, 1)]
 
 
@@ -73,10 +79,12 @@ def test_platform_defaults_decide_dtype_and_attention_in_one_place():
     from ninfer_jax.program.config import platform_defaults, resolve_dtype
 
     gpu, cpu = ("bfloat16", "pallas", "pallas"), ("float32", "reference", "reference")
+    loops = {"gpu": "scan", "cpu": "unrolled", "tpu": "scan"}
     for platform, want in (("gpu", gpu), ("cpu", cpu), ("tpu", ("bfloat16", "reference",
                                                                   "reference"))):
-        assert platform_defaults(platform) == dict(zip(("dtype", "attention_impl", "gdn_impl"),
-                                                       want, strict=True))
+        assert platform_defaults(platform) == dict(zip(
+            ("dtype", "attention_impl", "gdn_impl", "layer_loop"), (*want, loops[platform]),
+            strict=True))
     default = ProgramConfig()  # "auto", resolved for this CPU host when made
     assert (default.dtype, default.attention_impl, default.gdn_impl) == cpu
     assert resolve_dtype("auto") == "float32" and resolve_dtype("bfloat16") == "bfloat16"

@@ -6,32 +6,47 @@ params' dtype; norms, softmaxes and matmul accumulation run in fp32 and are cast
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from ninfer_jax.models.qwen3_6.config import ModelConfig
-from ninfer_jax.quant import QArray, materialize
+from ninfer_jax.quant import QArray, is_quantized, materialize
+from pallas_kernels.grouped_matmul import grouped_matmul, supports
 from pallas_kernels.platform import TP_AXIS
-from pallas_kernels.quant_matmul import kernel_supports, quant_matmul
+from pallas_kernels.quant_matmul import FP8_BLOCK, kernel_supports, quant_matmul
 
 
 def einsum32(subscripts: str, *operands: jax.Array) -> jax.Array:
     """einsum with fp32 accumulation and an fp32 result.
 
     XLA:CPU has no bf16 x bf16 -> f32 dot, so there the operands are upcast first; on
-    accelerators the operands stay in their dtype and only the accumulator is fp32. A quantized
-    weight (`quant.QArray`) is dequantized on the fly into the other operand's dtype.
+    accelerators the operands stay in their dtype and only the accumulator is fp32 (decided by
+    the platform the step is lowered for, so a CPU host lowering for a GPU gets the GPU's
+    form). A quantized weight (`quant.QArray`) is dequantized on the fly into the other
+    operand's dtype.
     """
     dtype = next(o.dtype for o in operands if not hasattr(o, "dequantize"))
     operands = tuple(materialize(o, dtype) for o in operands)
-    if jax.default_backend() == "cpu":
-        operands = tuple(o.astype(jnp.float32) for o in operands)
-    return jnp.einsum(subscripts, *operands, preferred_element_type=jnp.float32)
+
+    def run(*ops, upcast: bool):
+        if upcast:
+            ops = tuple(o.astype(jnp.float32) for o in ops)
+        return jnp.einsum(subscripts, *ops, preferred_element_type=jnp.float32)
+
+    if all(o.dtype == jnp.float32 for o in operands):
+        return run(*operands, upcast=False)
+    return jax.lax.platform_dependent(*operands, cpu=functools.partial(run, upcast=True),
+                                      default=functools.partial(run, upcast=False))
 
 
+ROUTED_SCOPE = "routed_experts"  # the name scope of an MoE layer's routed experts
 _FEW_ROWS = 64  # below this many rows (and above one) XLA:CPU's matmul is faster as W x^T
 
 
@@ -44,27 +59,40 @@ def linear32(x: jax.Array, w: jax.Array) -> jax.Array:
     layout assignment turns it back into x W^T, which XLA:CPU runs 1.3x slower at 4-32 rows
     (24 MEDIUM MLPs at 4 rows: 59 ms against 79 ms; 1 row and 64+ rows gain nothing). MEDIUM
     decode at B=8 1.26x, a K=3 verify at B=1 1.20x (in-process A/B, same greedy tokens).
+    Those are CPU forms, chosen by the platform the step is lowered for; elsewhere it is one
+    dot (a quantized weight: the fused-dequantize kernel where it applies, a `LayerOf` one
+    reading its layer of the stack in place).
     """
-    if isinstance(w, QArray) and w.q.ndim == 2 and (
-            _fused_dequant(w) or jax.default_backend() == "cpu"):
+    layer = None
+    if isinstance(w, LayerOf):  # a quantized weight of a stack, read in place by the kernel
+        w, layer = w.stack, w.index.reshape(1)
+    if isinstance(w, QArray) and w.q.ndim == 2 + (layer is not None):
         flat = x.reshape(-1, x.shape[-1])
-        if _fused_dequant(w):
-            y = jax.lax.platform_dependent(
-                flat, cpu=lambda f: _dequantized_rows(f, w),
-                default=lambda f: quant_matmul(
-                    f, w.q, w.scale, method=w.method, group=w.block[1],
-                    fp8_activations=w.method == "fp8" and _gpu_has(9.0)))
+        one = w if layer is None else w[layer[0]]
+        if _fused_dequant(one):
+            def accelerator(f):
+                return quant_matmul(f, w.q, w.scale, method=w.method, group=w.block[1],
+                                    fp8_activations=w.method == "fp8" and _gpu_has(9.0),
+                                    layer=layer)
         else:
-            y = _dequantized_rows(flat, w)
+            def accelerator(f):
+                return einsum32("ri,oi->ro", f, one)
+        y = jax.lax.platform_dependent(flat, cpu=lambda f: _dequantized_rows(f, one),
+                                       default=accelerator)
         return y.reshape(*x.shape[:-1], w.shape[-2])
     w = materialize(w, x.dtype)
     rows = math.prod(x.shape[:-1])
-    if not (jax.default_backend() == "cpu" and 1 < rows < _FEW_ROWS):
+    if not 1 < rows < _FEW_ROWS:
         return einsum32("...i,oi->...o", x, w)
-    xt = x.reshape(rows, x.shape[-1]).astype(jnp.float32)
-    yt = jax.lax.dot_general(w.astype(jnp.float32), xt, (((1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32)  # [out, rows]
-    return jax.lax.optimization_barrier(yt).T.reshape(*x.shape[:-1], w.shape[0])
+
+    def few_rows_on_cpu(x, w):
+        xt = x.reshape(rows, x.shape[-1]).astype(jnp.float32)
+        yt = jax.lax.dot_general(w.astype(jnp.float32), xt, (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32)  # [out, rows]
+        return jax.lax.optimization_barrier(yt).T.reshape(*x.shape[:-1], w.shape[0])
+
+    return jax.lax.platform_dependent(
+        x, w, cpu=few_rows_on_cpu, default=lambda x, w: einsum32("...i,oi->...o", x, w))
 
 
 _GEMV_ROWS = 8  # up to this many rows a quantized matmul on CPU runs as one GEMV a row
@@ -184,14 +212,56 @@ def swiglu(p: dict, x: jax.Array) -> jax.Array:
     return dense(jax.nn.silu(dense(x, p["gate"])) * dense(x, p["up"]), p["down"])
 
 
-def moe(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["stack", "index"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class LayerOf:
+    """Layer `index` of weights stacked [L, ...], not sliced yet. A kernel that reads one layer
+    indexes the stack in place (XLA copies a slice before a custom call can read it: for the
+    routed experts, every expert of the layer, each step; for a quantized weight, all of it);
+    everything else takes `get()`."""
+
+    stack: Any  # a pytree of [L, ...] arrays or QArrays
+    index: jax.Array  # [] int32
+
+    def get(self) -> Any:
+        return jax.tree.map(lambda a: a[self.index], self.stack, is_leaf=is_quantized)
+
+
+def layer_params(stacked: dict, index) -> dict:
+    """Layer `index` of a stack of layer params: every leaf sliced, but those a Pallas kernel
+    reads in place, which stay stacked as `LayerOf`s (XLA copies a slice before a custom call
+    reads it): an MoE layer's routed experts (the grouped kernel) and quantized weights (the
+    fused-dequantize matmul, `linear32`)."""
+    index = jnp.asarray(index, jnp.int32)
+
+    def one(leaf):
+        return LayerOf(leaf, index) if isinstance(leaf, QArray) else leaf[index]
+
+    mlp_ = stacked.get("mlp")
+    if not (isinstance(mlp_, dict) and "experts" in mlp_):
+        return jax.tree.map(one, stacked, is_leaf=is_quantized)
+    rest = {**stacked, "mlp": {k: v for k, v in mlp_.items() if k != "experts"}}
+    out = jax.tree.map(one, rest, is_leaf=is_quantized)
+    out["mlp"]["experts"] = LayerOf(mlp_["experts"], index)
+    return out
+
+
+def _sliced(experts):
+    return experts.get() if isinstance(experts, LayerOf) else experts
+
+
+def moe(p: dict, x: jax.Array, cfg: ModelConfig, sharding: str = "intermediate") -> jax.Array:
     """Sparse MoE with a shared expert. x [..., H].
 
     Router: softmax over all experts in fp32, top-k, renormalised. Experts are SwiGLU. The
     shared expert is SwiGLU times sigmoid(shared_gate(x)). Weights are [out, in]: router
-    [E, H], experts gate/up [E, I, H], down [E, H, I]. How the routed experts run is decided by
-    the platform the step is lowered for (`jax.lax.platform_dependent`): on CPU
-    `experts_on_cpu`, on accelerators `experts_grouped` (same sums).
+    [E, H], experts gate/up [E, I, H], down [E, H, I] (or a `LayerOf` their stacks). How the
+    routed experts run is decided by the platform the step is lowered for
+    (`jax.lax.platform_dependent`): on CPU `experts_on_cpu`, on TPU `experts_grouped` (XLA's
+    ragged_dot), on GPUs `experts_kernel` (the Pallas grouped matmul; same sums).
+    `sharding`: how a tensor-parallel mesh splits the experts ("intermediate" or "expert",
+    `ProgramConfig.moe_sharding`), for the kernel's per-device call.
     """
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
@@ -199,8 +269,12 @@ def moe(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     probs = jax.nn.softmax(logits, axis=-1)
     top_w, top_i = jax.lax.top_k(probs, cfg.num_experts_per_tok)
     top_w = (top_w / jnp.sum(top_w, axis=-1, keepdims=True)).astype(x.dtype)
-    routed = jax.lax.platform_dependent(p["experts"], xt, top_i, top_w, cpu=experts_on_cpu,
-                                        default=experts_grouped)
+    with jax.named_scope(ROUTED_SCOPE):  # `program.hlo.expert_by_token` reads under it
+        routed = jax.lax.platform_dependent(
+            p["experts"], xt, top_i, top_w,
+            cpu=lambda ex, *a: experts_on_cpu(_sliced(ex), *a),
+            tpu=lambda ex, *a: experts_grouped(_sliced(ex), *a),
+            default=functools.partial(experts_kernel, sharding=sharding))
     shared = swiglu(p["shared"], xt) * jax.nn.sigmoid(dense(xt, p["shared_gate"]))
     return (routed + shared).reshape(shape)
 
@@ -226,6 +300,26 @@ def experts_on_cpu(ex: dict, xt: jax.Array, top_i: jax.Array, top_w: jax.Array) 
     return einsum32("neh,ne->nh", out.astype(xt.dtype), combine).astype(xt.dtype)
 
 
+def _by_expert(top_i: jax.Array, num_experts: int):
+    """The N * k (token, expert) pairs sorted by expert: (order [N * k], the token of each
+    sorted pair, rows per expert [E])."""
+    k = top_i.shape[1]
+    flat = top_i.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return order, (order // k).astype(jnp.int32), sizes
+
+
+def _combine(out: jax.Array, order: jax.Array, top_w: jax.Array) -> jax.Array:
+    """Each token's k expert outputs (rows of `out` [N * k, H] in sorted order) weighted and
+    summed, in fp32: a gather of every token's rows and a reduction (no scatter: the sums'
+    order is fixed, so results do not vary from run to run)."""
+    n, k = top_w.shape
+    where = jnp.argsort(order)  # the sorted row of each (token, choice) pair
+    rows = out[where].reshape(n, k, out.shape[-1]).astype(jnp.float32)
+    return jnp.einsum("nkh,nk->nh", rows, top_w.astype(jnp.float32)).astype(out.dtype)
+
+
 # lhs [M, in] rows grouped by expert x rhs [E, out, in] -> [M, out]: each row meets its expert
 _GROUPED = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=(0,),
@@ -233,16 +327,11 @@ _GROUPED = jax.lax.RaggedDotDimensionNumbers(
 
 
 def experts_grouped(ex: dict, xt: jax.Array, top_i: jax.Array, top_w: jax.Array) -> jax.Array:
-    """The routed experts as grouped GEMMs: the N * k (token, expert) pairs sorted by expert,
-    one `ragged_dot` per projection over the experts' row groups, then each pair's output
-    weighted and added back to its token. Work and weight reads scale with k, not with E; no
-    per-token weight copies."""
-    n, k = top_i.shape
-    e = ex["gate"].shape[0]
-    flat = top_i.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    token = order // k  # the token of each sorted pair
-    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    """The routed experts as XLA's grouped GEMMs: the N * k (token, expert) pairs sorted by
+    expert, one `ragged_dot` per projection over the experts' row groups, then each pair's
+    output weighted and added back to its token (TPU; XLA:GPU and XLA:CPU expand a
+    `ragged_dot` over every expert)."""
+    order, token, sizes = _by_expert(top_i, ex["gate"].shape[0])
     rows = xt[token]
 
     def grouped(lhs, rhs):
@@ -251,11 +340,82 @@ def experts_grouped(ex: dict, xt: jax.Array, top_i: jax.Array, top_w: jax.Array)
 
     gate, up, down = (materialize(ex[name], xt.dtype) for name in ("gate", "up", "down"))
     act = (jax.nn.silu(grouped(rows, gate)) * grouped(rows, up)).astype(xt.dtype)
-    out = grouped(act, down).astype(xt.dtype)
-    weighted = out.astype(jnp.float32) * top_w.reshape(-1)[order][:, None].astype(jnp.float32)
-    return jnp.zeros((n, xt.shape[1]), jnp.float32).at[token].add(weighted).astype(xt.dtype)
+    return _combine(grouped(act, down).astype(xt.dtype), order, top_w)
 
 
-def mlp(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """The layer's feed-forward: SwiGLU for the dense variant, MoE for the MoE variant."""
-    return moe(p, x, cfg) if cfg.variant == "moe" else swiglu(p, x)
+def experts_kernel(ex, xt: jax.Array, top_i: jax.Array, top_w: jax.Array,
+                   sharding: str = "intermediate", interpret: bool = False) -> jax.Array:
+    """The routed experts as the Pallas grouped matmul (`pallas_kernels.grouped_matmul`, GPUs):
+    the (token, expert) pairs sorted by expert, the fused SwiGLU of gate and up over the
+    tokens' rows gathered in the kernel, then down; only experts with rows are read, quantized
+    experts dequantized tile by tile, a `LayerOf` indexed in place. On a tensor-parallel mesh
+    it runs per device under `shard_map` over the experts' split (`sharding`: each device a
+    slice of every expert's intermediate rows, or whole experts) and the partial outputs are
+    summed; weights the kernel does not take (`grouped_matmul.supports`) or a split their
+    values or scales do not divide evenly fall back to `experts_grouped`. `interpret`: the kernel in the Pallas interpreter (CPU tests)."""
+    stack, layer = (ex.stack, ex.index.reshape(1)) if isinstance(ex, LayerOf) else (ex, None)
+    lead = 0 if layer is None else 1
+    num_experts = stack["gate"].shape[lead]
+    if not all(grouped_supports(stack[name]) for name in ("gate", "down")):
+        return experts_grouped(_sliced(ex), xt, top_i, top_w)
+    order, token, sizes = _by_expert(top_i, num_experts)
+
+    def run(stack, xt, token, sizes, offset):
+        act = grouped_matmul(xt, stack["gate"], sizes, w_up=stack["up"], row_ids=token,
+                             layer=layer, expert_offset=offset, interpret=interpret)
+        return grouped_matmul(act, stack["down"], sizes, layer=layer, expert_offset=offset,
+                              interpret=interpret)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    tp = 1 if mesh.empty or TP_AXIS not in mesh.axis_names else mesh.shape[TP_AXIS]
+    if tp == 1:
+        return _combine(run(stack, xt, token, sizes, None), order, top_w)
+    # the split axis of gate/up and of down, counted from the end of [(L,) E, out, in]
+    axes = {"intermediate": (-2, -1), "expert": (-3, -3)}[sharding]
+    specs = {name: _split_spec(stack[name], axis, tp)
+             for name, axis in zip(("gate", "up", "down"), (axes[0], axes[0], axes[1]))}
+    if any(spec is None for spec in specs.values()):
+        return experts_grouped(_sliced(ex), xt, top_i, top_w)
+    local = num_experts // tp
+
+    def per_device(stack, xt, token, sizes):
+        offset = None
+        if sharding == "expert":
+            offset = (jax.lax.axis_index(TP_AXIS) * local).astype(jnp.int32).reshape(1)
+        return jax.lax.psum(run(stack, xt, token, sizes, offset), TP_AXIS)
+
+    out = jax.shard_map(per_device, in_specs=(specs, P(), P(), P()), out_specs=P(),
+                        check_vma=False)(stack, xt, token, sizes)
+    return _combine(out, order, top_w)
+
+
+def grouped_supports(w) -> bool:
+    """Whether the grouped kernel takes expert weight `w` ([.., N, K], maybe quantized)."""
+    *_, n, k = w.shape
+    if not isinstance(w, QArray):
+        return supports(n, k)
+    if w.method == "fp8":
+        return w.block == (FP8_BLOCK, FP8_BLOCK) and supports(n, k, "fp8")
+    return supports(n, k, w.method, w.block[1])
+
+
+def _split_spec(w, axis: int, parts: int):
+    """The PartitionSpec (a QArray: one per field) splitting weight `w` along `axis` of its
+    logical [..., out, in] shape into `parts`, or None when a stored field does not divide."""
+    fields = (w.q, w.scale) if isinstance(w, QArray) else (w,)
+    specs = []
+    for f in fields:
+        if f.shape[axis] % parts:
+            return None
+        spec = [None] * f.ndim
+        spec[f.ndim + axis] = TP_AXIS
+        specs.append(P(*spec))
+    return dataclasses.replace(w, q=specs[0], scale=specs[1]) if isinstance(w, QArray) \
+        else specs[0]
+
+
+def mlp(p: dict, x: jax.Array, cfg: ModelConfig, moe_sharding: str = "intermediate"
+        ) -> jax.Array:
+    """The layer's feed-forward: SwiGLU for the dense variant, MoE for the MoE variant
+    (`moe_sharding`: how a tensor-parallel mesh splits its experts)."""
+    return moe(p, x, cfg, moe_sharding) if cfg.variant == "moe" else swiglu(p, x)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from ninfer_jax.models.qwen3_6.attention import CausalKV, KVAccess, attention_mixer
 from ninfer_jax.models.qwen3_6.config import FULL, LINEAR, ModelConfig
 from ninfer_jax.models.qwen3_6.gdn import GDNState, gdn_mixer
-from ninfer_jax.models.qwen3_6.layers import linear32, mlp, rms_norm, rope_cos_sin
+from ninfer_jax.models.qwen3_6.layers import layer_params, linear32, mlp, rms_norm, rope_cos_sin
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -56,11 +56,13 @@ def _features(outputs: list[jax.Array] | jax.Array, feature_layers: tuple[int, .
 
 def run_layers(params: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Array,
                gdn: GDNState, kv: KVAccess, num_valid: jax.Array | None,
-               keep_states: bool = False, feature_layers: tuple[int, ...] = ()):
+               keep_states: bool = False, feature_layers: tuple[int, ...] = (),
+               moe_sharding: str = "intermediate"):
     """Applies the decoder stack. h [B, T, H]; positions [B, T] int32 absolute positions.
 
     The loop runs over repeats of the layer pattern. Weights stay in their stacked buffers (each
-    layer indexes them; passing them as scan inputs made XLA copy them every step) and the K/V
+    layer indexes them, `layers.layer_params`; passing them as scan inputs made XLA copy them
+    every step; the routed experts are indexed inside their kernel) and the K/V
     of all attention layers ride in the loop carry, written in place. The outputs of
     `feature_layers` ride in the carry too ([F + 1, B, T, H]; every other layer writes the last
     row). Returns (h, gdn, kv, features [B, T, F * H] or None).
@@ -86,9 +88,9 @@ def run_layers(params: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Arra
         for i, kind in enumerate(pattern):
             if kind == FULL:
                 layer = g * att_per + i_att
-                p = jax.tree.map(lambda a, i=layer: a[i], params["attention"])
+                p = layer_params(params["attention"], layer)
             else:
-                p = jax.tree.map(lambda a, i=g * lin_per + i_lin: a[i], params["linear"])
+                p = layer_params(params["linear"], g * lin_per + i_lin)
             x = rms_norm(h, p["input_norm"], eps)
             if kind == FULL:
                 y, kv_layers = attention_mixer(p["mixer"], x, cos, sin, kv, kv_layers, layer, cfg)
@@ -100,7 +102,7 @@ def run_layers(params: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Arra
                 recs.append(r)
                 i_lin += 1
             h = h + y
-            h = h + mlp(p["mlp"], rms_norm(h, p["post_norm"], eps), cfg)
+            h = h + mlp(p["mlp"], rms_norm(h, p["post_norm"], eps), cfg, moe_sharding)
             if num_features:
                 feats = feats.at[feature_row[g * period + i]].set(h)
         return (h, kv_layers, feats), (jnp.stack(convs) if convs else conv,
@@ -135,7 +137,8 @@ def unstack_layers(params: dict, cfg: ModelConfig) -> dict:
 
 def run_layers_unrolled(params: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Array,
                         gdn: GDNState, kv: KVAccess, num_valid: jax.Array | None,
-                        keep_states: bool = False, feature_layers: tuple[int, ...] = ()):
+                        keep_states: bool = False, feature_layers: tuple[int, ...] = (),
+                        moe_sharding: str = "intermediate"):
     """`run_layers` over per-layer params (`unstack_layers`): a Python loop, so every layer's
     weights are separate operands and every layer index is static."""
     cos, sin = rope_cos_sin(positions, cfg)
@@ -155,7 +158,7 @@ def run_layers_unrolled(params: dict, cfg: ModelConfig, h: jax.Array, positions:
             recs.append(r)
             i_lin += 1
         h = h + y
-        h = h + mlp(p["mlp"], rms_norm(h, p["post_norm"], eps), cfg)
+        h = h + mlp(p["mlp"], rms_norm(h, p["post_norm"], eps), cfg, moe_sharding)
         outputs[n] = h
     new_gdn = dataclasses.replace(gdn, conv=jnp.stack(convs) if convs else gdn.conv,
                                   recurrent=jnp.stack(recs) if recs else gdn.recurrent)
@@ -174,7 +177,7 @@ def step(params: dict, cfg: ModelConfig, token_ids: jax.Array, start_pos: jax.Ar
          keep_states: bool = False, logits_at: jax.Array | None = None,
          feature_layers: tuple[int, ...] = (), rope_positions: jax.Array | None = None,
          vision_embeds: jax.Array | None = None,
-         vision_mask: jax.Array | None = None) -> StepOutput:
+         vision_mask: jax.Array | None = None, moe_sharding: str = "intermediate") -> StepOutput:
     """Runs T new tokens per row from the carried state.
 
     token_ids [B, T] int32; start_pos [B] int32 absolute position of token_ids[:, 0];
@@ -192,6 +195,7 @@ def step(params: dict, cfg: ModelConfig, token_ids: jax.Array, start_pos: jax.Ar
     causal order still follow start_pos (the cache index), never the rope positions.
     vision_embeds [B, T, H] with vision_mask [B, T] bool (optional): where the mask is set the
     token's input embedding is replaced by the vision tower's (the image/video placeholders).
+    moe_sharding: how a tensor-parallel mesh splits an MoE's experts (`layers.moe`).
     """
     positions = start_pos[:, None] + jnp.arange(token_ids.shape[1], dtype=jnp.int32)[None, :]
     if rope_positions is not None:
@@ -201,7 +205,7 @@ def step(params: dict, cfg: ModelConfig, token_ids: jax.Array, start_pos: jax.Ar
         h = jnp.where(vision_mask[..., None], vision_embeds.astype(h.dtype), h)
     layers_fn = run_layers_unrolled if "layers" in params else run_layers
     h, gdn, kv, features = layers_fn(params, cfg, h, positions, gdn, kv, num_valid,
-                                     keep_states, tuple(feature_layers))
+                                     keep_states, tuple(feature_layers), moe_sharding)
     hidden = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     head_in = hidden if logits_at is None else jnp.take_along_axis(
         hidden, logits_at[:, None, None], axis=1)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from ninfer_jax.models.qwen3_6.attention import KVAccess, attention_mixer
 from ninfer_jax.models.qwen3_6.config import ModelConfig
-from ninfer_jax.models.qwen3_6.layers import dense, mlp, rms_norm, rope_cos_sin
+from ninfer_jax.models.qwen3_6.layers import dense, layer_params, mlp, rms_norm, rope_cos_sin
 from ninfer_jax.models.qwen3_6.model import lm_head
 
 
@@ -42,10 +42,12 @@ def mtp_step(params: dict, cfg: ModelConfig, hidden: jax.Array, next_token_ids: 
 
 
 def mtp_hidden(params: dict, cfg: ModelConfig, hidden: jax.Array, next_token_ids: jax.Array,
-               start_pos: jax.Array, kv: KVAccess) -> tuple[jax.Array, KVAccess]:
+               start_pos: jax.Array, kv: KVAccess, moe_sharding: str = "intermediate"
+               ) -> tuple[jax.Array, KVAccess]:
     """`mtp_step` without the lm head: the head's final-normed output [B, T, H], from which
     `lm_head` gives the draft logits. A speculative step chains drafts by feeding this output
-    back as the next position's `hidden` (a draft position has no main-model hidden state)."""
+    back as the next position's `hidden` (a draft position has no main-model hidden state).
+    `moe_sharding`: as `model.step`'s."""
     p = params["mtp"]
     eps = cfg.rms_norm_eps
     positions = start_pos[:, None] + jnp.arange(hidden.shape[1], dtype=jnp.int32)[None, :]
@@ -55,11 +57,11 @@ def mtp_hidden(params: dict, cfg: ModelConfig, hidden: jax.Array, next_token_ids
 
     def layer_fn(carry, layer):
         h, kv_layers = carry
-        lp = jax.tree.map(lambda a: a[layer], p["layers"])
+        lp = layer_params(p["layers"], layer)
         y, kv_layers = attention_mixer(lp["mixer"], rms_norm(h, lp["input_norm"], eps), cos,
                                        sin, kv, kv_layers, layer, cfg)
         h = h + y
-        h = h + mlp(lp["mlp"], rms_norm(h, lp["post_norm"], eps), cfg)
+        h = h + mlp(lp["mlp"], rms_norm(h, lp["post_norm"], eps), cfg, moe_sharding)
         return (h, kv_layers), None
 
     num_layers = p["layers"]["input_norm"].shape[0]

@@ -1,0 +1,182 @@
+"""What a Program compiles, from shapes alone: the one list of its executables.
+
+Owns the list of (key, step function, example arguments) a Program of (ModelConfig,
+ProgramConfig) compiles, in the order of first need (the prefill chunk alone in the foreground,
+then the commit, the capture, decode B = 1, the vision buckets, the restore, the checkpoint
+images, decode B = 2..max_concurrency). The Program feeds it to its `ExecutableTable`;
+`lower_all` and `aot.compile_all` feed it abstract params and pools (`jax.ShapeDtypeStruct`s), so
+a GPU build can be lowered or compiled on a host that could not hold the weights. Example
+arguments only carry shapes and dtypes: no value here shapes an executable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from ninfer_jax.models.dflash import DFlashConfig
+from ninfer_jax.models.qwen3_6 import ModelConfig
+from ninfer_jax.program.config import ProgramConfig
+from ninfer_jax.program.dflash_steps import dflash_verify_step
+from ninfer_jax.program.executables import StepKey, StepKind, bind
+from ninfer_jax.program.host import GREEDY, mask_words
+from ninfer_jax.program.pools import Pools
+from ninfer_jax.program.sampling import sampling_arrays
+from ninfer_jax.program.steps import (
+    CaptureInputs,
+    CommitInputs,
+    DecodeInputs,
+    PageImport,
+    PageRows,
+    PrefillInputs,
+    RestoreInputs,
+    StateImport,
+    StateRow,
+    VisionEncodeInputs,
+    capture_step,
+    commit_step,
+    decode_step,
+    export_pages_step,
+    export_state_step,
+    import_pages_step,
+    import_state_step,
+    prefill_step,
+    restore_step,
+    verify_step,
+    vision_encode_step,
+)
+
+PAGE_GROUP = 16  # pages per export/import call (a fixed shape: one executable each)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutableSpec:
+    key: StepKey
+    fn: Callable  # the step, its static arguments bound
+    args: tuple[Any, ...]  # example arguments: arrays or ShapeDtypeStructs (shapes only)
+    background: bool  # False: compiled before the Program serves (the prefill chunk)
+    donate: tuple[str, ...] = ("pools",)
+
+
+def no_commit(pcfg: ProgramConfig, rows: int) -> CommitInputs:
+    """A commit of `rows` provisional rows that moves nothing: all go to the sink slot."""
+    return CommitInputs(slots=np.full(rows, pcfg.num_slots, np.int32),
+                        tokens=np.zeros((rows, pcfg.verify_width), np.int32),
+                        num=np.ones(rows, np.int32), count=np.zeros(rows, bool))
+
+
+def image_pools(pools: Pools) -> list:
+    """The checkpoint-slot pools a StateImage holds, in its byte order."""
+    parts = [pools.ck_conv, pools.ck_rec, pools.ck_ctx]
+    return parts if pools.ck_dk is None else parts + [pools.ck_dk, pools.ck_dv]
+
+
+def page_parts(pools: Pools, pcfg: ProgramConfig) -> list[tuple[tuple[int, ...], np.dtype]]:
+    """(shape, dtype) of each buffer of a page image, in `Pools.kv`'s order: one page in
+    every attention layer, [La, page_size, Hkv, D] for K and V (and [La, page_size, Hkv]
+    for INT8 pages' K and V scales)."""
+    per_layer = pcfg.num_pages + 1
+    return [((a.shape[0] // per_layer, *a.shape[1:]), np.dtype(a.dtype)) for a in pools.kv]
+
+
+def vision_on(cfg: ModelConfig, pcfg: ProgramConfig, params: dict) -> bool:
+    """Whether a Program takes images: a tower whose special tokens are in the vocabulary,
+    and vision buckets."""
+    return cfg.takes_media and "vision" in params and bool(pcfg.vision_buckets)
+
+
+def program_executables(cfg: ModelConfig, pcfg: ProgramConfig, params: dict, pools: Pools,
+                        drafter: DFlashConfig | None = None) -> list[ExecutableSpec]:
+    """Every executable a Program of `cfg` and `pcfg` compiles, in compile order. `params` and
+    `pools` as the Program holds them (cast, quantized, unstacked for an unrolled layer loop),
+    or their abstract shapes."""
+    c, w = pcfg.prefill_chunk, pcfg.max_pages_per_seq
+    vision = vision_on(cfg, pcfg, params)
+    words = mask_words(cfg.vocab_size)
+
+    def sampling(b: int):
+        return sampling_arrays([GREEDY] * b, mask_words=words)
+
+    round_step = {"mtp": bind(verify_step, cfg=cfg, pcfg=pcfg),
+                  "dflash": bind(dflash_verify_step, cfg=cfg, pcfg=pcfg, drafter=drafter),
+                  "off": bind(decode_step, cfg=cfg, pcfg=pcfg)}[pcfg.speculative]
+
+    def decode(b: int) -> ExecutableSpec:
+        example = DecodeInputs(
+            commit=no_commit(pcfg, b), token_ids=np.zeros(b, np.int32),
+            positions=np.zeros(b, np.int32), slots=np.arange(b, dtype=np.int32),
+            page_tables=np.zeros((b, w), np.int32), sampling=sampling(b),
+            step_index=np.zeros(b, np.int32), limit=np.ones(b, np.int32),
+            rope_delta=np.zeros(b, np.int32) if vision else None)
+        return ExecutableSpec(StepKey(StepKind.DECODE, b), round_step, (params, pools, example),
+                              background=True)
+
+    vision_rows = {}
+    if vision:  # MRoPE positions and the vision embeddings at placeholders
+        vision_rows = {"rope_positions": np.zeros((3, 1, c), np.int32),
+                       "vision_embeds": np.zeros((1, c, cfg.hidden_size),
+                                                 np.dtype(params["embed"].dtype)),
+                       "vision_mask": np.zeros((1, c), bool)}
+    prefill = PrefillInputs(
+        commit=no_commit(pcfg, 1), token_ids=np.zeros((1, c), np.int32),
+        start_pos=np.zeros(1, np.int32), num_valid=np.ones(1, np.int32),
+        page_table=np.zeros((1, w), np.int32), slot=np.zeros(1, np.int32),
+        reset=np.ones(1, bool), sampling=sampling(1), step_index=np.zeros(1, np.int32),
+        **vision_rows)
+    bmax, one = pcfg.max_concurrency, np.zeros(1, np.int32)
+    # The prefill first, alone (a compile shares the cores badly), then in the order of first
+    # need: the prompt's checkpoint right after its prefill (a commit, then a capture), then
+    # decoding one row.
+    specs = [
+        ExecutableSpec(StepKey(StepKind.PREFILL, 1),
+                       bind(prefill_step, cfg=cfg, pcfg=pcfg, drafter=drafter),
+                       (params, pools, prefill), background=False),
+        ExecutableSpec(StepKey(StepKind.COMMIT, bmax), commit_step,
+                       (pools, no_commit(pcfg, bmax)), background=True)]
+    if pcfg.num_checkpoint_slots:
+        specs.append(ExecutableSpec(
+            StepKey(StepKind.CAPTURE, 1), bind(capture_step, pcfg=pcfg, drafter=drafter),
+            (pools, CaptureInputs(slot=one, ckpt_slot=one, frontier=one)), background=True))
+    specs.append(decode(1))
+    if vision:  # the vision encoder for each bucket of patches, before a prompt needs it
+        v = cfg.vision
+        for n in pcfg.vision_buckets:
+            specs.append(ExecutableSpec(
+                StepKey(StepKind.VISION_ENCODE, 1, n), bind(vision_encode_step, cfg=cfg),
+                (params["vision"], VisionEncodeInputs(
+                    patches=np.zeros((n, v.patch_dim), np.float32),
+                    pos_index=np.zeros((n, 4), np.int32),
+                    pos_weight=np.zeros((n, 4), np.float32),
+                    rope_hw=np.zeros((n, 2), np.int32), segment=np.zeros(n, np.int32))),
+                background=True, donate=()))
+    if pcfg.num_checkpoint_slots:
+        specs.append(ExecutableSpec(
+            StepKey(StepKind.RESTORE, 1), bind(restore_step, pcfg=pcfg),
+            (pools, RestoreInputs(ckpt_slot=one, slot=one,
+                                  prefix_ids=np.zeros((1, pcfg.max_seq_len), np.int32),
+                                  prefix_len=one, copy_src=one, copy_dst=one)),
+            background=True))
+        specs += _image_executables(pcfg, pools)
+    specs += [decode(b) for b in range(2, bmax + 1)]
+    return specs
+
+
+def _image_executables(pcfg: ProgramConfig, pools: Pools) -> list[ExecutableSpec]:
+    """The copies between checkpoints and the host (the context store's offload/reload)."""
+    g, one = PAGE_GROUP, np.zeros(1, np.int32)
+    pages = np.zeros(g, np.int32)
+    kv = [jax.ShapeDtypeStruct((g, *shape), dtype) for shape, dtype in page_parts(pools, pcfg)]
+    image = [jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype) for a in image_pools(pools)]
+    return [
+        ExecutableSpec(StepKey(StepKind.EXPORT_PAGES, g), bind(export_pages_step, pcfg=pcfg),
+                       (pools, PageRows(pages)), background=True),
+        ExecutableSpec(StepKey(StepKind.EXPORT_STATE, 1), export_state_step,
+                       (pools, StateRow(one)), background=True),
+        ExecutableSpec(StepKey(StepKind.IMPORT_PAGES, g), bind(import_pages_step, pcfg=pcfg),
+                       (pools, PageImport(pages, *kv)), background=True),
+        ExecutableSpec(StepKey(StepKind.IMPORT_STATE, 1), import_state_step,
+                       (pools, StateImport(one, *image)), background=True)]
