@@ -114,8 +114,8 @@ class Engine:
         media_fetch_timeout_s: http(s) image URLs are fetched within it, up to 64 MiB each
         (0, the default: never)."""
         from ninfer_jax.compile_cache import ensure_persistent_cache
-        from ninfer_jax.loader import load_model
-        from ninfer_jax.program.config import ProgramConfig
+        from ninfer_jax.loader import host_placement, load_model
+        from ninfer_jax.program.config import ProgramConfig, engine_pools
         from ninfer_jax.program.program import Program
 
         if not isinstance(verify_weights, bool):
@@ -154,11 +154,14 @@ class Engine:
         if drafter is not None and given.get("speculative") != "dflash":
             raise ConfigError("drafter is for speculative='dflash'")
         pcfg = ProgramConfig(max_concurrency=max_concurrency, **given)  # validates every value
-        defaults = {"num_pages": 2 * max_concurrency * pcfg.max_pages_per_seq,
-                    "num_checkpoint_slots": 4 * max_concurrency if core_config.prefix_reuse else 0}
+        defaults = engine_pools(pcfg, core_config.prefix_reuse)
         pcfg = dataclasses.replace(pcfg, **{k: v for k, v in defaults.items() if k not in given})
         placement = None
-        if pcfg.tensor_parallel > 1:  # each weight straight to its devices, split
+        if pcfg.resolved_layer_loop() == "unrolled":
+            # kept on the host: the Program sends each layer's weights to the devices as their
+            # own arrays (slicing stacked device arrays would hold every weight twice)
+            placement = host_placement
+        elif pcfg.tensor_parallel > 1:  # each weight straight to its devices, split
             from ninfer_jax.loader import model_config
             from ninfer_jax.program import sharding
 

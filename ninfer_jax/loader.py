@@ -90,6 +90,11 @@ def _device_put(_path: tuple[str, ...], host: np.ndarray) -> jax.Array:
     return jax.device_put(host).block_until_ready()
 
 
+def host_placement(_path: tuple[str, ...], host: np.ndarray) -> np.ndarray:
+    """A placement that keeps every leaf on the host (the caller sends it to devices)."""
+    return host
+
+
 def load_model(path: str | pathlib.Path | None = None, dtype: str = "float32",
                verify: bool = True, placement: Placement | None = None,
                quantize: str | None = None) -> LoadedModel:
@@ -110,8 +115,8 @@ def load_model(path: str | pathlib.Path | None = None, dtype: str = "float32",
     if quantize is None:
         return load_params(DEFAULT_MODEL if path is None else path, dtype, placement,
                            verify=verify)
-    loaded = load_params(DEFAULT_MODEL if path is None else path, dtype,
-                         lambda _path, host: host, verify=verify)
+    loaded = load_params(DEFAULT_MODEL if path is None else path, dtype, host_placement,
+                         verify=verify)
     place = placement if placement is not None else _device_put
     flat, treedef = jax.tree_util.tree_flatten_with_path(
         quant.quantize_params(loaded.params, quantize))

@@ -207,7 +207,7 @@ def _plan() -> int:
 
     from ninfer_jax.models.qwen3_6.config import ModelConfig
     from ninfer_jax.presets import PRESETS
-    from ninfer_jax.program.config import ProgramConfig
+    from ninfer_jax.program.config import ProgramConfig, engine_pools
     from ninfer_jax.program.plan import format_plan, memory_plan
 
     if (FLAGS.model_preset is None) == (FLAGS.model is None):
@@ -227,9 +227,7 @@ def _plan() -> int:
     pcfg = ProgramConfig(max_concurrency=FLAGS.max_concurrency, max_seq_len=FLAGS.max_seq_len,
                          dtype=dtype, kv_dtype=FLAGS.kv_dtype, attention_impl="reference",
                          gdn_impl="reference", **settings)
-    # what Engine.open allocates by default: two sequences' pages a lane, 4 checkpoints a lane
-    pcfg = dataclasses.replace(pcfg, num_pages=2 * pcfg.max_concurrency * pcfg.max_pages_per_seq,
-                               num_checkpoint_slots=4 * pcfg.max_concurrency)
+    pcfg = dataclasses.replace(pcfg, **engine_pools(pcfg))  # what Engine.open allocates
     plan = memory_plan(cfg, pcfg, tensor_parallel=FLAGS.tensor_parallel,
                        device_bytes=int(FLAGS.device_gb * 1e9), quantize=FLAGS.quantize)
     print(format_plan(name, cfg, pcfg, plan, FLAGS.quantize))

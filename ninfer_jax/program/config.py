@@ -24,13 +24,20 @@ def platform_defaults(platform: str) -> dict[str, str]:
     "gpu", "tpu"). GPU: bf16 weights, activations and K/V (matmuls accumulate in fp32, GDN state
     stays fp32) and the Pallas (Triton) attention and GDN kernels. CPU: fp32, since XLA:CPU has
     no bf16 dot (bf16 operands are upcast every step), and the jnp references. TPU: bf16 with
-    the jnp references (the kernels are Triton-only). The layer loop: unrolled on CPU (XLA:CPU
-    copies a weight sliced from a stacked buffer in a loop), a scan elsewhere (compile time)."""
+    the jnp references (the kernels are Triton-only). The layer loop: unrolled on CPU and GPU,
+    a scan on TPU (not measured there). A scan indexes each layer's weights in a stacked buffer,
+    and XLA copies such a slice before the matmul reads it: XLA:CPU always, and XLA:GPU for
+    most of the 27B's weights (its sm_90 decode step copied 45 of the 47.7 GiB it reads, and
+    the 35B-A3B's 1.25 of 5.5 GiB: `scripts/cuda_compile_check.py`), so a step moves them two
+    or three times. Unrolled, each layer's weights are arguments of their own: no copy, for
+    2-3x the compile time (27B decode 22.5 s against 7.0 s for sm_90 on 2 CPU cores)."""
     if platform == "cpu":
         return {"dtype": "float32", "attention_impl": "reference", "gdn_impl": "reference",
                 "layer_loop": "unrolled"}
-    kernels = "pallas" if platform == "gpu" else "reference"
-    return {"dtype": "bfloat16", "attention_impl": kernels, "gdn_impl": kernels,
+    if platform == "gpu":
+        return {"dtype": "bfloat16", "attention_impl": "pallas", "gdn_impl": "pallas",
+                "layer_loop": "unrolled"}
+    return {"dtype": "bfloat16", "attention_impl": "reference", "gdn_impl": "reference",
             "layer_loop": "scan"}
 
 
@@ -41,6 +48,14 @@ def resolve_dtype(dtype: str) -> str:
     import jax
 
     return platform_defaults(jax.default_backend())["dtype"]
+
+
+def engine_pools(pcfg: ProgramConfig, prefix_reuse: bool = True) -> dict[str, int]:
+    """The pool sizes Engine.open gives a Program it is not told otherwise: two sequences'
+    pages a lane and, with prefix reuse, four checkpoint slots a lane (`ninfer plan` and the
+    GPU compile check size theirs the same way)."""
+    return {"num_pages": 2 * pcfg.max_concurrency * pcfg.max_pages_per_seq,
+            "num_checkpoint_slots": 4 * pcfg.max_concurrency if prefix_reuse else 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +79,9 @@ class ProgramConfig:
     # token decode and verify); "auto" as attention_impl
     gdn_impl: str = AUTO
     num_checkpoint_slots: int = 0  # GDN state images of prefix checkpoints (0 = no reuse)
-    # "unrolled": one weight array per layer, a Python loop (fastest steps on XLA:CPU, slower
-    # compiles); "scan": lax.scan over stacked weights; "auto": unrolled on CPU, scan elsewhere.
+    # "unrolled": one weight array per layer, a Python loop (no layer's weights copied before
+    # its matmul, slower compiles); "scan": lax.scan over stacked weights; "auto":
+    # `platform_defaults` (unrolled on CPU and GPU, scan on TPU).
     layer_loop: str = "auto"
     background_compile: bool = True  # compile all but the prefill step on a background thread
     # "mtp": every decode round drafts `num_speculative_tokens` tokens with the model's MTP

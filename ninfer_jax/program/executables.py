@@ -50,7 +50,7 @@ class StepKey:
     length: int = 0  # tokens per row, where the kind's shape is not fixed by the ProgramConfig
 
 
-def _abstract(tree: Any, mesh: Mesh | None = None) -> Any:
+def abstract_args(tree: Any, mesh: Mesh | None = None) -> Any:
     """Shapes only (no buffer is kept). On a mesh every leaf carries its placement: a device
     array or a placed ShapeDtypeStruct its own, a host array (a step's inputs) replicated on
     every device."""
@@ -65,13 +65,13 @@ def _abstract(tree: Any, mesh: Mesh | None = None) -> Any:
     return jax.tree.map(placed, tree)
 
 
-def _on(mesh: Mesh | None):
+def on_mesh(mesh: Mesh | None):
     """The context a step is traced in: its mesh (kernels that run per device read it, see
     `pools.attention`), or none."""
     return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
-def _jit(fn: Callable, abstract: tuple, donate: tuple[str, ...], mesh: Mesh | None) -> Any:
+def jit_step(fn: Callable, abstract: tuple, donate: tuple[str, ...], mesh: Mesh | None) -> Any:
     """fn jitted with `donate` donated. On a mesh its outputs are placed as its inputs: a
     returned Pools as the Pools it took (so the donated buffers alias and the next step takes
     them as they are), everything else replicated."""
@@ -118,7 +118,7 @@ class ExecutableTable:
         """Lowers `fn(*example_args)` for those shapes with the `donate` arguments donated and
         stores it; with `background`, on the table's compile thread (keys compile in the order
         given)."""
-        abstract = tuple(_abstract(a, self.mesh) for a in example_args)
+        abstract = tuple(abstract_args(a, self.mesh) for a in example_args)
         if not background:
             self._table[key] = self._build(key, fn, abstract, donate)
             return
@@ -211,8 +211,8 @@ def _build(fn: Callable, abstract: tuple, donate: tuple[str, ...],
            mesh: Mesh | None) -> tuple[Callable, float]:
     """(the executable of fn for those shapes with `donate` donated, compile seconds)."""
     start = time.perf_counter()
-    with _on(mesh):
-        executable = _jit(fn, abstract, donate, mesh).lower(*abstract).compile()
+    with on_mesh(mesh):
+        executable = jit_step(fn, abstract, donate, mesh).lower(*abstract).compile()
     return executable, time.perf_counter() - start
 
 

@@ -37,7 +37,6 @@ from ninfer_jax.program.executable_specs import (
 )
 from ninfer_jax.program.executables import ExecutableTable, StepKey, StepKind
 from ninfer_jax.program.host import (
-    GREEDY,
     CheckpointImage,
     CheckpointRecord,
     HostProgram,
@@ -60,6 +59,7 @@ from ninfer_jax.program.steps import (
     VisionEncodeInputs,
 )
 from ninfer_jax.progress import bar
+
 
 class Program(HostProgram):
     """Pools, allocators, sequences and the compiled steps of one model package."""
@@ -99,9 +99,9 @@ class Program(HostProgram):
         # The vision path: a tower whose special tokens are in the vocabulary, and buckets.
         self.vision_on = vision_on(cfg, pcfg, params)
         unrolled = pcfg.resolved_layer_loop() == "unrolled"
-        if self.mesh is None:
-            params = quant.cast_params(params, pcfg.dtype)
-            self.params = unstack_layers(params, cfg) if unrolled else params
+        if self.mesh is None:  # layers split first: host params become per-layer device arrays
+            self.params = quant.cast_params(unstack_layers(params, cfg) if unrolled else params,
+                                            pcfg.dtype)
         else:  # each leaf cast and sent to its devices in turn (per layer when unrolled)
             self.params = place_params(
                 params, cfg, self.mesh, pcfg.dtype, pcfg.moe_sharding,

@@ -23,7 +23,14 @@ import jax.numpy as jnp
 from ninfer_jax.models.qwen3_6.attention import CausalKV, KVAccess, attention_mixer
 from ninfer_jax.models.qwen3_6.config import FULL, LINEAR, ModelConfig
 from ninfer_jax.models.qwen3_6.gdn import GDNState, gdn_mixer
-from ninfer_jax.models.qwen3_6.layers import layer_params, linear32, mlp, rms_norm, rope_cos_sin
+from ninfer_jax.models.qwen3_6.layers import (
+    embed_rows,
+    layer_params,
+    linear32,
+    mlp,
+    rms_norm,
+    rope_cos_sin,
+)
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -200,7 +207,7 @@ def step(params: dict, cfg: ModelConfig, token_ids: jax.Array, start_pos: jax.Ar
     positions = start_pos[:, None] + jnp.arange(token_ids.shape[1], dtype=jnp.int32)[None, :]
     if rope_positions is not None:
         positions = rope_positions
-    h = params["embed"][token_ids]
+    h = embed_rows(params["embed"], token_ids)
     if vision_embeds is not None:
         h = jnp.where(vision_mask[..., None], vision_embeds.astype(h.dtype), h)
     layers_fn = run_layers_unrolled if "layers" in params else run_layers

@@ -24,7 +24,14 @@ import jax.numpy as jnp
 
 from ninfer_jax.models.qwen3_6.attention import KVAccess, attention_mixer
 from ninfer_jax.models.qwen3_6.config import ModelConfig
-from ninfer_jax.models.qwen3_6.layers import dense, layer_params, mlp, rms_norm, rope_cos_sin
+from ninfer_jax.models.qwen3_6.layers import (
+    dense,
+    embed_rows,
+    layer_params,
+    mlp,
+    rms_norm,
+    rope_cos_sin,
+)
 from ninfer_jax.models.qwen3_6.model import lm_head
 
 
@@ -52,7 +59,7 @@ def mtp_hidden(params: dict, cfg: ModelConfig, hidden: jax.Array, next_token_ids
     eps = cfg.rms_norm_eps
     positions = start_pos[:, None] + jnp.arange(hidden.shape[1], dtype=jnp.int32)[None, :]
     cos, sin = rope_cos_sin(positions, cfg)
-    emb = rms_norm(params["embed"][next_token_ids], p["embed_norm"], eps)
+    emb = rms_norm(embed_rows(params["embed"], next_token_ids), p["embed_norm"], eps)
     h = dense(jnp.concatenate([emb, rms_norm(hidden, p["hidden_norm"], eps)], axis=-1), p["fc"])
 
     def layer_fn(carry, layer):
