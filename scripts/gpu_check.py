@@ -20,8 +20,12 @@ Without a GPU backend (and without --cpu_smoke) it says it needs a GPU and exits
    both times, and both against the floor of the bytes the state and inputs must move. The
    fused-dequantize matmul (`pallas_kernels.quant_matmul`) with int8, int4 and FP8 weights at
    the 27B's MLP up-projection (17408 x 5120; dims rounded up to 128 at tiny sizes), and FP8
-   x FP8 (`fp8_activations`, Hopper), B = max concurrency bf16 rows, against its jnp reference: relative error, both times, the kernel
-   against the floor of the weight's bytes.
+   x FP8 (`fp8_activations`, Hopper), B = max concurrency bf16 rows, against its jnp
+   reference: relative error, both times, the kernel against the floor of the weight's bytes.
+   The grouped matmul (`pallas_kernels.grouped_matmul` through `layers.experts_kernel`) at the
+   35B-A3B's expert dims with bf16, int4 and FP8 experts, decode-sized (B = max concurrency
+   tokens) and prefill-sized random top-k routing, against the jnp gather path: error, both
+   times, the kernel against the floor of the selected experts' bytes.
 2. Decode (B = 1 and max B) and MTP verify rounds (K drafts) of the 27B and 35B-A3B presets
    through the real Program (bf16, random weights of the real per-layer shapes), cut to
    `--layers` layers (every 4th full attention). A round is the suite helper
@@ -80,8 +84,10 @@ from scripts.benchmarks._spec_sides import RoundSide, _prefill, program_config
 H200_HBM_GBPS = 4800.0  # H200 HBM3e, 4.8 TB/s
 TOLERANCES = {"float32": 1e-5, "bfloat16": 2e-2}  # atol and rtol, as tests/pallas_kernels'
 EXPECTED_DEFAULTS = {
-    "gpu": {"dtype": "bfloat16", "attention_impl": "pallas", "gdn_impl": "pallas"},
-    "cpu": {"dtype": "float32", "attention_impl": "reference", "gdn_impl": "reference"}}
+    "gpu": {"dtype": "bfloat16", "attention_impl": "pallas", "gdn_impl": "pallas",
+            "layer_loop": "unrolled"},
+    "cpu": {"dtype": "float32", "attention_impl": "reference", "gdn_impl": "reference",
+            "layer_loop": "unrolled"}}
 
 CPU_SMOKE = flags.DEFINE_bool("cpu_smoke", False, "run at tiny sizes on CPU (kernels interpreted)")
 SCALE = flags.DEFINE_enum("scale", None, ["full", "tiny"],
@@ -275,7 +281,8 @@ def kernel_result(entry, args: tuple, dtype: str, reps: int) -> tuple[str, str]:
     tol = TOLERANCES[dtype]
     ok = bool(np.all(np.isfinite(out["pallas"]))) and np.allclose(
         out["pallas"], out["reference"], atol=tol, rtol=tol)
-    ms = {impl: 1e3 * median_seconds(lambda f=f: jax.block_until_ready(f(*args)), 4 * reps)
+    ms = {impl: 1e3 * median_seconds(
+                    lambda f=f, args=args: jax.block_until_ready(f(*args)), 4 * reps)
           for impl, f in fns.items()}
     result = (f"max abs err {err:.2e} (tol {tol:g}); kernel {ms['pallas']:.3f} ms, reference "
               f"{ms['reference']:.3f} ms ({ms['reference'] / ms['pallas']:.2f}x)")
@@ -385,6 +392,60 @@ def quant_rows(cfg: ModelConfig, batch: int, reps: int, gbps: float) -> list[tup
                   f"({ms['pallas'] / floor:.2f}x floor), jnp {ms['reference']:.3f} ms; floor "
                   f"{floor:.4f} ms ({_bytes(moved)} at {gbps:g} GB/s)")
         rows.append(("1 quant matmul", case, result, "pass" if err <= 2e-2 else "FAIL"))
+    return rows
+
+
+def grouped_rows(cfg: ModelConfig, batch: int, tokens: int, reps: int,
+                 gbps: float) -> list[tuple]:
+    """An MoE layer's routed experts through the Pallas grouped matmul (`layers.
+    experts_kernel`: the fused SwiGLU then down over rows sorted by expert) against the gather
+    path (`experts_on_cpu`, jnp) at `cfg`'s expert dims, bf16, int4 and FP8 experts, random
+    top-k routing of `batch` (decode) and `tokens` (prefill) tokens. Each row: max relative
+    error, both times, the kernel against the floor of the selected experts' bytes."""
+    from ninfer_jax import quant
+    from ninfer_jax.models.qwen3_6.layers import experts_kernel, experts_on_cpu
+
+    e, h, i_dim, k = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                      cfg.num_experts_per_tok)
+    interpret = jax.default_backend() == "cpu"
+    rng = np.random.default_rng(1)
+    weights = {"gate": (e, i_dim, h), "up": (e, i_dim, h), "down": (e, h, i_dim)}
+    floats = {n: (rng.standard_normal(s) * 0.02).astype(np.float32) for n, s in weights.items()}
+    rows = []
+    for method in (None, "int4", "fp8"):
+        if method is None:
+            ex = {n: jnp.asarray(w, jnp.bfloat16) for n, w in floats.items()}
+        else:
+            ex = {n: jax.tree.map(jnp.asarray, quant.fp8_blocks(w) if method == "fp8"
+                                  else quant.quantize_int(w, method))
+                  for n, w in floats.items()}
+        per_expert = sum(quant.weight_bytes({"w": w}) for w in ex.values()) / e
+        for n in (batch, tokens):
+            x = jnp.asarray(rng.standard_normal((n, h)), jnp.bfloat16)
+            probs = jax.nn.softmax(jnp.asarray(rng.standard_normal((n, e)), jnp.float32))
+            top_w, top_i = jax.lax.top_k(probs, k)
+            top_w = (top_w / top_w.sum(-1, keepdims=True)).astype(jnp.bfloat16)
+            args = (ex, x, top_i, top_w)
+            case = f"{method or 'bf16'} experts [{e}, {i_dim}, {h}], {n} tokens top-{k}"
+            fns = {"pallas": jax.jit(functools.partial(experts_kernel, interpret=interpret)),
+                   "jnp": jax.jit(experts_on_cpu)}
+            try:
+                out = {impl: np.asarray(jax.block_until_ready(f(*args)), np.float32)
+                       for impl, f in fns.items()}
+                err = float(np.max(np.abs(out["pallas"] - out["jnp"]))
+                            / np.max(np.abs(out["jnp"])))
+                ms = {impl: 1e3 * median_seconds(
+                    lambda f=f, args=args: jax.block_until_ready(f(*args)),
+                    4 * reps) for impl, f in fns.items()}
+            except Exception as exc:  # noqa: BLE001
+                rows.append(("1 grouped matmul", case, failure(exc), "FAIL"))
+                continue
+            selected = len(np.unique(np.asarray(top_i)))
+            floor = 1e3 * selected * per_expert / (gbps * 1e9)
+            result = (f"max rel err {err:.2e} (tol 2e-2); kernel {ms['pallas']:.3f} ms "
+                      f"({ms['pallas'] / floor:.2f}x the floor of {selected} experts' "
+                      f"{_bytes(selected * per_expert)}), jnp gather/dense {ms['jnp']:.3f} ms")
+            rows.append(("1 grouped matmul", case, result, "pass" if err <= 2e-2 else "FAIL"))
     return rows
 
 
@@ -607,11 +668,10 @@ def defaults_row() -> tuple:
     got = platform_defaults(backend)
     pcfg = ProgramConfig()
     resolved = {"dtype": pcfg.dtype, "attention_impl": pcfg.attention_impl,
-                "gdn_impl": pcfg.gdn_impl}
+                "gdn_impl": pcfg.gdn_impl, "layer_loop": pcfg.resolved_layer_loop()}
     want = EXPECTED_DEFAULTS.get(backend)
     ok = want is not None and got == want == resolved
-    result = (f"platform_defaults: {got}; ProgramConfig() resolves {resolved}, layer_loop "
-              f"{pcfg.resolved_layer_loop()}")
+    result = f"platform_defaults: {got}; ProgramConfig() resolves {resolved}"
     return ("5 platform defaults", f"backend {backend} ({jax.devices()[0].device_kind})", result,
             "pass" if ok else "FAIL")
 
@@ -629,7 +689,8 @@ def run(s: Sizes, scale: str, reps: int, gbps: float) -> int:
     log("row 1: decode kernel against the reference")
     rows[:0] = kernel_rows(s.kernel, reps) + gdn_rows(
         s.models[0][1], s.max_concurrency, s.prompt_len, reps, gbps) + quant_rows(
-        s.models[0][1], s.max_concurrency, reps, gbps)
+        s.models[0][1], s.max_concurrency, reps, gbps) + grouped_rows(
+        s.models[1][1], s.max_concurrency, s.prompt_len, reps, gbps)
     built = build_all(s, reps)
     compile_wall = time.perf_counter() - start
     rows += [executables_row(b) for b in built]

@@ -27,7 +27,7 @@ from ninfer_jax.models.qwen3_6 import ModelConfig
 from ninfer_jax.models.qwen3_6.model import unstack_layers
 from ninfer_jax.program.config import ProgramConfig, platform_defaults
 from ninfer_jax.program.executable_specs import program_executables
-from ninfer_jax.program.executables import StepKey, _abstract, _jit, _on
+from ninfer_jax.program.executables import StepKey, abstract_args, jit_step, on_mesh
 from ninfer_jax.program.pools import Pools
 from ninfer_jax.program.sharding import AXIS, param_shardings, pool_shardings, tp_mesh
 from pallas_kernels.target import HOPPER
@@ -128,7 +128,6 @@ class Compiled:
     compile_s: float = 0.0
     argument_bytes: int = 0
     output_bytes: int = 0
-    alias_bytes: int = 0  # outputs that alias donated arguments (the pools)
     temp_bytes: int = 0
     findings: Any = None
 
@@ -149,11 +148,11 @@ class AotTable:
 
     def compile(self, key: StepKey, fn: Callable, *example_args: Any,
                 background: bool = False, donate: tuple[str, ...] = ("pools",)) -> None:
-        abstract = tuple(_abstract(a, self.mesh) for a in example_args)
+        abstract = tuple(abstract_args(a, self.mesh) for a in example_args)
         start = time.perf_counter()
         try:
-            with _on(self.mesh):
-                lowered = _jit(fn, abstract, donate, self.mesh).trace(*abstract).lower(
+            with on_mesh(self.mesh):
+                lowered = jit_step(fn, abstract, donate, self.mesh).trace(*abstract).lower(
                     lowering_platforms=(self.platform,))
                 if not self._compile:
                     self.texts[key] = lowered.as_text()
@@ -169,7 +168,6 @@ class AotTable:
             result = Compiled(key, ok=True, compile_s=seconds,
                               argument_bytes=int(m.argument_size_in_bytes),
                               output_bytes=int(m.output_size_in_bytes),
-                              alias_bytes=int(m.alias_size_in_bytes),
                               temp_bytes=int(m.temp_size_in_bytes), findings=findings)
         self.results[key] = result
         if self._on_result is not None:

@@ -1,0 +1,122 @@
+"""Run by `test_cuda_compile.py` with the python of a venv that has jax's CUDA plugin: compiles
+for sm_90 (compile-only H200 devices) and prints one JSON object.
+
+    python tests/program/cuda_compile_worker.py programs | kernels
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+import dataclasses
+import itertools
+import json
+import pathlib
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+from jax.sharding import SingleDeviceSharding
+
+from ninfer_jax.program import hlo
+from ninfer_jax.program.aot import compile_all, gpu_devices
+from ninfer_jax.program.config import ProgramConfig
+from ninfer_jax.testing import tiny_dense, tiny_moe
+
+
+def programs() -> dict:
+    """A tiny dense and a tiny MoE Program (MTP K = 2 on the dense one, INT8 pages on the MoE
+    one; the MoE one with either layer loop: per-layer weights, the GPU's default, and a scan
+    handing kernels their stacked weights), every executable compiled: ok, Triton kernels,
+    expert-by-token tensors."""
+    out = {}
+    base = ProgramConfig(max_concurrency=2, max_seq_len=128, num_pages=32, page_size=16,
+                         prefill_chunk=32, dtype="bfloat16", attention_impl="pallas",
+                         gdn_impl="pallas", layer_loop="unrolled", num_checkpoint_slots=2)
+    moe = dataclasses.replace(base, kv_dtype="int8")
+    cases = {"dense": (tiny_dense(mtp_num_layers=1), dataclasses.replace(
+                 base, speculative="mtp", num_speculative_tokens=2)),
+             "moe": (tiny_moe(), moe),
+             "moe scan": (tiny_moe(), dataclasses.replace(moe, layer_loop="scan"))}
+    for name, (cfg, pcfg) in cases.items():
+        def inspect(key, text, cfg=cfg):
+            module = hlo.parse(text)
+            found = hlo.expert_by_token(module, cfg.num_experts or 0,
+                                        {1, 2, 3, 4, 6, 32, 64}) if cfg.num_experts else []
+            return {"kernels": hlo.triton_kernels(module), "expert_by_token": found}
+
+        results = compile_all(cfg, pcfg, gpu_devices("h200"), inspect=inspect)
+        out[name] = [{"key": f"{r.key.kind.value}[{r.key.batch}]", "ok": r.ok,
+                      "error": r.error[:300], "temp_bytes": r.temp_bytes,
+                      **(r.findings or {})} for r in results]
+    return out
+
+
+def kernels() -> dict:
+    """The paged attention kernels (decode and prefill, float and INT8 pages) across fp32 and
+    bf16, head_dim 64..256, GQA groups 1..8 and page sizes 16..128, and the grouped matmul with
+    float and quantized experts: compiled for sm_90 with the block sizes the kernels pick."""
+    from ninfer_jax import quant
+    from pallas_kernels.grouped_matmul import grouped_matmul
+    from pallas_kernels.paged_attention import paged_attention_decode, paged_attention_prefill
+
+    device = SingleDeviceSharding(gpu_devices("h200")[0])
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=device)
+
+    def compiles(fn, *args) -> str:
+        try:
+            jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compile()
+            return "ok"
+        except Exception as e:  # noqa: BLE001 - the failure is the result
+            m = re.search(r"Shared memory size limit exceeded[^\n]*", str(e))
+            return m.group(0) if m else str(e).splitlines()[0][:200]
+
+    out = {}
+    grid = itertools.product(("float32", "bfloat16"), (64, 128, 256), (1, 8), (16, 128))
+    for dtype, head_dim, group, page in grid:
+        kv, b, t, pages, width = 2, 2, 32, 40, 16
+        dt = jnp.dtype(dtype)
+        k_pages = spec((pages, page, kv, head_dim), dt)
+        table, lens = spec((b, width), jnp.int32), spec((b,), jnp.int32)
+        q1 = spec((b, group * kv, head_dim), dt)
+        qt = spec((b, t, group * kv, head_dim), dt)
+        chunk = spec((b, t, kv, head_dim), dt)
+        tag = f"{dtype} D={head_dim} G={group} page={page}"
+        out[f"decode {tag}"] = compiles(
+            lambda *a: paged_attention_decode(*a, impl="pallas"), q1, k_pages, k_pages, table,
+            lens)
+        out[f"prefill {tag}"] = compiles(
+            lambda *a: paged_attention_prefill(*a, impl="pallas"), qt, k_pages, k_pages, table,
+            lens, chunk, chunk, lens)
+    int8 = spec((40, 128, 2, 256), jnp.int8)
+    scales = spec((40, 128, 2), jnp.float32)
+    for dtype in ("float32", "bfloat16"):
+        dt = jnp.dtype(dtype)
+        out[f"decode int8 pages {dtype} D=256 G=8 page=128"] = compiles(
+            lambda *a: paged_attention_decode(*a, impl="pallas"), spec((2, 16, 256), dt), int8,
+            int8, spec((2, 16), jnp.int32), spec((2,), jnp.int32), scales, scales)
+    e, n, k = 16, 128, 256
+    for method in (None, "int8", "int4", "fp8"):
+        w = jnp.zeros((2, e, n, k), jnp.float32)
+        if method is not None:
+            w = quant.fp8_blocks(w) if method == "fp8" else quant.quantize_int(w, method)
+        w = jax.tree.map(lambda a: spec(a.shape, a.dtype), w)
+        for rows in (4, 512):
+            out[f"grouped {method or 'bf16'} rows={rows}"] = compiles(
+                lambda x, w, ids, sizes, layer: grouped_matmul(x, w, sizes, w_up=w,
+                                                               row_ids=ids, layer=layer),
+                spec((rows // 2, k), jnp.bfloat16), w, spec((rows,), jnp.int32),
+                spec((e,), jnp.int32), spec((1,), jnp.int32))
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps({"programs": programs, "kernels": kernels}[sys.argv[1]]()))
