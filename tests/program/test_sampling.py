@@ -51,8 +51,11 @@ def _step(logits, arrays, output_counts, prompt_mask, step_index):
 
 
 step = jax.jit(_step)
-jit_sample = jax.jit(sample)
-jit_mask = jax.jit(truncation_mask)
+jit_sample = jax.jit(sample, static_argnames="candidates")
+jit_mask = jax.jit(truncation_mask, static_argnames="candidates")
+# Candidate counts: every token (top-k / top-p always settled among them), and a few, so rows
+# whose kept set is wider take the full sort and draw over the whole vocabulary.
+CANDIDATE_COUNTS = [V, 6]
 
 
 def _rows(n: int, **settings_) -> SamplingArrays:
@@ -112,8 +115,9 @@ def _reference_mask(scaled: np.ndarray, top_k: int, top_p: float, min_p: float):
     return keep, ambiguous
 
 
+@pytest.mark.parametrize("candidates", CANDIDATE_COUNTS)
 @pytest.mark.parametrize("tied", [False, True])
-def test_truncation_sets_match_numpy_reference(tied):
+def test_truncation_sets_match_numpy_reference(tied, candidates):
     rng = np.random.default_rng(2 + tied)
     b = 8
     for _ in range(6):
@@ -131,14 +135,15 @@ def test_truncation_sets_match_numpy_reference(tied):
                 for k, p, m in zip(top_k, top_p, min_p)
             ]
         )
-        got = np.asarray(jit_mask(scaled, arrays))
+        got = np.asarray(jit_mask(scaled, arrays, candidates=candidates))
         for r in range(b):
             want, ambiguous = _reference_mask(scaled[r], top_k[r], top_p[r], min_p[r])
             np.testing.assert_array_equal(got[r][~ambiguous], want[~ambiguous])
             assert got[r][np.argmax(scaled[r])]  # the top token always stays
 
 
-def test_boundary_ties_are_kept_together():
+@pytest.mark.parametrize("candidates", [V, 2])
+def test_boundary_ties_are_kept_together(candidates):
     probs = np.array([0.4, 0.2, 0.2, 0.1, 0.1] + [0.0] * 3)
     scaled = np.log(np.maximum(probs, 1e-30)).astype(np.float32)[None]
     scaled -= scaled.max()
@@ -155,7 +160,7 @@ def test_boundary_ties_are_kept_together():
     ]
     for (k, p, m), kept in cases:
         arrays = sampling_arrays([{"top_k": k, "top_p": p, "min_p": m, "seed": 0}])
-        got = np.flatnonzero(np.asarray(jit_mask(scaled, arrays))[0])
+        got = np.flatnonzero(np.asarray(jit_mask(scaled, arrays, candidates=candidates))[0])
         assert got.tolist() == kept, (k, p, m)
 
 
@@ -227,6 +232,38 @@ def test_skipping_the_sort_keeps_the_same_set_and_token():
         assert float(a.logprobs[0]) == float(b.logprobs[0])
 
 
+def test_candidates_and_full_vocabulary_draw_the_same_token():
+    """Top-k/top-p settled among a few candidates (and the draw taken over them) or over the
+    whole vocabulary: the same kept set and the same token, row by row, in any batch."""
+    rng = np.random.default_rng(8)
+    b = 8
+    rows = [{"temperature": 0.7, "top_p": 0.5, "seed": 1},  # narrow: settled by candidates
+            {"temperature": 1.0, "top_k": 3, "seed": 2},
+            {"temperature": 1.0, "top_p": 0.99, "seed": 3},  # wide: the sort and the vocabulary
+            {"temperature": 0.8, "min_p": 0.3, "seed": 4},  # min-p drops the last candidate
+            {"temperature": 1.2, "seed": 5},  # nothing filters: the vocabulary
+            {"temperature": 0.0},
+            {"temperature": 0.9, "top_k": 20, "top_p": 0.9, "seed": 6},  # top-k above them
+            {"temperature": 0.5, "top_k": 2, "top_p": 0.3, "min_p": 0.1, "seed": 7}]
+    arrays = sampling_arrays(rows)
+    narrow = sampling_arrays([rows[0], rows[1], rows[3], rows[5]] * 2)
+    for trial in range(10):
+        logits = (rng.standard_normal((b, V)) * rng.choice([1.0, 4.0])).astype(np.float32)
+        steps = np.arange(b, dtype=np.int32) + 10 * trial
+        scaled = np.asarray(jax.vmap(lambda r, t: (r - r.max()) / jnp.where(t > 0, t, 1.0))(
+            logits, arrays.temperature))
+        full = np.asarray(jit_mask(scaled, arrays, candidates=V))
+        few = np.asarray(jit_mask(scaled, arrays, candidates=4))
+        np.testing.assert_array_equal(few, full)
+        want = np.asarray(jit_sample(logits, arrays, steps, candidates=V).tokens)
+        got = np.asarray(jit_sample(logits, arrays, steps, candidates=4).tokens)
+        np.testing.assert_array_equal(got, want)
+        # A batch whose sampled rows all keep fewer than the candidates draws over them only.
+        idx = [0, 1, 3, 5, 0, 1, 3, 5]
+        alone = np.asarray(jit_sample(logits[idx], narrow, steps[idx], candidates=4).tokens)
+        np.testing.assert_array_equal(alone, want[idx])
+
+
 # ---------------------------------------------------------------- draw frequencies
 
 
@@ -241,12 +278,14 @@ def test_skipping_the_sort_keeps_the_same_set_and_token():
         {"temperature": 1.3, "top_k": 6, "top_p": 0.9, "min_p": 0.05},
     ],
 )
-def test_draw_frequencies_match_the_filtered_distribution(row):
+@pytest.mark.parametrize("candidates", [8, 3])
+def test_draw_frequencies_match_the_filtered_distribution(row, candidates):
     n, vocab = 20000, 8
     logits = np.array([2.0, 1.5, 1.2, 1.0, 0.3, 0.0, -0.5, -2.0], np.float32)
     arrays = sampling_arrays([dict(row, seed=1234)] * n)
     # One request's stream: n consecutive steps of the same seed.
-    out = jax.jit(sample)(np.broadcast_to(logits, (n, vocab)), arrays, np.arange(n, dtype=np.int32))
+    out = jit_sample(np.broadcast_to(logits, (n, vocab)), arrays, np.arange(n, dtype=np.int32),
+                     candidates=candidates)
     scaled = (logits - logits.max()) / row["temperature"]
     keep, ambiguous = _reference_mask(
         scaled, row.get("top_k", 0), row.get("top_p", 1.0), row.get("min_p", 0.0)
