@@ -37,7 +37,7 @@ _PROGRAM_KEYS = ("page_size", "num_pages", "max_seq_len", "prefill_chunk", "atte
                  "num_speculative_tokens", "draft_head", "max_vision_patches", "tensor_parallel",
                  "moe_sharding")
 DEFAULT_SPECULATIVE_TOKENS = 1  # drafts per round with speculative="mtp" (see WORKSPACE.md)
-_CORE_KEYS = ("max_queue", "queue_timeout_s", "prefix_reuse")
+_CORE_KEYS = ("max_queue", "queue_timeout_s", "prefix_reuse", "overlap")
 _STORE_KEYS = ("context_store", "host_cache_gb", "disk_cache_dir", "redis_url")
 DEFAULT_DFLASH_TOKENS = 8  # drafts per round with speculative="dflash" (see WORKSPACE.md)
 
@@ -93,7 +93,8 @@ class Engine:
         drafter is `drafter` (a DFlash checkpoint directory), else the model's `drafter/`
         directory, else for the embedded model the shipped demo drafter; draft_head "full",
         the default, or "selector": what turns its block into drafts) (Program);
-        max_queue, queue_timeout_s, prefix_reuse (Engine; on by default);
+        max_queue, queue_timeout_s, prefix_reuse (Engine; on by default), overlap (Engine:
+        dispatch a decode round before the last one's output is processed; on by default);
         verify_weights (check digests and finiteness while loading, see `load_model`'s
         `verify`); quantize ("int8" | "int4": quantize a float model's weights as it loads,
         group-wise weight-only, see `ninfer_jax.quant`; an FP8 checkpoint or a quantized

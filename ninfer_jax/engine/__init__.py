@@ -4,7 +4,7 @@ Owns order, lifecycle and publication: the worker thread, FIFO and Scheduler, la
 records and their events. It drives any object with the HostProgram interface.
 """
 
-from ninfer_jax.engine.core import EngineCore, EngineCoreConfig, EngineStats
+from ninfer_jax.engine.core import EngineCore, EngineCoreConfig, EngineStats, RoundStats
 from ninfer_jax.engine.events import (
     Channel,
     Delta,
@@ -24,5 +24,5 @@ __all__ = [
     "AsyncRequestHandle", "AsyncTextStream", "Channel", "Delta", "EngineCore",
     "EngineCoreConfig", "EngineError", "EngineFailedError", "EngineStats", "Finished",
     "FinishReason", "GenerationResult", "GenerationStart", "RejectedError", "RequestHandle",
-    "TextStream", "TokenLogprob", "Usage",
+    "RoundStats", "TextStream", "TokenLogprob", "Usage",
 ]

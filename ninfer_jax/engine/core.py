@@ -57,6 +57,9 @@ class EngineCoreConfig:
     idle_wait_s: float = 0.05
     prefix_reuse: bool = True  # checkpoint prompts and turns; reuse the longest exact prefix
     backfill_window: int = 8  # waiting requests behind a blocked head that may borrow
+    # Dispatch a decode round before the previous round's output is turned into events, so
+    # the host's work per round runs while the device computes (see `_run_unit`).
+    overlap: bool = True
 
     def __post_init__(self):
         for name in ("max_queue", "backfill_window"):
@@ -71,8 +74,27 @@ class EngineCoreConfig:
                     or not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"{name} must be a finite number of seconds > 0, "
                                   f"got {value!r:.40}")
-        if not isinstance(self.prefix_reuse, bool):
-            raise ConfigError(f"prefix_reuse must be a bool, got {self.prefix_reuse!r:.40}")
+        for name in ("prefix_reuse", "overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r:.40}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundStats:
+    """The worker's decode rounds and where its time went in the iterations that ran them."""
+
+    rounds: int = 0  # decode rounds dispatched (an aborted round ahead included)
+    rows: int = 0  # their rows
+    host_s: float = 0.0  # worker time in those iterations, less waiting for a round's tokens
+    wait_s: float = 0.0  # waiting for a round's tokens: the host was ahead of the device
+
+    @property
+    def host_us_per_round(self) -> float:
+        return 1e6 * self.host_s / max(self.rounds, 1)
+
+    @property
+    def host_us_per_row(self) -> float:
+        return 1e6 * self.host_s / max(self.rows, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +121,7 @@ class EngineStats:
     speculative: SpeculativeStats
     transactions: TransactionStats  # resource transitions (`transactions.py`)
     tiers: TierStats  # the context store (tiers=() when the Engine has none)
+    rounds: RoundStats = RoundStats()  # decode rounds and the worker's host time per round
 
     def _repr_html_(self) -> str:
         return display.stats_html(self)
@@ -142,6 +165,11 @@ class EngineCore:
         # while the next round computes, or before anything else is published.
         self._unpublished: list[tuple[RequestRecord, Any, Any]] = []
         self._blocked_on: tuple | None = None  # admission facts of the last failed attempt
+        self._serving = False  # requests outstanding: background compiles are held
+        # A dispatched decode round whose output is not processed yet, and its records: the
+        # next round of the same rows is dispatched before it is (`_run_unit`).
+        self._ahead: tuple[Any, list[RequestRecord]] | None = None
+        self._rounds = [0, 0, 0.0, 0.0]  # RoundStats' fields, as the worker counts them
         self._publish_stats()
         self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
         self._thread.start()
@@ -302,24 +330,39 @@ class EngineCore:
     # One worker iteration (DESIGN §4) ---------------------------------------------------------
     def _iterate(self) -> bool:
         now = time.monotonic()
-        progressed = self._run_commands()
-        progressed |= self._take_inbox()
+        progressed = self._take_inbox()
+        if self._ahead is not None and not self._may_stay_ahead(now):
+            self._land()  # anything but the next round of the same rows: process it first
+        progressed |= self._run_commands()
         progressed |= self._expire_waiting(now)  # 1
         progressed |= self._advance_transitions(now)  # 2
         progressed |= self._advance_offloads()
         progressed |= self._settle_terminal()  # 3
         progressed |= self._freeze_cancellations(now)  # 4
         progressed |= self._try_admission()  # 5
+        self._hold_compiles()
         unit = self.scheduler.next_unit(self._active)  # 6
         if unit is not None:
+            waited = self._rounds[3]
             self._run_unit(unit)  # 7, 8, 9
             progressed = True
+            if isinstance(unit, DecodeUnit):
+                self._rounds[2] += time.monotonic() - now - (self._rounds[3] - waited)
         if not isinstance(unit, DecodeUnit):
             self._publish_committed()  # no round follows at once to overlap it with
             self._publish_stats()
         # A decode iteration published the stats with the previous round's deltas; its own
         # round is counted when its deltas go out, at the start of the next iteration's unit.
         return progressed
+
+    def _hold_compiles(self) -> None:
+        """Background compiles wait while requests are outstanding, so they never take the
+        cores from a step being served; a step whose executable is still queued has it
+        compiled first (`ExecutableTable.hold`)."""
+        serving = bool(self._active or self.scheduler.waiting)
+        if serving != self._serving:
+            self._serving = serving
+            self.program.hold_compiles(serving)
 
     def _run_commands(self) -> bool:
         ran = False
@@ -328,6 +371,7 @@ class EngineCore:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return ran
+            self._land()
             command()
             ran = True
 
@@ -437,9 +481,10 @@ class EngineCore:
 
     def _freeze_cancellations(self, now: float) -> bool:
         changed = False
+        ahead = () if self._ahead is None else self._ahead[1]
         for r in self._active:
-            if r.state not in (S.PREFILL, S.DECODE_READY, S.CONTROL_READY):
-                continue
+            if r.state not in (S.PREFILL, S.DECODE_READY, S.CONTROL_READY) or r in ahead:
+                continue  # a row of the round ahead: its cancel is seen when that round lands
             if r.cancel_requested.is_set():
                 self._terminal(r, FinishReason.CANCELLED)
                 changed = True
@@ -690,6 +735,12 @@ class EngineCore:
             batch = self.program.control(r.seq, r.control, mask)
         else:
             records = list(unit.records)
+            if self._ahead is not None:
+                if self._ahead[1] == records and self._chainable(records, ahead=True):
+                    self._chain(records)
+                    return
+                self._land()  # the round ahead first; the next iteration plans afresh
+                return
             # A row may not run past the point where its Frontend will force control (counting
             # the previous round, committed but not yet published to its session).
             unpublished = {r.request_id: p for r, p, _ in self._unpublished}
@@ -701,17 +752,91 @@ class EngineCore:
             batch = self.program.decode([r.seq for r in records],
                                         None if all(c is None for c in caps) else caps,
                                         None if all(m is None for m in masks) else masks)
+            self._count_round(len(records))
             # The round runs on the device now: publish the previous round's committed output
             # meanwhile (its Program commit is done; reading batch.tokens waits for this one).
             self._publish_committed()
+            if self._chainable(records, ahead=False):
+                self._ahead = (batch, records)  # the next iteration dispatches the next round
+                return
         self._commit_and_publish(batch, records)
 
-    def _commit_and_publish(self, batch: Any, records: list[RequestRecord]) -> None:
-        if [r.seq for r in records] != list(batch.handles):
-            raise InvariantError(f"PendingBatch membership {batch.handles} != round {records}")
+    # Rounds ahead (EngineCoreConfig.overlap) -------------------------------------------------
+    def _chainable(self, records: list[RequestRecord], ahead: bool) -> bool:
+        """Whether the next round of these rows may be dispatched before this one's output is
+        processed: plain decode rows (no speculation, grammar or thinking budget: nothing the
+        next round needs from this one's text), none cancelled or past its deadline, and
+        budget for a token after this round's (`ahead`: this round's is not counted yet)."""
+        if not self.config.overlap or self.limits.verify_width != 1:
+            return False
+        now = time.monotonic()
+        spent = 2 if ahead else 1
+        return all(r.grammar is None and r.sampling.max_thinking_tokens is None
+                   and not r.control and not r.cancel_requested.is_set()
+                   and (r.deadline is None or now < r.deadline)
+                   and r.completion_tokens + spent < r.sampling.max_new_tokens
+                   for r in records)
+
+    def _may_stay_ahead(self, now: float) -> bool:
+        """The round ahead may stay unprocessed through this iteration: its rows are all that
+        is active and nothing waits, so the iteration can only continue them."""
+        rows = self._ahead[1]
+        return (not self.scheduler.waiting and len(self._active) == len(rows)
+                and all(r.state is S.DECODE_READY for r in rows) and not self._to_offload
+                and (self.tiers is None or not self.tiers.reads_in_flight)
+                and self._chainable(rows, ahead=True))
+
+    def _chain(self, records: list[RequestRecord]) -> None:
+        """Publishes the round before, commits the round ahead in the Program (one token a
+        row, not yet read), dispatches the next round of the same rows (it takes those tokens
+        on the device), then turns the committed round into events while the next computes.
+        A row whose output ended with it (or that needs forced control) drops the new round."""
+        batch, _ = self._ahead
+        _check_membership(batch, records)
+        self._publish_committed()
+        self.program.commit(batch, [1] * len(records))  # DESIGN §6: commit before publish
+        self._ahead = (self.program.decode([r.seq for r in records]), records)
+        self._count_round(len(records))
+        self._commit_and_publish(batch, records, committed=True)
+        if any(r.state is not S.DECODE_READY for r in records):
+            self._drop_ahead()
+
+    def _count_round(self, rows: int) -> None:
+        self._rounds[0] += 1
+        self._rounds[1] += rows
+
+    def _drop_ahead(self) -> None:
+        """Aborts the round ahead: the Engine stands where it would have without overlap (its
+        rows that go on compute their round again next, the same tokens: a draw is keyed by
+        seed and position)."""
+        batch, _ = self._ahead
+        self._ahead = None
+        self.program.abort_pending(batch)
+
+    def _land(self) -> None:
+        """Processes the round ahead, if any, as a round is processed without overlap (its
+        previews after the round before is published, then the Program commit: a row
+        cancelled meanwhile takes none of its tokens)."""
+        if self._ahead is None:
+            return
+        batch, records = self._ahead
+        self._ahead = None
+        self._publish_committed()
+        self._commit_and_publish(batch, records)
+
+    def _commit_and_publish(self, batch: Any, records: list[RequestRecord],
+                            committed: bool = False) -> None:
+        """Previews each row's tokens, commits the Program, then the previews, and queues their
+        deltas for publication. `committed`: the Program committed the round already, one
+        token a row (a round ahead, `_chain`), which the previews must agree with."""
+        _check_membership(batch, records)
+        start = time.monotonic()
+        batch.tokens  # noqa: B018 - waits for the round's step: counted apart from host work
+        self._rounds[3] += time.monotonic() - start
         previews, accepted = [], []
         for row, r in enumerate(records):
-            if r.cancel_requested.is_set():  # seen while the batch was pending: accept nothing
+            if not committed and r.cancel_requested.is_set():
+                # seen while the batch was pending: accept nothing
                 previews.append(None)
                 accepted.append(0)
                 continue
@@ -724,7 +849,11 @@ class EngineCore:
                                      "token")
             previews.append(preview)
             accepted.append(preview.num_accepted - len(forced))
-        self.program.commit(batch, accepted)  # Program state first; a failure publishes nothing
+        if not committed:
+            self.program.commit(batch, accepted)  # Program state first; a failure publishes none
+        elif accepted != [1] * len(records):
+            raise InvariantError(f"a round committed ahead with one token a row previewed "
+                                 f"{accepted}")
         if batch.kind is BatchKind.PREFILL and accepted[0] > 0:
             self._retain(records[0])  # the prompt's frontier
         for row, (r, preview, n) in enumerate(zip(records, previews, accepted)):
@@ -824,6 +953,7 @@ class EngineCore:
         with self._lock:  # after this no submit can reach the inbox
             self._available = False
             self._failure = message
+        self._ahead = None
         pending = self.program.pending
         if pending is not None and not pending.consumed:
             _best_effort(self.program.abort_pending, pending)
@@ -869,7 +999,13 @@ class EngineCore:
             prefix=self.catalog.stats(*self.program.checkpoint_footprint()),
             speculative=self._speculative.snapshot(),
             transactions=self.resources.transactions.stats(),
-            tiers=self.tiers.stats() if self.tiers is not None else TierStats(()))
+            tiers=self.tiers.stats() if self.tiers is not None else TierStats(()),
+            rounds=RoundStats(*self._rounds))
+
+
+def _check_membership(batch: Any, records: list[RequestRecord]) -> None:
+    if [r.seq for r in records] != list(batch.handles):
+        raise InvariantError(f"PendingBatch membership {batch.handles} != round {records}")
 
 
 def _grammar_forced(r: RequestRecord, most: int) -> tuple[int, ...]:

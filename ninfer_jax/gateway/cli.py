@@ -327,8 +327,20 @@ def main(argv: list[str]) -> int:
 
 
 def run() -> None:
-    """Console-script entry."""
-    sys.exit(main(sys.argv))
+    """Console-script entry. The process ends once the command's output is written: a
+    background compile still running (of an executable no request used) is abandoned, not
+    waited for (it held the exit for 3-9 s after the last token)."""
+    code = main(sys.argv)
+    executables = sys.modules.get("ninfer_jax.program.executables")  # a command ran a model
+    if executables is not None and executables.compiling():
+        logging.flush()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe: nothing more can be written
+                pass
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,11 @@
 Owns compilation: every executable the Program will ever run is compiled at start-up, with the
 pools donated. A key can be compiled in the foreground (the call returns when it is ready) or
 queued for a background thread, in the order the Program expects to need them (prefill and
-B = 1 first, the largest B last); a call of a key still compiling waits for it. A key that was
-never requested raises; nothing compiles outside this table.
+B = 1 first, the largest B last). Background compiles never compete with requests being served:
+`hold(True)` (the Engine, while it has requests) keeps the thread from starting another one; a
+call of a key still queued moves it to the front and compiles it even when held (what a request
+uses is compiled first), and waits for it. At interpreter exit queued compiles are dropped
+(`_close_at_exit`). A key that was never requested raises; nothing compiles outside this table.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import dataclasses
 import enum
 import functools
 import os
-import queue
 import threading
 import time
 import weakref
@@ -107,8 +109,7 @@ class ExecutableTable:
         self.mesh = mesh
         self._table: dict[StepKey, Callable] = {}
         self._pending: dict[StepKey, concurrent.futures.Future] = {}
-        # (key, fn, abstract, donate, mesh, future), or None to stop
-        self._queue: queue.SimpleQueue | None = None
+        self._jobs = _Jobs()  # queued background compiles, shared with the compile thread
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # the worker and a waiting thread may both resolve a key
         self.compile_seconds: dict[StepKey, float] = {}
@@ -122,30 +123,33 @@ class ExecutableTable:
         if not background:
             self._table[key] = self._build(key, fn, abstract, donate)
             return
-        if self._queue is None:
-            self._queue = queue.SimpleQueue()
-            # A daemon, so a process that ends need not wait for compiles it will never use;
-            # at exit the one in progress is waited for (see _close_at_exit). It holds the
-            # table weakly: a table dropped without close() (its Program garbage) stops
-            # compiling what nobody can call.
+        if self._thread is None:
+            # A daemon, so a process that ends need not wait for compiles it will never use
+            # (see _close_at_exit). It holds the table weakly: a table dropped without close()
+            # (its Program garbage) stops compiling what nobody can call.
             self._thread = threading.Thread(
-                target=_compile_loop, args=(weakref.ref(self), self._queue), daemon=True,
+                target=_compile_loop, args=(weakref.ref(self), self._jobs), daemon=True,
                 name="ninfer-compile")
             self._thread.start()
             _THREADS.add(self._thread)
             _LIVE.add(self)
-            weakref.finalize(self, _drop_queued, self._queue, self._pending, self._lock)
+            weakref.finalize(self, _drop_queued, self._jobs, self._pending, self._lock)
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._pending[key] = future
-        self._queue.put((key, fn, abstract, donate, self.mesh, future))
+        self._jobs.put(key, (fn, abstract, donate, self.mesh, future))
+
+    def hold(self, held: bool) -> None:
+        """While held, the compile thread starts no queued compile that nobody waits for (the
+        one running finishes); released, it goes on in order."""
+        self._jobs.hold(held)
 
     def close(self, wait: bool = False) -> None:
         """Drops the compiles not started yet (a call of such a key then raises); `wait` also
         waits for the one in progress."""
-        if self._queue is None:
+        if self._thread is None:
             return
-        _drop_queued(self._queue, self._pending, self._lock)
+        _drop_queued(self._jobs, self._pending, self._lock)
         if wait:
             self._thread.join()
 
@@ -165,6 +169,7 @@ class ExecutableTable:
                 return self._table[key]
             raise MissingExecutableError(
                 f"no executable for {key}; compiled: {sorted(map(str, self.keys()))}")
+        self._jobs.want(key)  # first in line, held or not
         try:
             executable = future.result()  # a compile error surfaces here
         except concurrent.futures.CancelledError:
@@ -216,12 +221,62 @@ def _build(fn: Callable, abstract: tuple, donate: tuple[str, ...],
     return executable, time.perf_counter() - start
 
 
-def _compile_loop(table_ref: weakref.ref, jobs: queue.SimpleQueue) -> None:
-    """The background compile thread: builds queued jobs in order until told to stop or its
-    table is gone (no strong reference to the table is held while compiling)."""
+class _Jobs:
+    """The background compile queue: jobs in order, a hold, and keys someone waits for."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._order: list[tuple[StepKey, tuple]] = []
+        self._wanted: set[StepKey] = set()
+        self._held = False
+        self._stopped = False
+
+    def put(self, key: StepKey, job: tuple) -> None:
+        with self._cv:
+            self._order.append((key, job))
+            self._cv.notify_all()
+
+    def want(self, key: StepKey) -> None:
+        with self._cv:
+            if any(k == key for k, _ in self._order):
+                self._wanted.add(key)
+                self._cv.notify_all()
+
+    def hold(self, held: bool) -> None:
+        with self._cv:
+            self._held = held
+            self._cv.notify_all()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._order.clear()
+            self._cv.notify_all()
+
+    def take(self) -> tuple[StepKey, tuple] | None:
+        """The next job to compile (a wanted one first; none while held unless wanted), or
+        None once stopped."""
+        with self._cv:
+            while True:
+                if self._stopped:
+                    return None
+                at = next((i for i, (k, _) in enumerate(self._order) if k in self._wanted),
+                          None)
+                if at is None and self._order and not self._held:
+                    at = 0
+                if at is not None:
+                    key, job = self._order.pop(at)
+                    self._wanted.discard(key)
+                    return key, job
+                self._cv.wait()
+
+
+def _compile_loop(table_ref: weakref.ref, jobs: _Jobs) -> None:
+    """The background compile thread: builds queued jobs until told to stop or its table is
+    gone (no strong reference to the table is held while compiling)."""
     _lower_priority()
-    while (job := jobs.get()) is not None:
-        key, fn, abstract, donate, mesh, future = job
+    while (taken := jobs.take()) is not None:
+        key, (fn, abstract, donate, mesh, future) = taken
         if table_ref() is None:
             break
         if not future.set_running_or_notify_cancel():
@@ -238,24 +293,29 @@ def _compile_loop(table_ref: weakref.ref, jobs: queue.SimpleQueue) -> None:
         future.set_result(executable)
 
 
-def _drop_queued(jobs: queue.SimpleQueue, pending: dict, lock: threading.Lock) -> None:
+def _drop_queued(jobs: _Jobs, pending: dict, lock: threading.Lock) -> None:
     """Cancels the compiles not started yet and stops the table's thread after the running one
     (close(), or the table garbage-collected)."""
     with lock:
         for future in pending.values():
             future.cancel()
-    jobs.put(None)
+    jobs.stop()
 
 
 _LIVE: weakref.WeakSet[ExecutableTable] = weakref.WeakSet()
 _THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
 
+def compiling() -> bool:
+    """Whether a background compile is running now (in any table's thread)."""
+    return any(t.is_alive() for t in list(_THREADS))
+
+
 @atexit.register
 def _close_at_exit() -> None:
-    """Interpreter exit: a compile still running in a daemon thread would abort the process
-    when finalization stops it, so drop the queued ones and let the running one finish (a
-    dropped table's thread too: it ends after its running compile)."""
+    """Interpreter exit: queued compiles are dropped. A compile still running in a daemon thread
+    would abort the process when finalization stops it, so it is waited for here; a command
+    line that must not wait for it ends its process itself (`gateway.cli.run`)."""
     for table in list(_LIVE):
         table.close()
     for thread in list(_THREADS):

@@ -161,6 +161,9 @@ class SeqRecord:
     vision_at: np.ndarray | None = None
     media_starts: tuple[int, ...] = ()
     vision_embeds: Any = None
+    # Generated tokens committed by a round whose tokens the host has not read yet (a chained
+    # decode round took them on the device; `HostProgram._resolve` appends them to `tokens`).
+    unread: int = 0
 
     def media_before(self, frontier: int) -> tuple[str, ...]:
         """Digests of the media whose placeholders start before `frontier`."""
@@ -168,7 +171,7 @@ class SeqRecord:
 
     @property
     def generated(self) -> int:
-        return len(self.tokens) - self.prompt_len
+        return len(self.tokens) + self.unread - self.prompt_len
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +203,9 @@ class HostProgram(abc.ABC):
         self._ids = itertools.count()
         self._batch_ids = itertools.count()
         self._pending: PendingBatch | None = None
+        # A committed plain decode round whose tokens stay on the device (`commit`): the next
+        # round of the same rows takes them there; anything else reads them first (`_resolve`).
+        self._unread: PendingBatch | None = None
 
     # Execution supplied by subclasses --------------------------------------------------------
     @abc.abstractmethod
@@ -208,10 +214,15 @@ class HostProgram(abc.ABC):
         log-probs as PendingBatch takes them, or None when the sequence asked for none)."""
 
     @abc.abstractmethod
-    def _run_decode(self, seqs: list[SeqRecord], limits: np.ndarray) -> tuple[Any, Any, Any]:
+    def _run_decode(self, seqs: list[SeqRecord], limits: np.ndarray,
+                    last: Any = None) -> tuple:
         """Starts a round: row b proposes 1..limits[b] tokens (limits <= verify_width). Returns
-        (tokens [B, verify_width], produced [B], log-probs or None: see PendingBatch); any may
-        be an array still being computed that np.asarray waits for."""
+        (tokens [B, verify_width], produced [B], log-probs or None: see PendingBatch), and
+        optionally a 4th, the round's tokens as [B] (PendingBatch.last: the next round of the
+        same rows may then be dispatched before this one's tokens are read); any may be
+        an array still being computed that np.asarray waits for. `last`: the rows' last
+        tokens as the previous round left them ([B], possibly still on the device), or None
+        (each row's `tokens[-1]`)."""
 
     @abc.abstractmethod
     def _run_commit(self, seqs: list[SeqRecord], accepted: np.ndarray, tokens: np.ndarray,
@@ -258,6 +269,10 @@ class HostProgram(abc.ABC):
 
     def wait_compiled(self, progress: bool | None = False) -> None:
         """Returns once every step executable is compiled (the host side compiles none)."""
+
+    def hold_compiles(self, held: bool) -> None:
+        """While held, background compiles of executables no step has asked for wait (the
+        Engine holds them while it serves requests); the host side compiles none."""
 
     # Feasibility and admission -------------------------------------------------------------
     def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
@@ -421,6 +436,7 @@ class HostProgram(abc.ABC):
         """Checkpoints a sequence at its committed frontier (its tokens minus the last one
         sampled, whose effect is not yet in the state). Needs a free checkpoint slot, or with
         `publication` the one the sequence reserved."""
+        self._resolve()
         seq = self._seq(handle)
         if self._pending is not None and handle in self._pending.handles:
             raise PendingBatchError(f"capture of {handle} while its PendingBatch is unconsumed")
@@ -539,6 +555,7 @@ class HostProgram(abc.ABC):
 
     def release(self, handle: SequenceHandle) -> None:
         """Returns a sequence's pages, unused reservation and slot. Not while it is pending."""
+        self._resolve()
         seq = self._seq(handle)
         if self._pending is not None and handle in self._pending.handles:
             raise PendingBatchError(f"release of {handle} while its PendingBatch is unconsumed")
@@ -559,6 +576,7 @@ class HostProgram(abc.ABC):
         sequence can be captured at that frontier. `mask`: the tokens the first generated token
         may be ([mask_words] uint32 bitmask; None: any)."""
         self._check_idle()
+        self._resolve()
         seq = self._seq(handle)
         checked = self._check_mask(mask)
         if seq.state is not SeqState.PREFILL:
@@ -618,13 +636,19 @@ class HostProgram(abc.ABC):
                 limits[i] = min(int(limits[i]), int(cap))
             if checked[i] is not None:
                 limits[i] = 1
+        last = None
+        if self._unread is not None and self._unread.handles == tuple(handles):
+            last = self._unread.last  # chained: the previous round's, where it left them
+        else:
+            self._resolve()
         for i, s in enumerate(seqs):
             s.mask = checked[i]
             self._grow(s, s.frontier + int(limits[i]))
         # The step runs on the device after this returns; reading batch.tokens waits for it.
-        tokens, produced, logprobs = self._run_decode(seqs, limits)
+        tokens, produced, logprobs, *ids = self._run_decode(seqs, limits, last)
         self._pending = PendingBatch(BatchKind.DECODE, tuple(handles), tokens,
-                                     next(self._batch_ids), produced, logprobs)
+                                     next(self._batch_ids), produced, logprobs,
+                                     last=ids[0] if ids else None)
         return self._pending
 
     def control(self, handle: SequenceHandle, forced: Sequence[int],
@@ -636,6 +660,7 @@ class HostProgram(abc.ABC):
         sequence whose prompt already held the forced tokens would draw there. `mask`: the
         tokens the one after the forced ones may be (None: any)."""
         self._check_idle()
+        self._resolve()
         seq = self._seq(handle)
         checked = self._check_mask(mask)
         if seq.state is not SeqState.ACTIVE:
@@ -666,7 +691,19 @@ class HostProgram(abc.ABC):
         acc = batch.check_decisions(accepted)
         batch.consume()
         self._pending = None
+        self._resolve()
         seqs = [self._seq(h) for h in batch.handles]
+        if (batch.last is not None and not batch.tokens_read
+                and self.limits.verify_width == 1 and bool((acc == 1).all())):
+            # Every row takes its one token: commit without waiting for the step; the tokens
+            # stay where it left them until read (`_resolve`) or taken by the next round.
+            self._run_commit(seqs, acc.astype(np.int32), batch.raw_tokens, count=True)
+            for seq in seqs:
+                seq.frontier += 1
+                seq.unread += 1
+                seq.state = SeqState.ACTIVE
+            self._unread = batch
+            return
         tokens = batch.tokens
         width = self.limits.verify_width
         if tokens.shape[1] < width:
@@ -694,6 +731,7 @@ class HostProgram(abc.ABC):
 
     # Queries -------------------------------------------------------------------------------
     def tokens(self, handle: SequenceHandle) -> list[int]:
+        self._resolve()
         return list(self._seq(handle).tokens)
 
     def num_generated(self, handle: SequenceHandle) -> int:
@@ -742,6 +780,17 @@ class HostProgram(abc.ABC):
         if not mask.any():
             raise ResourceError("a token mask must allow at least one token")
         return mask
+
+    def _resolve(self) -> None:
+        """Appends the tokens of a round committed unread (`commit`) to its sequences (reading
+        them waits for its step)."""
+        batch, self._unread = self._unread, None
+        if batch is None:
+            return
+        for handle, token in zip(batch.handles, batch.tokens[:, 0].tolist()):
+            seq = self._seqs[handle.seq_id]
+            seq.tokens.append(token)
+            seq.unread -= 1
 
     def _check_idle(self) -> None:
         if self._pending is not None:

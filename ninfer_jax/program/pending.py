@@ -37,14 +37,16 @@ class PendingBatch:
 
     def __init__(self, kind: BatchKind, handles: tuple[SequenceHandle, ...], tokens: Any,
                  batch_id: int, produced: Any = 1, logprobs: tuple[Any, Any, Any] | None = None,
-                 forced: tuple[int, ...] = ()):
+                 forced: tuple[int, ...] = (), last: Any = None):
         """tokens: [B, W] int32 (W >= max produced), or anything `np.asarray` turns into it (a
         device array still being computed: the step was dispatched, and reading `tokens` waits
         for it); produced: an int for every row, or [B] (possibly on the device too);
         logprobs: when some row asked for them, (sampled [B, W] float32, top ids [B, W, N]
         int32, top log-probs [B, W, N] float32), read (and copied to the host) only on demand.
         forced (CONTROL only): the Frontend's tokens before the row's sampled one; a commit
-        that accepts the row adopts them with it, none of them alone."""
+        that accepts the row adopts them with it, none of them alone. last: a plain decode
+        round's tokens as [B] where the step left them (the next round's input), or None."""
+        self.last = last
         self._logprobs = logprobs
         self._logprobs_ready: tuple[np.ndarray, ...] | None = None
         self.kind = kind
@@ -65,6 +67,16 @@ class PendingBatch:
             self._tokens_ready = np.asarray(self._tokens, np.int32).reshape(self.batch, -1)
             self._tokens = None
         return self._tokens_ready
+
+    @property
+    def tokens_read(self) -> bool:
+        """Whether `tokens` was read (the step is done and its tokens are on the host)."""
+        return self._tokens_ready is not None
+
+    @property
+    def raw_tokens(self) -> Any:
+        """The tokens as the step left them (on the device until `tokens` is read)."""
+        return self._tokens if self._tokens_ready is None else self._tokens_ready
 
     @property
     def produced(self) -> np.ndarray:

@@ -108,6 +108,8 @@ class Program(HostProgram):
                 prepare=(lambda p: unstack_layers(p, cfg)) if unrolled else (lambda p: p))
         self._pools = pools
         self._deferred: CommitInputs | None = None  # the last commit, applied by the next step
+        self._sampling_key: tuple | None = None  # the rows `_sampling_last` was built for
+        self._sampling_last = None
         self.executables = ExecutableTable() if executables is None else executables
         self.executables.mesh = self.mesh  # every step runs on the Program's devices
         self._compile_all()
@@ -126,14 +128,20 @@ class Program(HostProgram):
             b.update(len(keys) - len(self.executables.pending()))
             self.executables.wait(on_ready=lambda key: b.update(1))
 
+    def hold_compiles(self, held: bool) -> None:
+        self.executables.hold(held)
+
     def close(self) -> None:
         """Drops the background compiles not started yet; the Program serves no more steps."""
         self.executables.close()
 
     def _compile_all(self) -> None:
+        """Queues the background compiles first, so the compile thread starts on them (the
+        commit, the capture, decode of one row) while this thread compiles the prefill: the
+        first request finds both ready sooner on two cores."""
         later = self.pcfg.background_compile
-        for spec in program_executables(self.cfg, self.pcfg, self.params, self._pools,
-                                        self.drafter):
+        specs = program_executables(self.cfg, self.pcfg, self.params, self._pools, self.drafter)
+        for spec in sorted(specs, key=lambda spec: not (spec.background and later)):
             self.executables.compile(spec.key, spec.fn, *spec.args,
                                      background=spec.background and later, donate=spec.donate)
 
@@ -149,6 +157,8 @@ class Program(HostProgram):
         commit, self._deferred = self._deferred, None
         if commit is None:
             return self._no_commit(rows)
+        if len(commit.slots) == rows:
+            return commit
         if len(commit.slots) > rows:
             self._apply(commit)
             return self._no_commit(rows)
@@ -272,10 +282,11 @@ class Program(HostProgram):
                                             self._pools, inputs)
         return int(np.asarray(out.tokens)[0, 0]), _logprobs([seq], out)
 
-    def _run_decode(self, seqs: list[SeqRecord], limits: np.ndarray) -> tuple:
+    def _run_decode(self, seqs: list[SeqRecord], limits: np.ndarray, last=None) -> tuple:
         inputs = DecodeInputs(
             commit=self._take_commit(len(seqs)),
-            token_ids=np.array([s.tokens[-1] for s in seqs], np.int32),
+            token_ids=np.array([s.tokens[-1] for s in seqs], np.int32) if last is None
+            else last,
             positions=np.array([s.frontier for s in seqs], np.int32),
             slots=np.array([s.slot for s in seqs], np.int32),
             page_tables=self._page_table(seqs),
@@ -285,15 +296,19 @@ class Program(HostProgram):
                                 np.int32) if self.vision_on else None)
         self._pools, out = self.executables(StepKey(StepKind.DECODE, len(seqs)), self.params,
                                             self._pools, inputs)
-        # On the device; the PendingBatch reads them when asked.
-        return out.tokens, out.num, _logprobs(seqs, out)
+        # On the device; the PendingBatch reads them when asked. Without speculation every row
+        # proposes one token: nothing to read back for that.
+        produced = 1 if self.limits.verify_width == 1 else out.num
+        return out.tokens, produced, _logprobs(seqs, out), out.last
 
     def _run_commit(self, seqs: list[SeqRecord], accepted: np.ndarray, tokens: np.ndarray,
                     count: bool) -> None:
         self._flush()  # at most one commit waits for the next step
         slots = np.where(accepted > 0, [s.slot for s in seqs],
                          self.pcfg.num_slots).astype(np.int32)
-        self._deferred = CommitInputs(slots=slots, tokens=np.asarray(tokens, np.int32),
+        if not isinstance(tokens, jax.Array):  # a round's tokens stay where its step left them
+            tokens = np.asarray(tokens, np.int32)
+        self._deferred = CommitInputs(slots=slots, tokens=tokens,
                                       num=np.maximum(accepted, 1).astype(np.int32),
                                       count=np.full(len(seqs), count))
 
@@ -371,9 +386,15 @@ class Program(HostProgram):
                                        StateImport(np.array([ckpt.slot], np.int32), *parts))
 
     def _sampling(self, seqs: list[SeqRecord]):
-        return sampling_arrays([s.sampling for s in seqs], [s.stop_ids for s in seqs],
-                               self.cfg.vocab_size, [s.mask for s in seqs],
-                               self.limits.mask_words)
+        """The rows' SamplingArrays; the last ones again while the rows are the same sequences
+        without token masks (a decode round after another: nothing in them changed)."""
+        key = tuple(s.handle for s in seqs) if all(s.mask is None for s in seqs) else None
+        if key is None or key != self._sampling_key:
+            self._sampling_last = sampling_arrays(
+                [s.sampling for s in seqs], [s.stop_ids for s in seqs], self.cfg.vocab_size,
+                [s.mask for s in seqs], self.limits.mask_words)
+            self._sampling_key = key
+        return self._sampling_last
 
     def _page_table(self, seqs: list[SeqRecord]) -> np.ndarray:
         table = np.zeros((len(seqs), self.pcfg.max_pages_per_seq), np.int32)

@@ -178,7 +178,7 @@ class StateImport:
     dv: jax.Array | None = None
 
 
-@_register(["tokens", "num", "logprobs", "top_ids", "top_logprobs"])
+@_register(["tokens", "num", "logprobs", "top_ids", "top_logprobs", "last"])
 @dataclasses.dataclass(frozen=True)
 class StepOutputs:
     tokens: jax.Array  # [B, T] int32 proposed tokens (provisional until commit)
@@ -187,6 +187,9 @@ class StepOutputs:
     top_ids: jax.Array  # [B, T, N] int32, each position's N most likely tokens (zeros unless
     #   a row of the batch asked for log-probs; `sampling.top_logprobs`)
     top_logprobs: jax.Array  # [B, T, N] float32, their log-probabilities
+    # A plain decode step's tokens as [B] (None for the others): the next round's input when
+    # it is dispatched before this one's tokens are read (`HostProgram.commit`).
+    last: jax.Array | None = None
 
 
 def commit_step(pools: Pools, inputs: CommitInputs) -> Pools:
@@ -228,7 +231,7 @@ def _finish(pools: Pools, out, logits: jax.Array, counts: jax.Array, masks: jax.
     top_ids, top_lps = top_logprobs(penalised, inputs.sampling)
     return pools, StepOutputs(tokens=sampled.tokens[:, None], num=jnp.ones((b,), jnp.int32),
                               logprobs=sampled.logprobs[:, None], top_ids=top_ids[:, None],
-                              top_logprobs=top_lps[:, None])
+                              top_logprobs=top_lps[:, None], last=sampled.tokens)
 
 
 def write_provisional(pools: Pools, kv_layers, gdn: GDNState, ctx: jax.Array) -> Pools:

@@ -273,7 +273,7 @@ class FakeProgram(HostProgram):
         return token, _logprob_arrays(np.array([[token]]), self.limits.vocab_size) if wanted \
             else None
 
-    def _run_decode(self, seqs: list[SeqRecord], limits: np.ndarray) -> tuple:
+    def _run_decode(self, seqs: list[SeqRecord], limits: np.ndarray, last=None) -> tuple:
         self._step()
         width = self.limits.verify_width
         tokens = np.zeros((len(seqs), width), np.int32)

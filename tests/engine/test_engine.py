@@ -7,13 +7,33 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 
 import pytest
 
-from ninfer_jax.engine import Delta, Finished, FinishReason, GenerationStart, RejectedError
+from ninfer_jax.engine import (
+    Delta,
+    EngineCore,
+    EngineCoreConfig,
+    Finished,
+    FinishReason,
+    GenerationStart,
+    RejectedError,
+)
 from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError
+from ninfer_jax.testing.fake_program import FakeProgram
 from tests.conftest import REPO
-from tests.engine.conftest import GREEDY, TOKENIZER, fake_engine, prompt, want
+from tests.engine.conftest import (
+    EOS,
+    FRONTEND,
+    GREEDY,
+    TOKENIZER,
+    fake_engine,
+    limits,
+    long_prompt,
+    prompt,
+    want,
+)
 
 
 def test_events_arrive_in_order_and_match_the_model():
@@ -112,3 +132,27 @@ def test_engine_package_imports_no_jax():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                          check=False)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_background_compiles_are_held_while_requests_are_outstanding():
+    """The Engine holds the Program's background compiles from a request's arrival until it
+    has nothing left to do (they would take the cores from the steps it serves)."""
+    calls = []
+
+    class Recording(FakeProgram):
+        def hold_compiles(self, held: bool) -> None:
+            calls.append(held)
+
+    program = Recording(limits(2), eos_id=EOS)
+    core = EngineCore(program, FRONTEND, EngineCoreConfig(idle_wait_s=0.01))
+    try:
+        text = long_prompt(6)
+        r = core.submit(prompt(text), SamplingParams(temperature=0, max_new_tokens=6)).result(
+            timeout=10)
+        assert list(r.token_ids) == want(text, 6)
+        deadline = time.monotonic() + 10
+        while calls[-1:] != [False] and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        core.close()
+    assert calls == [True, False]

@@ -1,5 +1,6 @@
 """The Engine over the real Program on the tiny transformers fixture: outputs at any concurrency
-and arrival order equal single-request outputs (greedy: the model's reference greedy tokens)."""
+and arrival order equal single-request outputs (greedy: the model's reference greedy tokens),
+with rounds dispatched ahead (overlap, the default) or not."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from tests.program.conftest import program, reference_greedy
 TOKENIZER = ByteTokenizer(vocab_size=384)
 
 
-def _run(prompts, samplings, order, max_queue=32):
-    core = EngineCore(program(), Frontend(TOKENIZER), EngineCoreConfig(max_queue=max_queue))
+def _run(prompts, samplings, order, max_queue=32, overlap=True):
+    core = EngineCore(program(), Frontend(TOKENIZER),
+                      EngineCoreConfig(max_queue=max_queue, overlap=overlap))
     try:
         handles = {i: core.submit(Frontend(TOKENIZER).prepare(prompt_token_ids=prompts[i]),
                                   samplings[i]) for i in order}
@@ -43,6 +45,52 @@ def test_outputs_do_not_depend_on_concurrency_or_arrival_order():
             assert got[-1] in TOKENIZER.eos_ids
         else:
             assert len(got) == samplings[i].max_new_tokens
+
+
+def test_overlap_on_and_off_give_the_same_tokens_at_every_batch():
+    """Rounds dispatched before the last one is processed (their tokens taken on the device)
+    and rows whose output ends inside a round ahead (a stop string taken from the middle of
+    its own text; budgets): the same tokens as without overlap, at B = 1..4, greedy and
+    sampled; nothing leaks."""
+    ids = reference("dense")["token_ids"]
+    for b in (1, 2, 4):
+        prompts = [ids[i % 3, : 5 + 2 * i].tolist() for i in range(b)]
+
+        def settings(stops):
+            return [SamplingParams(temperature=0.0 if i % 2 == 0 else 0.9, top_p=0.9,
+                                   seed=7 + i, max_new_tokens=12 + 3 * i, ignore_eos=True,
+                                   skip_special_tokens=False, stop=stop)
+                    for i, stop in enumerate(stops)]
+
+        free, _ = _run(prompts, settings([()] * b), order=list(range(b)), overlap=False)
+        # Every other row stops at text from the middle of its own answer.
+        stops = [(free[i].text[len(free[i].text) // 2:][:2],) if i % 2 == 0
+                 and len(free[i].text) > 4 else () for i in range(b)]
+        on, stats = _run(prompts, settings(stops), order=list(range(b)), overlap=True)
+        assert stats.free_pages == stats.total_pages and stats.num_sequences == 0
+        off, _ = _run(prompts, settings(stops), order=list(range(b)), overlap=False)
+        for i in range(b):
+            assert on[i].token_ids == off[i].token_ids, (b, i)
+            assert on[i].text == off[i].text and on[i].finish_reason is off[i].finish_reason
+        assert any(r.finish_reason is FinishReason.STOP for r in on.values())
+
+
+def test_round_stats_count_rounds_rows_and_host_time():
+    ids = reference("dense")["token_ids"]
+    core = EngineCore(program(), Frontend(TOKENIZER), EngineCoreConfig())
+    try:
+        sp = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+        handles = [core.submit(Frontend(TOKENIZER).prepare(prompt_token_ids=ids[i, :6].tolist()),
+                               sp) for i in range(2)]
+        for h in handles:
+            h.result(timeout=120)
+        r = core.stats().rounds
+    finally:
+        core.close()
+    # 2 x 7 decode tokens (the first comes from the prefill) in rounds of 1 or 2 rows; a round
+    # ahead dropped when a row ends counts too.
+    assert 7 <= r.rounds <= 16 and 14 <= r.rows <= 18
+    assert r.host_s > 0 and r.wait_s >= 0 and r.host_us_per_row <= r.host_us_per_round
 
 
 def test_multi_turn_reuse_on_the_real_model_equals_recompute():

@@ -1,7 +1,9 @@
 """A hypothesis state machine over the Engine with FakeProgram: random submits, cancels at random
 moments and at exact worker points (FakeProgram hooks: Materializing, mid-prefill, a pending
 batch, committed but not yet published), deadlines, stop strings and dropped handles, with and
-without speculative rounds (several tokens a round, so stops and EOS land inside rounds). Every
+without speculative rounds (several tokens a round, so stops and EOS land inside rounds; plain
+rounds run with overlap, the default: each dispatched before the last one's output is
+processed, so cancels, stops and deadlines land inside rounds ahead too). Every
 accepted request ends exactly once, nothing follows its ending, its output is exactly the
 single-request output up to its stop, and once the worker has nothing left to do every lane,
 page and slot is free and capacity is full (checked as soon as the worker is idle, so a leak

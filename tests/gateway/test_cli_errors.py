@@ -193,3 +193,30 @@ def test_read_only_directory_and_unreadable_input(tmp_path):
     assert done.returncode == RUNTIME
     line = _one_error_line(done.stderr)
     assert "--input_jsonl" in line and "Permission denied" in line
+
+
+def test_the_process_does_not_wait_for_a_background_compile(monkeypatch):
+    """`ninfer` ends its process once the command is done: a background compile still running
+    (of an executable no request used) is abandoned with the command's status, not waited for;
+    with none running it exits as usual."""
+    from ninfer_jax.program import executables
+
+    ended = []
+
+    class Ended(Exception):
+        pass
+
+    def fake_exit(code):
+        ended.append(code)
+        raise Ended
+
+    monkeypatch.setattr(sys, "argv", ["ninfer", "no-such-command"])
+    monkeypatch.setattr(cli.os, "_exit", fake_exit)
+    monkeypatch.setattr(executables, "compiling", lambda: True)
+    with pytest.raises(Ended):
+        cli.run()
+    assert ended == [USAGE]
+    monkeypatch.setattr(executables, "compiling", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        cli.run()
+    assert e.value.code == USAGE and ended == [USAGE]

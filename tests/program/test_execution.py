@@ -5,6 +5,7 @@ tokens."""
 from __future__ import annotations
 
 import threading
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -99,6 +100,42 @@ def test_background_compiles_follow_need_and_close_drops_the_rest(capsys):
     with pytest.raises(MissingExecutableError, match="dropped"):
         table(StepKey(StepKind.CAPTURE, 2), jnp.zeros(2))
     assert float(table(StepKey(StepKind.CAPTURE, 1), jnp.ones(2))[0]) == 1.0  # it was running
+
+
+def test_held_compiles_wait_and_a_called_key_goes_first():
+    """While held (an Engine serving requests) the compile thread starts nothing queued; a key
+    someone calls is compiled at once, ahead of the queue; released, the rest follow."""
+    table = ExecutableTable()
+    entered, gate = threading.Event(), threading.Event()
+    traced: list[int] = []
+
+    def held(pools):
+        entered.set()
+        gate.wait(10)
+        return pools
+
+    def counted(b):
+        def fn(pools):
+            traced.append(b)
+            return pools + b
+        return fn
+
+    table.compile(StepKey(StepKind.CAPTURE, 1), held, np.zeros(2, np.float32), background=True)
+    for b in (2, 3, 4):
+        table.compile(StepKey(StepKind.CAPTURE, b), counted(b), np.zeros(2, np.float32),
+                      background=True)
+    assert entered.wait(10)
+    table.hold(True)
+    gate.set()  # the running compile finishes; nothing else starts while held
+    assert float(table(StepKey(StepKind.CAPTURE, 1), jnp.ones(2))[0]) == 1.0
+    time.sleep(0.3)
+    assert traced == []
+    assert float(table(StepKey(StepKind.CAPTURE, 3), jnp.zeros(2))[0]) == 3.0  # called: first
+    assert traced == [3]
+    table.hold(False)
+    table.wait()
+    assert traced == [3, 2, 4]
+    table.close()
 
 
 def test_a_table_dropped_without_close_stops_compiling():
