@@ -331,7 +331,7 @@ class EngineCore:
     def _iterate(self) -> bool:
         now = time.monotonic()
         progressed = self._take_inbox()
-        if self._ahead is not None and not self._may_stay_ahead(now):
+        if self._ahead is not None and not self._may_stay_ahead():
             self._land()  # anything but the next round of the same rows: process it first
         progressed |= self._run_commands()
         progressed |= self._expire_waiting(now)  # 1
@@ -777,7 +777,7 @@ class EngineCore:
                    and r.completion_tokens + spent < r.sampling.max_new_tokens
                    for r in records)
 
-    def _may_stay_ahead(self, now: float) -> bool:
+    def _may_stay_ahead(self) -> bool:
         """The round ahead may stay unprocessed through this iteration: its rows are all that
         is active and nothing waits, so the iteration can only continue them."""
         rows = self._ahead[1]

@@ -113,7 +113,9 @@ class _Collector:
             (self.reasoning if event.channel is Channel.THINKING else self.text).append(event.text)
             self.token_ids.extend(event.token_ids)
             if event.logprobs is not None:
-                self.logprobs = (self.logprobs or []) + list(event.logprobs)
+                if self.logprobs is None:
+                    self.logprobs = []
+                self.logprobs.extend(event.logprobs)  # O(1) a token, not a copy of them all
         else:
             self.finished = event
 

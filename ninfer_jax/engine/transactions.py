@@ -94,10 +94,12 @@ class TransactionLog:
         self._ids = itertools.count()
         self.running: dict[int, RunningTransaction] = {}
         self._ended: dict[tuple[Transition, bool], int] = {}
+        self._stats: TransactionStats | None = None  # until a transaction begins or ends
 
     def begin(self, transition: Transition, request_id: int | None = None) -> RunningTransaction:
         txn = RunningTransaction(next(self._ids), transition, request_id)
         self.running[txn.txn_id] = txn
+        self._stats = None
         return txn
 
     def ended(self, result: ResourceResult) -> None:
@@ -107,11 +109,14 @@ class TransactionLog:
                                  f"never started")
         key = (result.transition, result.committed)
         self._ended[key] = self._ended.get(key, 0) + 1
+        self._stats = None
 
     def stats(self) -> TransactionStats:
-        committed = sum(n for (_, ok), n in self._ended.items() if ok)
-        aborted = sum(n for (_, ok), n in self._ended.items() if not ok)
-        by = {t.value: (self._ended.get((t, True), 0), self._ended.get((t, False), 0))
-              for t in Transition}
-        return TransactionStats(committed + aborted + len(self.running), committed, aborted,
-                                len(self.running), by)
+        if self._stats is None:
+            committed = sum(n for (_, ok), n in self._ended.items() if ok)
+            aborted = sum(n for (_, ok), n in self._ended.items() if not ok)
+            by = {t.value: (self._ended.get((t, True), 0), self._ended.get((t, False), 0))
+                  for t in Transition}
+            self._stats = TransactionStats(committed + aborted + len(self.running), committed,
+                                           aborted, len(self.running), by)
+        return self._stats

@@ -306,11 +306,6 @@ _LIVE: weakref.WeakSet[ExecutableTable] = weakref.WeakSet()
 _THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
 
-def compiling() -> bool:
-    """Whether a background compile is running now (in any table's thread)."""
-    return any(t.is_alive() for t in list(_THREADS))
-
-
 @atexit.register
 def _close_at_exit() -> None:
     """Interpreter exit: queued compiles are dropped. A compile still running in a daemon thread

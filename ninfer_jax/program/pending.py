@@ -82,8 +82,9 @@ class PendingBatch:
     def produced(self) -> np.ndarray:
         """[B] int32 candidate tokens per row."""
         if self._produced_ready is None:
-            self._produced_ready = np.broadcast_to(
-                np.asarray(self._produced, np.int32), (self.batch,)).copy()
+            p = self._produced
+            self._produced_ready = np.full(self.batch, p, np.int32) if isinstance(p, int) \
+                else np.broadcast_to(np.asarray(p, np.int32), (self.batch,)).copy()
             self._produced = None
         return self._produced_ready
 
@@ -122,6 +123,10 @@ class PendingBatch:
 
     def check_decisions(self, accepted: list[int] | tuple[int, ...]) -> np.ndarray:
         """Validates one decision per row: 0 <= accepted <= produced (0 = cancelled row)."""
+        if isinstance(self._produced, int) and isinstance(accepted, (list, tuple)) \
+                and len(accepted) == self.batch \
+                and all(type(a) is int and 0 <= a <= self._produced for a in accepted):
+            return np.array(accepted, np.int64)  # every row proposed the same count: no arrays
         acc = np.asarray(accepted, np.int64)
         if acc.shape != (self.batch,):
             raise PendingBatchError(

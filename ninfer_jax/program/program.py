@@ -304,13 +304,14 @@ class Program(HostProgram):
     def _run_commit(self, seqs: list[SeqRecord], accepted: np.ndarray, tokens: np.ndarray,
                     count: bool) -> None:
         self._flush()  # at most one commit waits for the next step
-        slots = np.where(accepted > 0, [s.slot for s in seqs],
-                         self.pcfg.num_slots).astype(np.int32)
+        sink = self.pcfg.num_slots
+        rows = accepted.tolist()
         if not isinstance(tokens, jax.Array):  # a round's tokens stay where its step left them
             tokens = np.asarray(tokens, np.int32)
-        self._deferred = CommitInputs(slots=slots, tokens=tokens,
-                                      num=np.maximum(accepted, 1).astype(np.int32),
-                                      count=np.full(len(seqs), count))
+        self._deferred = CommitInputs(
+            slots=np.array([s.slot if a > 0 else sink for s, a in zip(seqs, rows)], np.int32),
+            tokens=tokens, num=np.array([max(a, 1) for a in rows], np.int32),
+            count=np.full(len(seqs), count))
 
     def _run_capture(self, seq: SeqRecord, ckpt_slot: int) -> None:
         inputs = CaptureInputs(slot=np.array([seq.slot], np.int32),

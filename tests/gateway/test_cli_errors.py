@@ -195,11 +195,11 @@ def test_read_only_directory_and_unreadable_input(tmp_path):
     assert "--input_jsonl" in line and "Permission denied" in line
 
 
-def test_the_process_does_not_wait_for_a_background_compile(monkeypatch):
-    """`ninfer` ends its process once the command is done: a background compile still running
-    (of an executable no request used) is abandoned with the command's status, not waited for;
-    with none running it exits as usual."""
-    from ninfer_jax.program import executables
+def test_a_command_that_ran_a_model_ends_its_process_at_once(monkeypatch):
+    """`ninfer` ends a process that ran a model (the executables module is loaded) with
+    os._exit and the command's status once its output is flushed: no interpreter teardown of
+    the XLA runtime, no wait for a background compile; other commands exit as usual."""
+    import ninfer_jax.program.executables  # noqa: F401 - as after a command that ran a model
 
     ended = []
 
@@ -212,11 +212,10 @@ def test_the_process_does_not_wait_for_a_background_compile(monkeypatch):
 
     monkeypatch.setattr(sys, "argv", ["ninfer", "no-such-command"])
     monkeypatch.setattr(cli.os, "_exit", fake_exit)
-    monkeypatch.setattr(executables, "compiling", lambda: True)
     with pytest.raises(Ended):
         cli.run()
     assert ended == [USAGE]
-    monkeypatch.setattr(executables, "compiling", lambda: False)
+    monkeypatch.delitem(sys.modules, "ninfer_jax.program.executables")
     with pytest.raises(SystemExit) as e:
         cli.run()
     assert e.value.code == USAGE and ended == [USAGE]
