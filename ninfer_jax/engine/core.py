@@ -965,8 +965,11 @@ class EngineCore:
                 _best_effort(self.tiers.abort_reload, r.txn.reload)
                 r.txn.reload = None
             r.txn = None  # the ResourceManager's clear ends it
-        for entry in self.catalog.entries():  # a clean close still stores what it retained
-            _best_effort(self._drop_checkpoint, entry, False, closing)
+        # A clean close still stores what it retained where that outlives the process (a
+        # host-memory tier does not: exporting to it would only delay the exit).
+        keep = closing and self.tiers is not None and self.tiers.outlives_process
+        for entry in self.catalog.entries():
+            _best_effort(self._drop_checkpoint, entry, False, keep)
         self.resources.clear()
         error = message if closing else f"engine_failed: {message}"
         for r in self._active + list(self.scheduler.waiting) + self._drain_inbox():

@@ -302,6 +302,12 @@ class ContextTiers:
                                           hits_by_tier=tuple(self._hits.items()))
 
     # Life and statistics -----------------------------------------------------------------------
+    @property
+    def outlives_process(self) -> bool:
+        """Whether some tier keeps blocks after the process ends (disk, Redis: any but the
+        host-memory ones)."""
+        return any(not hasattr(tier, "buffer") for tier in self._tiers)
+
     def stats(self) -> TierStats:
         evictions = tuple((name, tier.buffer.evictions) for name, tier in
                           zip(self._names, self._tiers) if hasattr(tier, "buffer"))

@@ -136,12 +136,9 @@ class Program(HostProgram):
         self.executables.close()
 
     def _compile_all(self) -> None:
-        """Queues the background compiles first, so the compile thread starts on them (the
-        commit, the capture, decode of one row) while this thread compiles the prefill: the
-        first request finds both ready sooner on two cores."""
         later = self.pcfg.background_compile
-        specs = program_executables(self.cfg, self.pcfg, self.params, self._pools, self.drafter)
-        for spec in sorted(specs, key=lambda spec: not (spec.background and later)):
+        for spec in program_executables(self.cfg, self.pcfg, self.params, self._pools,
+                                        self.drafter):
             self.executables.compile(spec.key, spec.fn, *spec.args,
                                      background=spec.background and later, donate=spec.donate)
 
