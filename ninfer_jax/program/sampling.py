@@ -283,12 +283,13 @@ def _candidates(scaled: jax.Array, candidates: int) -> tuple[jax.Array, jax.Arra
 
     On CPU a barrier keeps XLA:CPU's TopK call (~0.03 ms for 256 of 4,096 values): without it
     the simplifier folds later slices of the result into the decomposed sort, which then stays
-    a full sort of the row (~0.9 ms). Only there: XLA:GPU's SPMD partitioner aborts on a
-    barrier over top_k's tuple (jax 0.10.2, tensor parallel)."""
+    a full sort of the row (~0.9 ms). One barrier per output: the SPMD partitioner (tensor
+    parallel) aborts on a barrier over top_k's tuple (jax 0.10.2), and XLA:GPU on any."""
     values, ids = jax.lax.top_k(scaled, min(candidates, scaled.shape[-1]))
     return jax.lax.platform_dependent(
         values, ids.astype(jnp.int32),
-        cpu=lambda v, i: jax.lax.optimization_barrier((v, i)), default=lambda v, i: (v, i))
+        cpu=lambda v, i: (jax.lax.optimization_barrier(v), jax.lax.optimization_barrier(i)),
+        default=lambda v, i: (v, i))
 
 
 def _candidate_thresholds(scaled: jax.Array, arrays: SamplingArrays, values: jax.Array
