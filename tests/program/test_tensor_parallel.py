@@ -39,7 +39,8 @@ def _split(leaf: str, names: set[str]) -> bool:
     return leaf.rsplit("['", 1)[-1].rstrip("']") in names
 
 
-def _check(runs: dict, split: dict[int, set[str]], pools: dict[int, set[str]]) -> None:
+def _check(runs: dict, split: dict[int, set[str]], pools: dict[int, set[str]],
+           tol: float = TOL) -> None:
     base = runs["1"]
     assert base["prefix_hits"] >= 1  # the session's second turn restored its checkpoint
     for tp, names in split.items():
@@ -48,9 +49,9 @@ def _check(runs: dict, split: dict[int, set[str]], pools: dict[int, set[str]]) -
         assert run["prefix_hits"] == base["prefix_hits"]
         for want, got in zip(base["results"], run["results"], strict=True):
             assert got["tokens"] == want["tokens"]
-            np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=TOL, rtol=0)
+            np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=tol, rtol=0)
             for a, b in zip(want["top"], got["top"], strict=True):
-                np.testing.assert_allclose(np.array(b)[:, 1], np.array(a)[:, 1], atol=TOL)
+                np.testing.assert_allclose(np.array(b)[:, 1], np.array(a)[:, 1], atol=tol)
         np.testing.assert_allclose(run["logits"], base["logits"], atol=TOL, rtol=0)
         for leaf, share in run["params"].items():  # the split leaves: 1/tp on each device
             assert share == (1 / tp if _split(leaf, names) else 1.0), (tp, leaf, share)
@@ -108,8 +109,13 @@ def test_int8_kv_pages_per_device_equal_one_device():
     """INT8 K/V pages (with MTP verify windows, prefix reuse and the Pallas kernels, interpret
     mode) at tp = 2: the pages and their scales split by KV head, tp = 1's tokens and logits."""
     runs = _run("--model=dense", "--tp=1,2", "--impl=pallas", "--kv_dtype=int8")
+    # Rounding to INT8 turns the last-bit differences of another summation order into whole
+    # levels: tp = 1's pools held 4 K values one level off tp = 2's (and the reference's), and
+    # the layers after them took it up to 6.9e-5 in one row's log-probs. Tokens stay equal;
+    # the full-sequence logits (no pages) stay within TOL.
     _check(runs, split={2: ATTENTION | {"k", "v"} | GDN_HEADS | CONV | MLP},
-           pools={2: {"k", "v", "k_scale", "v_scale", "conv", "prov_conv", "ck_conv"} | STATE})
+           pools={2: {"k", "v", "k_scale", "v_scale", "conv", "prov_conv", "ck_conv"} | STATE},
+           tol=2e-4)
 
 
 @pytest.mark.slow
