@@ -90,7 +90,7 @@ def program_config() -> ProgramConfig:
     if SPECULATIVE.value != "off":
         settings = {"speculative": SPECULATIVE.value,
                     "num_speculative_tokens": NUM_SPEC.value or DEFAULT_K[SPECULATIVE.value]}
-    gpu = platform_defaults("gpu")
+    gpu = platform_defaults("gpu", None if DTYPE.value == "auto" else DTYPE.value)
     pcfg = ProgramConfig(
         max_concurrency=MAX_CONCURRENCY.value, max_seq_len=MAX_SEQ_LEN.value,
         prefill_chunk=PREFILL_CHUNK.value, dtype=DTYPE.value, kv_dtype=KV_DTYPE.value,

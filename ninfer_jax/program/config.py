@@ -7,7 +7,7 @@ import dataclasses
 from ninfer_jax.errors import ConfigError
 
 ATTENTION_IMPLS = ("reference", "pallas")
-GDN_IMPLS = ("reference", "pallas")
+GDN_IMPLS = ("reference", "pallas", "pallas_verify")
 DTYPES = ("float32", "bfloat16")
 KV_DTYPES = ("auto", "int8")  # "auto": K/V pages in `dtype`; "int8": INT8 pages with scales
 AUTO = "auto"  # dtype / attention_impl / gdn_impl: `platform_defaults` for the running backend
@@ -19,10 +19,17 @@ MOE_SHARDINGS = ("intermediate", "expert")  # tensor_parallel's split of MoE exp
 MIN_VISION_BUCKET = 64  # the smallest padded patch count the vision encoder compiles for
 
 
-def platform_defaults(platform: str) -> dict[str, str]:
+def platform_defaults(platform: str, dtype: str | None = None) -> dict[str, str]:
     """The one place that decides the defaults per platform (jax's backend name: "cpu",
     "gpu", "tpu"). GPU: bf16 weights, activations and K/V (matmuls accumulate in fp32, GDN state
-    stays fp32) and the Pallas (Triton) attention and GDN kernels. CPU: fp32, since XLA:CPU has
+    stays fp32), the Pallas (Triton) attention kernels, and the GDN kernel for verify windows
+    only. Measured on an H200 (`results/gpu_check_h200_2026-12-04.md`, 27B dims): the GDN
+    kernels, IEEE fp32 throughout, took 6.0 ms for a 512-token chunk against 0.72 ms for the
+    jnp chunked form and 0.149 against 0.104 ms for decode at B = 8, but 0.240 against 0.401 ms
+    for a 4-token verify window; with `dtype` float32 the attention kernels (IEEE fp32 dots
+    on CUDA cores) were 17x (decode) and 12x (512-token prefill) slower than the jnp
+    reference, so `dtype` float32 takes the reference. (XLA's jnp dots on fp32 operands use
+    TF32 on that GPU: 2-4e-4 off the IEEE kernels at those dims.) CPU: fp32, since XLA:CPU has
     no bf16 dot (bf16 operands are upcast every step), and the jnp references. TPU: bf16 with
     the jnp references (the kernels are Triton-only). The layer loop: unrolled on CPU and GPU,
     a scan on TPU (not measured there). A scan indexes each layer's weights in a stacked buffer,
@@ -35,8 +42,9 @@ def platform_defaults(platform: str) -> dict[str, str]:
         return {"dtype": "float32", "attention_impl": "reference", "gdn_impl": "reference",
                 "layer_loop": "unrolled"}
     if platform == "gpu":
-        return {"dtype": "bfloat16", "attention_impl": "pallas", "gdn_impl": "pallas",
-                "layer_loop": "unrolled"}
+        return {"dtype": "bfloat16",
+                "attention_impl": "reference" if dtype == "float32" else "pallas",
+                "gdn_impl": "pallas_verify", "layer_loop": "unrolled"}
     return {"dtype": "bfloat16", "attention_impl": "reference", "gdn_impl": "reference",
             "layer_loop": "scan"}
 
@@ -75,8 +83,9 @@ class ProgramConfig:
     # (`pallas_kernels.paged_attention.quant`): about half the bytes of bf16 pages. GDN state
     # (fp32 recurrent, `dtype` conv) and a DFlash drafter's context window are not affected.
     kv_dtype: str = AUTO
-    # The GDN layers' recurrence: "reference" (jnp) or "pallas" (chunked prefill, token by
-    # token decode and verify); "auto" as attention_impl
+    # The GDN layers' recurrence: "reference" (jnp), "pallas" (the kernels for chunked
+    # prefill, token-by-token decode and verify) or "pallas_verify" (the kernel for verify
+    # windows, the jnp forms otherwise: the GPU default); "auto" as attention_impl
     gdn_impl: str = AUTO
     num_checkpoint_slots: int = 0  # GDN state images of prefix checkpoints (0 = no reuse)
     # "unrolled": one weight array per layer, a Python loop (no layer's weights copied before
@@ -112,7 +121,10 @@ class ProgramConfig:
         if auto:
             import jax  # the backend the Program will run on
 
-            defaults = platform_defaults(jax.default_backend())
+            platform = jax.default_backend()
+            if self.dtype == AUTO:
+                object.__setattr__(self, "dtype", platform_defaults(platform)["dtype"])
+            defaults = platform_defaults(platform, self.dtype)
             for name in auto:
                 object.__setattr__(self, name, defaults[name])
 

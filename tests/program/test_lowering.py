@@ -78,13 +78,16 @@ def test_platform_defaults_decide_dtype_and_attention_in_one_place():
     from ninfer_jax.errors import ConfigError
     from ninfer_jax.program.config import platform_defaults, resolve_dtype
 
-    gpu, cpu = ("bfloat16", "pallas", "pallas"), ("float32", "reference", "reference")
+    gpu, cpu = ("bfloat16", "pallas", "pallas_verify"), ("float32", "reference", "reference")
     loops = {"gpu": "unrolled", "cpu": "unrolled", "tpu": "scan"}
     for platform, want in (("gpu", gpu), ("cpu", cpu), ("tpu", ("bfloat16", "reference",
                                                                   "reference"))):
         assert platform_defaults(platform) == dict(zip(
             ("dtype", "attention_impl", "gdn_impl", "layer_loop"), (*want, loops[platform]),
             strict=True))
+    # fp32 on a GPU: the jnp attention (the kernels' IEEE fp32 dots were 12-17x slower there)
+    assert platform_defaults("gpu", "float32")["attention_impl"] == "reference"
+    assert platform_defaults("gpu", "bfloat16")["attention_impl"] == "pallas"
     default = ProgramConfig()  # "auto", resolved for this CPU host when made
     assert (default.dtype, default.attention_impl, default.gdn_impl) == cpu
     assert resolve_dtype("auto") == "float32" and resolve_dtype("bfloat16") == "bfloat16"
@@ -137,3 +140,23 @@ def test_an_int8_kv_program_lowers_for_cuda_with_the_kernels_reading_int8_pages(
         assert all(f"tensor<{pool[:pool.rindex('x')]}xf32>" in c for c in attention), key
     for key, text in texts.items():
         assert f"tensor<{pool}xf32>" not in text, key
+
+
+@pytest.mark.parametrize("speculative", ["off", "mtp"])
+def test_pallas_verify_runs_the_gdn_kernel_in_verify_windows_only(speculative):
+    """gdn_impl="pallas_verify" (the GPU default): the recurrent kernel where a step keeps
+    every token's state (an MTP verify window, the decode step of a speculative Program), the
+    jnp forms in prefill and plain decode; the attention kernels everywhere."""
+    cfg = tiny_dense(mtp_num_layers=1)
+    spec = {"speculative": "mtp", "num_speculative_tokens": 1} if speculative == "mtp" else {}
+    pcfg = ProgramConfig(max_concurrency=1, max_seq_len=64, num_pages=16, page_size=8,
+                         prefill_chunk=16, attention_impl="pallas", gdn_impl="pallas_verify",
+                         **spec)
+    texts = lower_all(cfg, pcfg, "cuda")
+    gdn_layers = cfg.num_linear_layers
+    prefill, decode = texts[StepKey(StepKind.PREFILL, 1)], texts[StepKey(StepKind.DECODE, 1)]
+    assert "gated_delta" not in prefill and "paged_attention_prefill" in prefill
+    if speculative == "mtp":
+        assert decode.count('name = "gated_delta_recurrent"') == gdn_layers
+    else:
+        assert "gated_delta" not in decode and "paged_attention_decode" in decode

@@ -30,8 +30,9 @@ class GDNState:
 
     conv: jax.Array  # [L, B, conv_dim, conv_kernel - 1] activation dtype, oldest input first
     recurrent: jax.Array  # [L, B, v_heads, k_dim, v_dim] float32
-    # How the layers update it: "reference" (the jnp forms below) or "pallas" (the
-    # `pallas_kernels.gdn` kernels; per device over the heads on a tensor-parallel mesh)
+    # How the layers update it: "reference" (the jnp forms below), "pallas" (the
+    # `pallas_kernels.gdn` kernels; per device over the heads on a tensor-parallel mesh) or
+    # "pallas_verify" (the kernel for verify windows, `keep_states`; the jnp forms otherwise)
     impl: str = "reference"
 
     @classmethod
@@ -219,7 +220,7 @@ def gdn_mixer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array
     if valid is not None:  # padded tokens neither decay nor write the state
         beta = jnp.where(valid[..., None], beta, 0.0)
         g = jnp.where(valid[..., None], g, 0.0)
-    if impl == "pallas":
+    if impl == "pallas" or (impl == "pallas_verify" and keep_states):
         rule = functools.partial(gated_delta_rule, chunk_size=cfg.gdn_chunk_size,
                                  keep_states=keep_states)
         heads = ((q, 2), (k, 2), (v, 2), (g, 2), (beta, 2), (rec_state, 1))
