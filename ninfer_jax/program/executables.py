@@ -28,6 +28,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ninfer_jax.program import executable_cache
 from ninfer_jax.program.errors import MissingExecutableError
 
 
@@ -214,10 +215,19 @@ class ExecutableTable:
 
 def _build(fn: Callable, abstract: tuple, donate: tuple[str, ...],
            mesh: Mesh | None) -> tuple[Callable, float]:
-    """(the executable of fn for those shapes with `donate` donated, compile seconds)."""
+    """(the executable of fn for those shapes with `donate` donated, compile seconds): from the
+    executable cache when it holds one (`executable_cache`), else compiled and stored there."""
     start = time.perf_counter()
-    with on_mesh(mesh):
-        executable = jit_step(fn, abstract, donate, mesh).lower(*abstract).compile()
+    name = (executable_cache.key(fn, abstract, donate, mesh)
+            if executable_cache.directory() is not None else None)
+    devices = None if mesh is None else list(mesh.devices.flat)
+    executable = executable_cache.load(name, devices) if name else None
+    if executable is None:
+        with on_mesh(mesh):
+            executable, fresh = executable_cache.compile_fresh(
+                lambda: jit_step(fn, abstract, donate, mesh).lower(*abstract).compile())
+        if name and fresh:
+            executable_cache.save(name, executable)
     return executable, time.perf_counter() - start
 
 
@@ -283,7 +293,7 @@ def _compile_loop(table_ref: weakref.ref, jobs: _Jobs) -> None:
             continue
         try:
             executable, seconds = _build(fn, abstract, donate, mesh)
-        except BaseException as e:  # delivered to whoever calls the key
+        except BaseException as e:  # noqa: BLE001 - delivered to whoever calls the key
             future.set_exception(e)
             continue
         table = table_ref()
