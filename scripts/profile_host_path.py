@@ -1,6 +1,6 @@
 """Where the host's time goes per decode round, on the embedded demo model.
 
-    python scripts/profile_host_path.py [--new_tokens=256] [--batches=1,8] [--sampled]
+    python scripts/profile_host_path.py [--new_tokens=256] [--batches=1,8] [--sampled] [--top=N]
 
 Opens the demo Engine (prefix reuse off), waits for its compiles, then for each B runs B
 requests of `--new_tokens` each (twice: a warm-up, then profiled) with cProfile on the Engine's
@@ -27,6 +27,7 @@ from absl import app, flags
 NEW_TOKENS = flags.DEFINE_integer("new_tokens", 256, "tokens per request", lower_bound=2)
 BATCHES = flags.DEFINE_list("batches", ["1", "8"], "concurrent requests (B) to profile")
 SAMPLED = flags.DEFINE_bool("sampled", True, "the command line's sampling (else greedy)")
+TOP = flags.DEFINE_integer("top", 0, "also list the worker's N costliest functions (own time)")
 
 GROUPS = (  # (group, path fragment) in order: the first match names a function's group
     ("step dispatch (jax)", "/jax/"), ("step dispatch (jax)", "jaxlib"),
@@ -123,10 +124,53 @@ def main(argv):
                   f"{1e6 * total / rounds:.0f} in all")
             for name, value in sorted(groups.items(), key=lambda kv: -kv[1]):
                 print(f"    {name:<32}{1e6 * value / rounds:>8.0f}")
+            stats = pstats.Stats(worker).stats
+            costliest = sorted(stats.items(), key=lambda kv: -kv[1][2])[:TOP.value]
+            for (filename, line, name), (_, calls, own, _, _) in costliest:
+                where = f"{os.path.basename(filename)}:{line} {name}"
+                print(f"      {where[:60]:<60}{1e6 * own / rounds:>8.0f} us "
+                      f"({calls / rounds:.1f} calls a round)")
             print(f"  consumers (handle iteration, text writes; CPU time): "
                   f"{1e6 * sum(consumer_cpu) / max(sum(deltas), 1):.0f} us a delta over "
                   f"{sum(deltas)} deltas")
+    print(f"\n{_dispatch_floor(core.program, max(batches))}")
     engine.close()
+
+
+def _dispatch_floor(program, batch: int) -> str:
+    """What dispatching the decode step's arguments costs alone: an executable that takes the
+    params and pools leaves (pools donated and returned as they are) and reads one value of
+    each; on XLA:CPU the rest of the step's "dispatch" is the step's own work, run by the
+    calling thread before the call returns."""
+    import time
+
+    import jax
+
+    from ninfer_jax.program.executables import StepKey, StepKind
+
+    leaves = (program.params, program.pools)
+
+    def touch(params, pools):
+        firsts = [a.reshape(-1)[:1].sum().astype("float32")  # an empty leaf adds 0
+                  for a in jax.tree.leaves((params, pools))]
+        return pools, sum(firsts)
+
+    trivial = jax.jit(touch, donate_argnums=1)
+    pools = jax.tree.map(lambda a: a.copy(), program.pools)
+    for _ in range(3):
+        pools, _ = trivial(program.params, pools)
+    jax.block_until_ready(pools)
+    start, n = time.perf_counter(), 100
+    for _ in range(n):
+        pools, _ = trivial(program.params, pools)
+    floor = (time.perf_counter() - start) / n
+    jax.block_until_ready(pools)
+    count = len(jax.tree.leaves(leaves))
+    key = StepKey(StepKind.DECODE, batch)
+    return (f"dispatch floor: {1e6 * floor:.0f} us a call for the {count} params and pool "
+            f"leaves of {key.kind.value}({batch}) through an executable that reads one value "
+            f"of each (jax's C++ call; the rest of a step's dispatch time on XLA:CPU is the "
+            f"step's work run before the call returns)")
 
 
 if __name__ == "__main__":
