@@ -57,12 +57,19 @@ def code_digest() -> str:
     return digest.hexdigest()
 
 
-def _fn_name(fn: Callable) -> str:
-    """The step and its bound static arguments (never an object address)."""
+def _fn_name(fn: Callable) -> str | None:
+    """The step and its bound static arguments (never an object address), or None for a
+    function whose name does not say what it computes (a closure, a lambda, a local)."""
     if isinstance(fn, functools.partial):
+        inner = _fn_name(fn.func)
+        if inner is None:
+            return None
         static = sorted((k, repr(v)) for k, v in fn.keywords.items())
-        return f"{_fn_name(fn.func)}{static}{[repr(a) for a in fn.args]}"
-    return f"{fn.__module__}.{fn.__qualname__}"
+        return f"{inner}{static}{[repr(a) for a in fn.args]}"
+    qualname = getattr(fn, "__qualname__", "<unknown>")
+    if "<" in qualname or getattr(fn, "__closure__", None):
+        return None
+    return f"{fn.__module__}.{qualname}"
 
 
 def _leaf(x: Any) -> str:
@@ -70,17 +77,22 @@ def _leaf(x: Any) -> str:
             f"{getattr(x, 'sharding', None)!r}")
 
 
-def key(fn: Callable, abstract: tuple, donate: tuple[str, ...], mesh: Any) -> str:
-    """The entry's name: a digest of everything that decides the compiled executable."""
+def key(fn: Callable, abstract: tuple, donate: tuple[str, ...], mesh: Any) -> str | None:
+    """The entry's name: a digest of everything that decides the compiled executable (None:
+    `fn` is not a module-level function, or one with static arguments bound, so what it
+    captured would be missing from the name; such a step is never cached)."""
+    name = _fn_name(fn)
+    if name is None:
+        return None
     leaves, tree = jax.tree.flatten(abstract)
     backend = jax.devices()[0].client
     settings = sorted((k, repr(v)) for k, v in jax.config.values.items()
                       if not any(word in k for word in _UNRELATED))
     parts = [code_digest(), jax.__version__, jaxlib.__version__, backend.platform,
              backend.platform_version,
-             [(d.id, d.device_kind) for d in jax.devices()], _fn_name(fn), str(tree),
+             [(d.id, d.device_kind) for d in jax.devices()], name, str(tree),
              [_leaf(x) for x in leaves], list(donate), repr(mesh), settings,
-             [(name, os.environ.get(name)) for name in _ENV]]
+             [(var, os.environ.get(var)) for var in _ENV]]
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 

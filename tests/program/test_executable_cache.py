@@ -90,3 +90,7 @@ def test_the_key_follows_what_decides_the_executable():
     assert key(bound, args(2)) != base
     with jax.default_matmul_precision("highest"):  # a jax setting that changes lowering
         assert key(commit_step, args(2)) != base
+    scale = 2.0
+    # what a closure or lambda captured is not in a name: such a step is never cached
+    assert key(lambda pools, inputs: commit_step(pools, inputs), args(2)) is None
+    assert key(bind(lambda pools, inputs: scale * inputs, static=Static(1)), args(2)) is None
