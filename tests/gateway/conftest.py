@@ -42,7 +42,7 @@ class ThinkingFakeProgram(FakeProgram):
 
 def make_engine(max_concurrency: int = 4, *, max_queue: int = 64, max_seq_len: int = 512,
                 step_seconds: float = 0.0, eos: bool = True, checkpoints: int = 8,
-                verify_width: int = 1, **program_kw) -> Engine:
+                verify_width: int = 1, frontend: Frontend = FRONTEND, **program_kw) -> Engine:
     """An Engine over the (thinking) FakeProgram with prefix reuse (`checkpoints` slots);
     `eos=False`: answers run to their budget; `verify_width` > 1: speculative rounds of up to
     that many tokens."""
@@ -53,8 +53,8 @@ def make_engine(max_concurrency: int = 4, *, max_queue: int = 64, max_seq_len: i
         total_checkpoint_slots=checkpoints, verify_width=verify_width,
         rewrites_below_frontier=int(verify_width > 1))
     program = ThinkingFakeProgram(limits, eos_id=EOS if eos else None, step_seconds=step_seconds, **program_kw)
-    core = EngineCore(program, FRONTEND, EngineCoreConfig(max_queue=max_queue, idle_wait_s=0.01))
-    return Engine(core, FRONTEND, None)
+    core = EngineCore(program, frontend, EngineCoreConfig(max_queue=max_queue, idle_wait_s=0.01))
+    return Engine(core, frontend, None)
 
 
 @contextlib.contextmanager

@@ -131,7 +131,7 @@ async def _stream(state: ServerState, gen: Generation, msg_id: str,
 async def create_message(state: ServerState, request: Request, req: GenerationRequest,
                          received_at: float) -> Response:
     """Serves one `POST /v1/messages`, streaming or not."""
-    gen = await start(state.engine, req, state.metrics, received_at)
+    gen = await start(state, req, received_at)
     msg_id = f"msg_{uuid.uuid4().hex}"
     if req.stream:
         return EventStream(_stream(state, gen, msg_id, req), gen.close)

@@ -27,6 +27,7 @@ from ninfer_jax.frontend.tool_calls import call_grammar
 from ninfer_jax.gateway.http.errors import Api, ApiError, from_rejected
 from ninfer_jax.gateway.http.metrics import Metrics
 from ninfer_jax.gateway.http.requests import GenerationRequest
+from ninfer_jax.gateway.http.state import ServerState
 from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError, StructuredOutput
 
 T = TypeVar("T")
@@ -148,11 +149,10 @@ async def submit(engine: Any, req: GenerationRequest, prepared: Any, sampling: S
     return gen
 
 
-async def start(engine: Any, req: GenerationRequest, metrics: Metrics,
-                received_at: float) -> Generation:
-    """Prepares and submits one request (see `prepare` and `submit`)."""
-    prepared, sampling = prepare(engine, req)
-    return await submit(engine, req, prepared, sampling, metrics, received_at)
+async def start(state: ServerState, req: GenerationRequest, received_at: float) -> Generation:
+    """Prepares (off the event loop) and submits one request (see `prepare` and `submit`)."""
+    prepared, sampling = await state.off_loop(prepare, state.engine, req)
+    return await submit(state.engine, req, prepared, sampling, state.metrics, received_at)
 
 
 def _check_context(req: GenerationRequest, prompt_tokens: int, budget: int,

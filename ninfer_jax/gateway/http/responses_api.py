@@ -366,7 +366,7 @@ async def _stream(state: ServerState, gen: Any, b: _Builder) -> AsyncGenerator[s
 async def create_response(state: ServerState, request: Request, req: GenerationRequest,
                           received_at: float) -> Response:
     """Serves one `POST /v1/responses`, streaming or not."""
-    gen = await start(state.engine, req, state.metrics, received_at)
+    gen = await start(state, req, received_at)
     b = _Builder(state, req)
     if req.stream:
         return EventStream(_stream(state, gen, b), gen.close)
