@@ -128,8 +128,10 @@ def _generation_endpoint(state: ServerState, api: Api,
             tenant = _authorize(request, state.api_keys)
             body = await _read_body(request, state.max_body_bytes, state.body_timeout_s)
             session = request.headers.get("x-session-id")
-            req = await state.off_loop(lambda: parse(decode_json(body), session))
-            req = dataclasses.replace(req, tenant=tenant)  # prefix reuse stays in the tenant
+            req = await state.off_loop(lambda: parse(decode_json(body), session),
+                                       body_bytes=len(body))
+            # prefix reuse stays in the tenant; the body's size picks its work lane
+            req = dataclasses.replace(req, tenant=tenant, body_bytes=len(body))
             if req.model is not None and req.model != state.model_name:
                 raise ApiError(404, f"model {req.model!r:.80} not found; this server serves "
                                f"{state.model_name!r}", param="model", code="model_not_found")
@@ -166,12 +168,13 @@ def _json_endpoint(state: ServerState, api: Api,
         try:
             _authorize(request, state.api_keys)
             body = await _read_body(request, state.max_body_bytes, state.body_timeout_s)
-            obj = await state.off_loop(decode_json, body)
+            obj = await state.off_loop(decode_json, body, body_bytes=len(body))
             model = obj.get("model") if isinstance(obj, dict) else None
             if model is not None and model != state.model_name:
                 raise ApiError(404, f"model {model!r:.80} not found; this server serves "
                                f"{state.model_name!r}", param="model", code="model_not_found")
-            return await state.off_loop(handler, state, obj, request.headers.get("x-session-id"))
+            return await state.off_loop(handler, state, obj, request.headers.get("x-session-id"),
+                                        body_bytes=len(body))
         except ApiError as e:
             state.metrics.rejections.labels(_REJECTION.get(e.status, "error")).inc()
             return e.response(api)

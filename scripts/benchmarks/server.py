@@ -26,6 +26,9 @@ Then, always on the embedded demo model (max_concurrency 4; its own server), in 
   prompt tokens prefilled (the admitted prompts, the n = 4 request's priming of its prefix
   included, minus the Engine's prefix `cached_tokens` gained), the admissions that found no
   checkpoint (prefills from the root), and tok/s.
+- Event loop under load: STALL_CLIENTS clients each send a maximal legal chat body (just under
+  the 4 MiB limit) while a probe in its own process asks `/health` and tokenizes a sentence
+  every 20 ms: their median, p99 and max latency (target: `/health` max <= 100 ms).
 """
 
 from __future__ import annotations
@@ -205,6 +208,89 @@ def _ratio_rows(pairs: list[tuple[dict, dict]], key: str) -> dict[str, float]:
     return {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
 
 
+STALL_CLIENTS = 8
+STALL_BYTES = (4 << 20) - 64 * 1024  # a body just under the server's 4 MiB limit
+
+
+async def _stall_send(url: str) -> dict[str, Any]:
+    """STALL_CLIENTS concurrent chat requests, each a maximal legal body (a message of about
+    STALL_BYTES of story text: parsed, rendered and tokenized, then refused as longer than the
+    context), encoded once before the clock starts."""
+    import httpx
+
+    text = ("Once upon a time there was a little fox who liked to run. " * (
+        STALL_BYTES // 60))[:STALL_BYTES - 200]
+    body = json.dumps({"model": MODEL, "max_tokens": 8,
+                       "messages": [{"role": "user", "content": text}]}).encode()
+    headers = {"content-type": "application/json"}
+    async with httpx.AsyncClient(timeout=600) as client:
+        start = time.perf_counter()
+        answers = await asyncio.gather(*(
+            client.post(f"{url}/v1/chat/completions", content=body, headers=headers)
+            for _ in range(STALL_CLIENTS)))
+        wall = time.perf_counter() - start
+    return {"clients": STALL_CLIENTS, "body_bytes": len(body), "requests_s": wall,
+            "statuses": sorted({a.status_code for a in answers})}
+
+
+def _stall_sender(url: str, queue: Any) -> None:
+    queue.put(asyncio.run(_stall_send(url)))
+
+
+def _stall_prober(url: str, stop: Any, queue: Any) -> None:
+    """Until `stop` is set, every 20 ms: `/health`, then an ordinary small request (`/tokenize`
+    of a sentence); both latency lists (its own process, so neither the server's nor the
+    senders' work is on its clock)."""
+    import httpx
+
+    health, small = [], []
+    body = {"model": MODEL, "prompt": "Once upon a time there was a little fox."}
+    with httpx.Client(timeout=30) as client:
+        client.get(f"{url}/health").raise_for_status()
+        while not stop.is_set():
+            sent = time.perf_counter()
+            client.get(f"{url}/health").raise_for_status()
+            health.append(time.perf_counter() - sent)
+            sent = time.perf_counter()
+            client.post(f"{url}/tokenize", json=body).raise_for_status()
+            small.append(time.perf_counter() - sent)
+            time.sleep(0.02)
+    queue.put((health, small))
+
+
+def _stall_row(url: str) -> dict[str, Any]:
+    """The event-loop row (module docstring): a prober process and a sender process; prints the
+    row against the target (max /health latency <= 100 ms)."""
+    ctx = multiprocessing.get_context("spawn")
+    stop, probes, sent = ctx.Event(), ctx.Queue(), ctx.Queue()
+    prober = ctx.Process(target=_stall_prober, args=(url, stop, probes))
+    prober.start()
+    time.sleep(2.0)  # the prober's interpreter is up and probing
+    sender = ctx.Process(target=_stall_sender, args=(url, sent))
+    sender.start()
+    row = sent.get(timeout=1800)
+    stop.set()
+    health, small = (sorted(x) for x in probes.get(timeout=60))
+    sender.join(60)
+    prober.join(60)
+    for name, latencies in (("health", health), ("small", small)):
+        row.update({f"{name}_probes": len(latencies),
+                    f"{name}_ms_median": 1e3 * statistics.median(latencies),
+                    f"{name}_ms_p99": 1e3 * latencies[min(len(latencies) - 1,
+                                                          int(0.99 * len(latencies)))],
+                    f"{name}_ms_max": 1e3 * latencies[-1]})
+    met = "met" if row["health_ms_max"] <= 100 else "NOT met"
+    print(f"\n{row['clients']} clients x {row['body_bytes'] / 2**20:.2f} MiB chat bodies "
+          f"(statuses {row['statuses']}, {row['requests_s']:.1f} s), probed every 20 ms "
+          f"before, during and after ({row['health_probes']} probes); load "
+          f"{os.getloadavg()[0]:.1f}")
+    for name, label in (("health", "/health"), ("small", "/tokenize, one sentence")):
+        print(f"  {label:<24} median {row[f'{name}_ms_median']:.1f} ms, p99 "
+              f"{row[f'{name}_ms_p99']:.1f} ms, max {row[f'{name}_ms_max']:.1f} ms")
+    print(f"  target /health max <= 100 ms: {met}")
+    return row
+
+
 def _demo_rows() -> dict[str, Any]:
     """The JSON-schema and n = 4 rows on the embedded model (module docstring)."""
     from ninfer_jax.api import Engine
@@ -226,6 +312,7 @@ def _demo_rows() -> dict[str, Any]:
             _n_turn(server.url, engine, True, -1), _n_turn(server.url, engine, False, -2)
             n_pairs = [(_n_turn(server.url, engine, True, 2 * r),
                         _n_turn(server.url, engine, False, 2 * r + 1)) for r in range(REPS)]
+            stall = _stall_row(server.url)
     finally:
         engine.close()
     grammar = {"with": [a["tok_per_s"] for a, _ in pairs],
@@ -252,7 +339,7 @@ def _demo_rows() -> dict[str, Any]:
           f"{statistics.median(x['tok_per_s'] for x in n4['separate']):>15.1f} "
           f"{'':>22}   prefilled {b['prefilled_tokens']} of 4 x {b['prompt_tokens']} "
           f"(cached {b['cached_tokens']}, {b['prefills_from_root']} from root)")
-    return {"json_schema": {k: v for k, v in grammar.items()}, "n4": n4}
+    return {"json_schema": {k: v for k, v in grammar.items()}, "n4": n4, "stall": stall}
 
 
 def run(out_dir: str) -> dict[str, Any]:

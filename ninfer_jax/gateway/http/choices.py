@@ -38,7 +38,8 @@ async def start_choices(state: ServerState, req: GenerationRequest,
     """The generations of every choice, in choice order. All prompts are checked before any is
     submitted; a refusal part-way releases those already submitted."""
     engine, gens = state.engine, []
-    prepared = await state.off_loop(lambda: [prepare(engine, r) for r in prompts(req)])
+    prepared = await state.off_loop(lambda: [prepare(engine, r) for r in prompts(req)],
+                                    body_bytes=req.body_bytes)
     try:
         for r, (prompt, sampling) in zip(prompts(req), prepared):
             if req.n > 1:

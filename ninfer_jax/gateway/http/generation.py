@@ -151,7 +151,8 @@ async def submit(engine: Any, req: GenerationRequest, prepared: Any, sampling: S
 
 async def start(state: ServerState, req: GenerationRequest, received_at: float) -> Generation:
     """Prepares (off the event loop) and submits one request (see `prepare` and `submit`)."""
-    prepared, sampling = await state.off_loop(prepare, state.engine, req)
+    prepared, sampling = await state.off_loop(prepare, state.engine, req,
+                                              body_bytes=req.body_bytes)
     return await submit(state.engine, req, prepared, sampling, state.metrics, received_at)
 
 

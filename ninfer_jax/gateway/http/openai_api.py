@@ -236,7 +236,8 @@ async def _echo_only(state: ServerState, req: GenerationRequest, answer: _Answer
     choices, usages = [], []
     for i, r in enumerate(_prompts(req)):
         prepared, _ = await state.off_loop(prepare, state.engine,
-                                           dataclasses.replace(r, max_tokens=1))
+                                           dataclasses.replace(r, max_tokens=1),
+                                           body_bytes=req.body_bytes)
         gen = Generation(None, prepared.num_tokens, state.metrics, 0.0, req.api.value)
         gen.prompt_ids, gen.prompt_text = prepared.token_ids, prepared.text
         text, logprobs = await _echo(state, gen, req)

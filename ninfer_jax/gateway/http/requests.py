@@ -86,6 +86,7 @@ class GenerationRequest:
     cache_salt: str | None = None  # prefix reuse only among requests with the same salt
     allow_control_tokens: bool | None = None  # None: messages' text stays text, a prompt's not
     tenant: str | None = None  # set by the server from the API key that authorized the request
+    body_bytes: int = 0  # the request body's size (set by the server: picks its work lane)
     field_names: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property

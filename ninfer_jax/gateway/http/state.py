@@ -13,9 +13,13 @@ import anyio
 from ninfer_jax.gateway.http.metrics import Metrics
 
 T = TypeVar("T")
-# Requests parsed, tokenized and rendered at once, off the event loop (each holds the GIL most
-# of the time, so more would only queue behind it)
-OFF_LOOP_THREADS = 4
+# Requests are parsed, rendered and tokenized off the event loop in two lanes: bodies up to
+# LARGE_BODY_BYTES in SMALL_LANE threads, larger ones in one thread of their own, so a burst
+# of maximal bodies neither delays an ordinary request nor keeps the event loop from the GIL
+# (scripts/bench.py --suite=server, "event loop" row: with 8 bodies of 3.8 MiB at once and
+# every request in one pool of 1 / 2 / 4 threads, /health took up to 45 / 81-135 / 170-285 ms)
+LARGE_BODY_BYTES = 256 << 10
+SMALL_LANE = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,17 +32,19 @@ class ServerState:
     body_timeout_s: float  # the whole body must arrive within this long of the head
     prompt_scorer: Any = None  # logprobs.PromptScorer for `echo` with logprobs; None: refused
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
-    # bounds the CPU work of requests run off the event loop (`off_loop`)
-    cpu_work: anyio.CapacityLimiter = dataclasses.field(
-        default_factory=lambda: anyio.CapacityLimiter(OFF_LOOP_THREADS))
+    # the two lanes of request work run off the event loop (`off_loop`)
+    small_work: anyio.CapacityLimiter = dataclasses.field(
+        default_factory=lambda: anyio.CapacityLimiter(SMALL_LANE))
+    large_work: anyio.CapacityLimiter = dataclasses.field(
+        default_factory=lambda: anyio.CapacityLimiter(1))
 
-    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on a worker thread, at most OFF_LOOP_THREADS at once: parsing a body,
-        tokenizing a prompt, rendering a template, compiling a grammar take seconds for a large
-        legal request, and on the event loop they would stall `/health` and every other
+    async def off_loop(self, fn: Callable[..., T], *args: Any, body_bytes: int = 0) -> T:
+        """`fn(*args)` on a worker thread of the lane for a body of `body_bytes`: parsing a
+        body, rendering a template, tokenizing a prompt, compiling a grammar take seconds for a
+        large legal request, and on the event loop they would stall `/health` and every other
         client. Its exceptions (ApiError for bad input) are raised here."""
-        return await anyio.to_thread.run_sync(functools.partial(fn, *args),
-                                              limiter=self.cpu_work)
+        lane = self.large_work if body_bytes > LARGE_BODY_BYTES else self.small_work
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=lane)
 
     @property
     def engine_available(self) -> bool:
