@@ -27,7 +27,7 @@ Then, always on the embedded demo model (max_concurrency 4; its own server), in 
   included, minus the Engine's prefix `cached_tokens` gained), the admissions that found no
   checkpoint (prefills from the root), and tok/s.
 - Event loop under load: STALL_CLIENTS clients each send a maximal legal chat body (just under
-  the 4 MiB limit) while a probe in its own process asks `/health` and tokenizes a sentence
+  the 4 MiB limit: one long message, then 60,000 short messages) while a probe in its own process asks `/health` and tokenizes a sentence
   every 20 ms: their median, p99 and max latency (target: `/health` max <= 100 ms).
 """
 
@@ -212,16 +212,24 @@ STALL_CLIENTS = 8
 STALL_BYTES = (4 << 20) - 64 * 1024  # a body just under the server's 4 MiB limit
 
 
-async def _stall_send(url: str) -> dict[str, Any]:
-    """STALL_CLIENTS concurrent chat requests, each a maximal legal body (a message of about
-    STALL_BYTES of story text: parsed, rendered and tokenized, then refused as longer than the
-    context), encoded once before the clock starts."""
+STALL_MESSAGES = 60_000
+
+
+async def _stall_send(url: str, kind: str) -> dict[str, Any]:
+    """STALL_CLIENTS concurrent chat requests, each a maximal legal body ("text": one message
+    of about STALL_BYTES of story text; "messages": STALL_MESSAGES short messages), parsed,
+    rendered and tokenized, then refused as longer than the context; encoded once before the
+    clock starts."""
     import httpx
 
-    text = ("Once upon a time there was a little fox who liked to run. " * (
-        STALL_BYTES // 60))[:STALL_BYTES - 200]
-    body = json.dumps({"model": MODEL, "max_tokens": 8,
-                       "messages": [{"role": "user", "content": text}]}).encode()
+    if kind == "text":
+        text = ("Once upon a time there was a little fox who liked to run. " * (
+            STALL_BYTES // 60))[:STALL_BYTES - 200]
+        messages = [{"role": "user", "content": text}]
+    else:
+        messages = [{"role": ("user", "assistant")[i % 2], "content": f"word {i}"}
+                    for i in range(STALL_MESSAGES)]
+    body = json.dumps({"model": MODEL, "max_tokens": 8, "messages": messages}).encode()
     headers = {"content-type": "application/json"}
     async with httpx.AsyncClient(timeout=600) as client:
         start = time.perf_counter()
@@ -229,12 +237,12 @@ async def _stall_send(url: str) -> dict[str, Any]:
             client.post(f"{url}/v1/chat/completions", content=body, headers=headers)
             for _ in range(STALL_CLIENTS)))
         wall = time.perf_counter() - start
-    return {"clients": STALL_CLIENTS, "body_bytes": len(body), "requests_s": wall,
-            "statuses": sorted({a.status_code for a in answers})}
+    return {"kind": kind, "clients": STALL_CLIENTS, "body_bytes": len(body),
+            "requests_s": wall, "statuses": sorted({a.status_code for a in answers})}
 
 
-def _stall_sender(url: str, queue: Any) -> None:
-    queue.put(asyncio.run(_stall_send(url)))
+def _stall_sender(url: str, kind: str, queue: Any) -> None:
+    queue.put(asyncio.run(_stall_send(url, kind)))
 
 
 def _stall_prober(url: str, stop: Any, queue: Any) -> None:
@@ -258,7 +266,7 @@ def _stall_prober(url: str, stop: Any, queue: Any) -> None:
     queue.put((health, small))
 
 
-def _stall_row(url: str) -> dict[str, Any]:
+def _stall_row(url: str, kind: str) -> dict[str, Any]:
     """The event-loop row (module docstring): a prober process and a sender process; prints the
     row against the target (max /health latency <= 100 ms)."""
     ctx = multiprocessing.get_context("spawn")
@@ -266,7 +274,7 @@ def _stall_row(url: str) -> dict[str, Any]:
     prober = ctx.Process(target=_stall_prober, args=(url, stop, probes))
     prober.start()
     time.sleep(2.0)  # the prober's interpreter is up and probing
-    sender = ctx.Process(target=_stall_sender, args=(url, sent))
+    sender = ctx.Process(target=_stall_sender, args=(url, kind, sent))
     sender.start()
     row = sent.get(timeout=1800)
     stop.set()
@@ -280,7 +288,9 @@ def _stall_row(url: str) -> dict[str, Any]:
                                                           int(0.99 * len(latencies)))],
                     f"{name}_ms_max": 1e3 * latencies[-1]})
     met = "met" if row["health_ms_max"] <= 100 else "NOT met"
-    print(f"\n{row['clients']} clients x {row['body_bytes'] / 2**20:.2f} MiB chat bodies "
+    what = "one long message" if kind == "text" else f"{STALL_MESSAGES:,} messages"
+    print(f"\n{row['clients']} clients x {row['body_bytes'] / 2**20:.2f} MiB chat bodies of "
+          f"{what} "
           f"(statuses {row['statuses']}, {row['requests_s']:.1f} s), probed every 20 ms "
           f"before, during and after ({row['health_probes']} probes); load "
           f"{os.getloadavg()[0]:.1f}")
@@ -312,7 +322,7 @@ def _demo_rows() -> dict[str, Any]:
             _n_turn(server.url, engine, True, -1), _n_turn(server.url, engine, False, -2)
             n_pairs = [(_n_turn(server.url, engine, True, 2 * r),
                         _n_turn(server.url, engine, False, 2 * r + 1)) for r in range(REPS)]
-            stall = _stall_row(server.url)
+            stall = [_stall_row(server.url, kind) for kind in ("text", "messages")]
     finally:
         engine.close()
     grammar = {"with": [a["tok_per_s"] for a, _ in pairs],
