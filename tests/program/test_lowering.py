@@ -160,3 +160,26 @@ def test_pallas_verify_runs_the_gdn_kernel_in_verify_windows_only(speculative):
         assert decode.count('name = "gated_delta_recurrent"') == gdn_layers
     else:
         assert "gated_delta" not in decode and "paged_attention_decode" in decode
+
+
+def test_the_program_package_exports_its_entry_points_lazily():
+    """`ninfer_jax.program.lower_all` and friends import from the package (#41: they lived one
+    module down only), and importing the package or its jax-free `host` imports no jax."""
+    import subprocess
+    import sys
+
+    from ninfer_jax import program
+    from ninfer_jax.program import aot, config, plan
+
+    assert program.lower_all is aot.lower_all and program.compile_all is aot.compile_all
+    assert program.ProgramConfig is config.ProgramConfig
+    assert program.memory_plan is plan.memory_plan
+    assert sorted(program.__all__) == sorted(program._EXPORTS)
+    assert all(getattr(program, name) is not None for name in program.__all__)
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        _ = program.nope
+    code = ("import sys, ninfer_jax.program, ninfer_jax.program.host; "
+            "print('jax' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == "False"
