@@ -120,15 +120,20 @@ def _bytes_of(source: Any, field: str, allowed: bool | pathlib.Path,
 
 
 def _source_bytes(source: Any, field: str, allowed: bool | pathlib.Path,
-                  fetch_timeout_s: float) -> bytes:
-    """The encoded bytes of a medium given as bytes, a data URL, a path / file:// URL or (with
-    fetching on) an http(s) URL."""
+                  fetch_timeout_s: float, kind: str = "image") -> bytes:
+    """The encoded bytes of a medium (`kind`: "image" or "video") given as bytes, a data URL
+    (of that kind's type, or application/octet-stream), a path / file:// URL or (with fetching
+    on) an http(s) URL."""
     if isinstance(source, Mapping) and "url" in source:  # OpenAI's {"url": ...}
         source = source["url"]
     if isinstance(source, str) and source.startswith("data:"):
         head, _, payload = source.partition(",")
         if ";base64" not in head:
-            raise PartError(field, "a data URL must be base64 (data:image/...;base64,...)")
+            raise PartError(field, f"a data URL must be base64 (data:{kind}/...;base64,...)")
+        mime = head.removeprefix("data:").split(";", 1)[0].strip().lower()
+        if not (mime.startswith(f"{kind}/") or mime == "application/octet-stream"):
+            raise PartError(field, f"a data URL of type {mime or 'text/plain'!r:.60} is not "
+                                   f"an {kind} (data:{kind}/...;base64,...)")
         try:
             data = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError) as e:
@@ -150,9 +155,14 @@ def _source_bytes(source: Any, field: str, allowed: bool | pathlib.Path,
             raise PartError(field, f"no such file {text!r}") from None
         if allowed is not True and not path.is_relative_to(allowed):
             raise PartError(field, f"{text!r} is outside the allowed media directory")
-        if path.stat().st_size > MAX_MEDIA_BYTES:
-            raise PartError(field, f"{text!r} is larger than {MAX_MEDIA_BYTES} bytes")
-        data = path.read_bytes()
+        if not path.is_file():  # a directory, a device, a FIFO: nothing to decode
+            raise PartError(field, f"{text!r} is not a regular file")
+        try:
+            if path.stat().st_size > MAX_MEDIA_BYTES:
+                raise PartError(field, f"{text!r} is larger than {MAX_MEDIA_BYTES} bytes")
+            data = path.read_bytes()
+        except OSError as e:  # unreadable (permissions, removed meanwhile)
+            raise PartError(field, f"cannot read {text!r} ({e.strerror or e})") from None
     elif isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
     else:
@@ -181,7 +191,8 @@ def _medium(part: Mapping[str, Any], kind: str, field: str, vt: VisionTokens
     if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
         raise PartError(f"{field}.fps", f"must be a positive number, got {fps!r}")
     if isinstance(frames, (str, pathlib.Path, bytes, bytearray, Mapping)):  # a video file
-        data = _source_bytes(frames, f"{field}.video", vt.local_media, vt.fetch_timeout_s)
+        data = _source_bytes(frames, f"{field}.video", vt.local_media, vt.fetch_timeout_s,
+                             kind="video")
         images, indices, rate = decode_video(data, f"{field}.video", float(fps))
         digest = hashlib.sha256(data).hexdigest()
     elif isinstance(frames, Sequence):  # the frames themselves, `fps` a second

@@ -86,8 +86,12 @@ def _png(image: Image.Image) -> str:
 BAD = {
     "truncated": ("data:image/png;base64," + base64.b64encode(PNG[: len(PNG) // 2]).decode(),
                   "not a readable image"),
-    "not an image": ("data:text/plain;base64," + base64.b64encode(b"hello").decode(),
+    "not an image": ("data:image/png;base64," + base64.b64encode(b"hello").decode(),
                      "not a readable image"),
+    # #41: a PNG declared as text was decoded as an image; a directory gave a 500
+    "text, not an image": ("data:text/plain;base64," + base64.b64encode(PNG).decode(),
+                           "data URL of type 'text/plain' is not an image"),
+    "a directory": (f"file://{IMAGES}", "is not a regular file"),
     "too thin": (_png(Image.new("RGB", (2010, 10))), "aspect ratio 201 exceeds 200"),
     "over http": ("https://example.com/cat.png", "fetching media over http(s) is off"),
     "outside the directory": (f"file://{DIR / 'config.json'}", "outside the allowed media"),
