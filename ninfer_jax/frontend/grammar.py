@@ -96,7 +96,25 @@ class GrammarCompiler:
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:
             raise GrammarError(_first_lines(error))
+        self._probe(grammar)
         return grammar
+
+    def _probe(self, grammar: str) -> None:
+        """Opens a matcher and takes its first steps (the forced prefix, the first mask, one
+        allowed token): a grammar that validates can still exceed llguidance's limits there
+        (a schema that requires itself: "Too many items"; `a{1000000}`: "too many expressions
+        constructed"), which would otherwise fail the request after its answer began."""
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        probe = GrammarMatcher(self, matcher)  # raises on a matcher born in error
+        forced = probe.forced()
+        if matcher.is_error():
+            raise GrammarError(_first_lines(matcher.get_error()))
+        if forced:
+            probe.advance(forced)
+        mask = probe.mask()  # raises GrammarError
+        step = next((int(t) for t in allowed_ids(mask) if int(t) not in self.eos_ids), None)
+        if step is not None and not probe.advance([step]) and matcher.is_error():
+            raise GrammarError(_first_lines(matcher.get_error()))
 
     def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
         """A fresh matcher for one request's output."""
@@ -185,5 +203,7 @@ def allowed_ids(mask: np.ndarray) -> np.ndarray:
 
 
 def _first_lines(message: str, limit: int = 400) -> str:
+    """llguidance's reason, on one line, without the parser state it appends."""
+    message = message.split("<state>", 1)[0]
     text = " ".join(line.strip() for line in message.strip().splitlines() if line.strip())
     return text[:limit]

@@ -141,3 +141,16 @@ def test_matcher_follows_committed_tokens(compiler):
 def test_bad_specs_are_grammar_errors(compiler, spec):
     with pytest.raises(GrammarError):
         compiler.compile(spec)
+
+
+@pytest.mark.parametrize("spec, reason", [
+    (StructuredOutput("json_schema", json.dumps({
+        "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]})),
+     "Too many items"),
+    (StructuredOutput("regex", "a{1000000}"), "too many expressions constructed")])
+def test_specs_that_overflow_at_the_first_token_fail_to_compile(compiler, spec, reason):
+    """They validate, but llguidance gave up at the first token (#41: the request failed after
+    its answer began); the reason comes without llguidance's parser state."""
+    with pytest.raises(GrammarError, match=reason) as err:
+        compiler.compile(spec)
+    assert "<state>" not in str(err.value) and "Parser:" not in str(err.value)

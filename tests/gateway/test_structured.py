@@ -108,6 +108,12 @@ def test_responses_text_format(client):
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "bogus"}}}}, "response_format.json_schema.schema"),
     ({"guided_regex": "(unclosed"}, "guided_regex"),
+    # #41: these compile but overflowed llguidance at the first token: a 500, or 200 and then
+    # an error event when streaming
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}},
+     "response_format.json_schema.schema"),
+    ({"guided_regex": "a{1000000}"}, "guided_regex"),
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_grammar": "start: missing_rule"}, "guided_grammar"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
@@ -124,6 +130,7 @@ def test_bad_specs_name_their_field(server, body, param):
         "model": MODEL, "messages": [{"role": "user", "content": "x"}], **body}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+    assert "<state>" not in r.text and "Parser:" not in r.text  # llguidance's internals
 
 
 # Tool choice: the Qwen3.5/3.6 template (tools rendered), a model that never calls on its own.
