@@ -127,6 +127,18 @@ def _text_parts(content: list, field: str) -> str | list:
     return [dict(p) for p in content] if keep else "".join(texts)
 
 
+ROLES = ("system", "user", "assistant", "tool")  # what the chat templates render
+
+
+def _check_unicode(text: str, field: str) -> None:
+    """A lone surrogate cannot be encoded (the tokenizers raised a bare RuntimeError)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PromptError(field, f"contains a lone surrogate at index {e.start} (not valid "
+                          f"Unicode)") from None
+
+
 def _check_messages(messages: Any) -> list[dict[str, Any]]:
     """Validated copies of `messages`; a list of text parts becomes one string."""
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
@@ -140,6 +152,9 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
         role = message.get("role")
         if not isinstance(role, str):
             raise PromptError(f"messages[{i}].role", "must be a string")
+        if role not in ROLES:
+            raise PromptError(f"messages[{i}].role", f"must be one of {list(ROLES)}, got "
+                              f"{role!r:.40}")
         content = message.get("content")
         if isinstance(content, list):
             content = _text_parts(content, f"messages[{i}].content")
@@ -151,6 +166,7 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
         elif not isinstance(content, str):
             raise PromptError(f"messages[{i}].content", f"must be a string or a list of text "
                               f"parts, got {type(content).__name__}")
+        _check_unicode(content, f"messages[{i}].content")
         checked.append({**message, "content": content})
     return checked
 
@@ -266,12 +282,14 @@ def prepare(
     else:
         if not isinstance(prompt, str):
             raise PromptError("prompt", f"expected a string, got {type(prompt).__name__}")
+        _check_unicode(prompt, "prompt")
         text = prompt
         escape = allow_control_tokens is False and pattern is not None
         if escape:
             text = _mark(text, pattern)
     if not text:
         raise PromptError(given[0], "must not be empty")
+    _check_unicode(text, given[0])  # what else the template rendered (tools, names)
     try:
         if escape:
             token_ids, text = _encode_marked(tokenizer, text)

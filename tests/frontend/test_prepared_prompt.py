@@ -52,6 +52,12 @@ def test_same_ids_from_text_and_ids_have_the_same_identity(frontend):
         ({"messages": {"role": "user"}}, "messages", "expected a list"),
         ({"messages": ["hi"]}, "messages[0]", "expected a mapping"),
         ({"messages": [{"content": "hi"}]}, "messages[0].role", "must be a string"),
+        # #41: accepted by Engine.submit and `ninfer generate` / a bare RuntimeError
+        ({"messages": [{"role": "narrator", "content": "hi"}]}, "messages[0].role",
+         r"must be one of \['system', 'user', 'assistant', 'tool'\], got 'narrator'"),
+        ({"prompt": "ab\ud800c"}, "prompt", "lone surrogate at index 2"),
+        ({"messages": [{"role": "user", "content": "x\udfffy"}]}, "messages[0].content",
+         "lone surrogate at index 1"),
     ],
 )
 def test_bad_input_names_the_field(frontend, kwargs, field, message):

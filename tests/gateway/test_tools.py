@@ -127,6 +127,14 @@ def test_malformed_call_is_text_and_tool_choice_none(live, oa):
     ({"tool_choice": "required", "extra_body": {"enable_thinking": True}}, "enable_thinking"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
+    # #41: names outside [A-Za-z0-9_-]{1,64} and invalid schemas were accepted
+    *[({"tools": [{"type": "function", "function": {"name": name, "parameters": {}}}]},
+       "tools[0].function.name")
+      for name in ("get weather", 'say"hi"', "<|im_end|>", "x" * 65, "")],
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},
+     "tools[0].function.parameters"),
 ])
 def test_tool_refusals(oa, kwargs, param):
     kwargs.setdefault("tools", TOOLS)
@@ -301,3 +309,15 @@ def test_responses_plain_streamed_and_tools(live, oa):
     with pytest.raises(openai.BadRequestError) as e:
         oa.responses.create(model=MODEL, input="hi", previous_response_id="resp_1")
     assert e.value.body["param"] == "previous_response_id"
+
+
+@pytest.mark.parametrize("tool, param", [
+    ({"name": "get_weather"}, "tools[0].input_schema"),  # #41: accepted without a schema
+    ({"name": "get weather", "input_schema": {"type": "object"}}, "tools[0].name"),
+    ({"name": "f", "input_schema": {"type": "nope"}}, "tools[0].input_schema"),
+])
+def test_anthropic_tool_refusals(an, tool, param):
+    with pytest.raises(anthropic.BadRequestError) as e:
+        an.messages.create(model=MODEL, max_tokens=10, tools=[tool],
+                           messages=[{"role": "user", "content": "x"}])
+    assert param in str(e.value), e.value

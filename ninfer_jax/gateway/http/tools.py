@@ -12,6 +12,7 @@ a grammar over the call format (`frontend.tool_calls.call_grammar`), with thinki
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from ninfer_jax.frontend.tool_calls import history_arguments
@@ -30,17 +31,41 @@ class ToolChoice:
         return self.mode in ("required", "function")
 
 
-def _function(fields: Fields, name_key: str, schema_key: str) -> dict[str, Any]:
+# OpenAI's and Anthropic's rule for function names (what the call format can carry)
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _function(fields: Fields, name_key: str, schema_key: str,
+              schema_required: bool = False) -> dict[str, Any]:
     name = fields.string(name_key, required=True)
-    if not name or len(name) > 128:
-        raise ApiError.invalid(fields.name(name_key), "must be 1-128 characters")
+    if not _NAME.fullmatch(name):
+        raise ApiError.invalid(fields.name(name_key), f"must be 1-64 letters, digits, '_' or "
+                               f"'-', got {name!r:.80}")
     fn: dict[str, Any] = {"name": name}
     description = fields.string("description")
     if description is not None:
         fn["description"] = description
+    if schema_required:
+        fields.required(schema_key)
     schema = fields.obj(schema_key)
-    fn["parameters"] = {"type": "object", "properties": {}} if schema is None else schema.data
+    fn["parameters"] = ({"type": "object", "properties": {}} if schema is None
+                        else _schema(schema.data, fields.name(schema_key)))
     return {"type": "function", "function": fn}
+
+
+def _schema(schema: Any, field: str) -> dict[str, Any]:
+    """A tool's parameters: a JSON Schema object that is valid against its metaschema."""
+    import jsonschema
+
+    if not isinstance(schema, dict):
+        raise ApiError.invalid(field, "must be a JSON Schema object")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        at = "".join(f"[{p!r}]" for p in e.absolute_path) or "the schema"
+        raise ApiError.invalid(field, f"is not a valid JSON Schema at {at}: "
+                               f"{e.message:.200}") from None
+    return schema
 
 
 def openai_tools(body: Fields, key: str = "tools", flat: bool = False) -> list[dict] | None:
@@ -74,7 +99,7 @@ def anthropic_tools(body: Fields) -> list[dict] | None:
         if kind not in (None, "custom"):
             raise ApiError.invalid(t.name("type"), f"only custom (function) tools are "
                                    f"supported, got {kind!r:.40}", code="unsupported_parameter")
-        tools.append(_function(t, "name", "input_schema"))
+        tools.append(_function(t, "name", "input_schema", schema_required=True))
     _unique(tools, "tools")
     return tools
 
