@@ -317,3 +317,20 @@ def test_cli_flags_default_to_the_servers_defaults():
                          timeout=120)
     assert out.returncode == 2 and "max_connections: " in out.stderr, out.stderr
 
+
+
+@pytest.mark.parametrize("head", [
+    b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: abc\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nno colon here\r\n\r\n",
+])
+def test_a_malformed_head_gets_a_json_400(head):
+    """#41: h11's refusal (a non-numeric Content-Length) was uvicorn's plain-text 400."""
+    with served(make_engine()) as server:
+        with _connect(server) as sock:
+            sock.sendall(head)
+            status, body = _read_response(sock)
+        assert status.startswith(b"HTTP/1.1 400"), status
+        assert b"content-type: application/json" in status.lower()
+        error = json.loads(body)["error"]
+        assert error["code"] == "invalid_request" and "malformed HTTP request" in error["message"]
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200

@@ -152,6 +152,19 @@ class GuardedH11Protocol(H11Protocol):
         super().data_received(data)
         self._settle()
 
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (a non-numeric Content-Length, a bad header line): the
+        400 in the API's JSON shape (uvicorn's own is plain text), then the connection
+        closes."""
+        body = json.dumps(ApiError(400, f"malformed HTTP request: {msg}",
+                                   code="invalid_request").body(Api.OPENAI)).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                   (b"content-length", str(len(body)).encode())]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                      h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self._settle()
