@@ -21,6 +21,7 @@ every call but `wait`/`get_finished`; jobs in flight at close complete (cancelle
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -75,8 +76,17 @@ class CacheStore(Store):
             raise InvalidParam(f"cache: config field 'piped_lower_store' must be a Store, "
                                f"got {type(lower).__name__}")
         self.lower = lower
-        self.buffer = CacheBuffer(capacity, policy, self._clock)
-        self.slab = np.empty((capacity, self.block_bytes), dtype=np.uint8)
+        size = capacity * self.block_bytes
+        memory = _physical_memory()
+        if memory and size > memory:  # np.empty / the policy's per-slot lists: a MemoryError
+            raise InvalidParam(f"cache: capacity {capacity} x block_bytes {self.block_bytes} = "
+                               f"{size} bytes exceeds this machine's memory ({memory} bytes)")
+        try:
+            self.buffer = CacheBuffer(capacity, policy, self._clock)
+            self.slab = np.empty((capacity, self.block_bytes), dtype=np.uint8)
+        except (MemoryError, ValueError) as e:
+            raise InvalidParam(f"cache: cannot allocate capacity {capacity} x block_bytes "
+                               f"{self.block_bytes} ({type(e).__name__}: {e})") from None
         self.jobs = JobTable("cache")
         self.pool = TransferPool("cache", num_threads)
         self._busy: dict[tuple[bool, BlockId], int] = {}
@@ -375,3 +385,11 @@ def _check_token(job: JobDescriptor, token: AddressedToken) -> None:
     if list(token.keys) != list(job.block_ids):
         raise InvalidParam(f"token keys ({ids_hex(token.keys)}) do not match the job's block ids "
                            f"({ids_hex(job.block_ids)})")
+
+
+def _physical_memory() -> int | None:
+    """This machine's RAM in bytes (None where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None

@@ -366,7 +366,7 @@ def test_peer_job_ids_unique_across_branches_and_completions_aggregate(tmp_path)
     ({"type": "store", "store": "memcached"},
      # the built-ins, and whatever other tests registered
      r"unknown store 'memcached'; known: \['cache', (.*, )?'posix', (.*, )?'redis'"),
-    ({"type": "store", "store": "no_such_module:X"}, "cannot be imported"),
+    ({"type": "store", "store": "no_such_module:X"}, "cannot be found"),
     ({"type": "store", "store": "ninfer_jax.store.types:Nope"}, "has no class 'Nope'"),
     ({"type": "store", "store": "ninfer_jax.store.types:BlockId"}, "not a Store subclass"),
     ({"type": "store", "store": "cache", "config": {"capacity": 0, "block_bytes": 1}},
@@ -391,3 +391,18 @@ def test_block_ids_may_be_given_packed_or_listed(tmp_path):
     put(node, "r", [1], 1)
     packed = b"".join(b.to_bytes() for b in ids(1))
     assert node.lookup("r", packed) == node.lookup("r", [BlockId(packed)]) == [True]
+
+
+def test_a_module_path_naming_no_class_is_refused_without_importing_it():
+    """#41: 'this:X' ran `this` (printing the Zen of Python) before refusing the path."""
+    import sys
+
+    from ninfer_jax.store.proxy.loader import load_store
+
+    sys.modules.pop("this", None)
+    with pytest.raises(NotFound, match="has no class 'X'"):
+        load_store("this:X")
+    assert "this" not in sys.modules
+    with pytest.raises(NotFound, match="cannot be found"):
+        load_store("no_such_module_anywhere:Store")
+    assert type(load_store("ninfer_jax.store.memory:CacheStore")).__name__ == "CacheStore"

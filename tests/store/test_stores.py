@@ -72,7 +72,10 @@ def test_cache_rejects_wrong_block_size_naming_the_block():
                                            "policy"),
                                           ({"capacity": 2, "block_bytes": 8, "x": 1}, "x"),
                                           ({"capacity": 2, "block_bytes": 8,
-                                            "piped_lower_store": 3}, "piped_lower_store")])
+                                            "piped_lower_store": 3}, "piped_lower_store"),
+                                          # #41: a MemoryError before
+                                          ({"capacity": 10**12, "block_bytes": 8},
+                                           "capacity 1000000000000 x block_bytes 8")])
 def test_cache_config_errors_name_the_field(config, field):
     from ninfer_jax.store.memory import CacheStore
 

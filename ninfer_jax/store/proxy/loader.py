@@ -9,7 +9,10 @@ constructor that fails -> General.
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
+import pathlib
 
 from ninfer_jax.store.base import Store
 from ninfer_jax.store.errors import General, InvalidParam, NotFound
@@ -55,6 +58,7 @@ def load_store(name_or_path: str) -> Store:
 
 def _import_class(path: str) -> type:
     module_name, _, class_name = path.partition(":")
+    _check_defines(module_name, class_name)
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -63,3 +67,34 @@ def _import_class(path: str) -> type:
         return getattr(module, class_name)
     except AttributeError as e:
         raise NotFound(f"store module {module_name!r} has no class {class_name!r}") from e
+
+
+def _check_defines(module_name: str, class_name: str) -> None:
+    """Refuses a path whose module's source does not bind `class_name` at its top level
+    (a class, an import, an assignment), before importing it: a config naming the wrong module
+    ('this:X') must not run that module's code."""
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError) as e:
+        raise NotFound(f"store module {module_name!r} cannot be found: {e}") from None
+    if spec is None:
+        raise NotFound(f"store module {module_name!r} cannot be found")
+    origin = spec.origin or ""
+    if not origin.endswith(".py"):
+        return  # compiled or namespace: nothing to read; the import decides
+    try:
+        tree = ast.parse(pathlib.Path(origin).read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return  # let the import report it
+    bound = set()
+    for node in tree.body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+            bound.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            bound.update(t.id for t in targets if isinstance(t, ast.Name))
+    if class_name not in bound:
+        raise NotFound(f"store module {module_name!r} has no class {class_name!r} (not "
+                       "imported)")
