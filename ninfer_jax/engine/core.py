@@ -911,9 +911,12 @@ class EngineCore:
                 self._adopt_terminal(r)  # the terminal result first, then the last delta
             r.session.commit(preview)
             ids = tuple(preview.token_ids)
+            channel = Channel((preview.deltas[0].channel if preview.deltas
+                               else r.session.channel).value)
+            if channel is Channel.THINKING:  # the tokens go with the first delta's channel
+                r.reasoning_tokens += len(ids)
             if not preview.deltas:
-                self._emit(r, Delta(r.request_id, "", ids, Channel(r.session.channel.value),
-                                    logprobs))
+                self._emit(r, Delta(r.request_id, "", ids, channel, logprobs))
             for i, d in enumerate(preview.deltas):
                 self._emit(r, Delta(r.request_id, d.text, ids if i == 0 else (),
                                     Channel(d.channel.value), logprobs if i == 0 else None))
@@ -931,7 +934,7 @@ class EngineCore:
         else:
             r.move(S.FINISHED)
         self._finished += 1
-        usage = Usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens)
+        usage = Usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens, r.reasoning_tokens)
         # response_done first: a consumer that has read Finished (consumer_released) has its
         # capacity back at once, so it may submit again without a spurious overload.
         self._capacity.pop(r.request_id).response_done()

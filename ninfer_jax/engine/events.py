@@ -32,6 +32,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, those published on the thinking channel
 
 
 @dataclasses.dataclass(frozen=True)

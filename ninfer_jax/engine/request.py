@@ -60,6 +60,7 @@ class RequestRecord:
     plan: Any = None  # the sealed ResourcePlan while Materializing
     lane: int | None = None
     completion_tokens: int = 0
+    reasoning_tokens: int = 0  # published on the thinking channel
     cached_tokens: int = 0  # prompt tokens served from a checkpoint
     store_probed: bool = False  # the context store was searched for its prefix (once)
     txn: Any = None  # its MATERIALIZE RunningTransaction while it runs (a read in flight,

@@ -166,7 +166,8 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
         elif not isinstance(content, str):
             raise PromptError(f"messages[{i}].content", f"must be a string or a list of text "
                               f"parts, got {type(content).__name__}")
-        _check_unicode(content, f"messages[{i}].content")
+        if isinstance(content, str):  # (media parts keep their list; their text is checked
+            _check_unicode(content, f"messages[{i}].content")  # with the rendered prompt)
         checked.append({**message, "content": content})
     return checked
 

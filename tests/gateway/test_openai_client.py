@@ -91,6 +91,10 @@ def test_chat_stream_order_and_usage(client, server, engine_of):
     body, usage_chunk = chunks[:-1], chunks[-1]
     assert usage_chunk.choices == [] and usage_chunk.usage is not None
     assert usage_chunk.usage.completion_tokens == want.usage.completion_tokens
+    # #41: chat usage carried no reasoning_tokens
+    assert usage_chunk.usage.completion_tokens_details.reasoning_tokens == \
+        want.usage.reasoning_tokens
+    assert (want.usage.reasoning_tokens > 0) == bool(want.reasoning_text)
     assert all(c.usage is None for c in body)
     assert [c.choices[0].finish_reason for c in body].count(None) == len(body) - 1
     assert body[-1].choices[0].finish_reason == want.finish_reason.value
@@ -117,8 +121,11 @@ def test_chat_thinking_split(client, how):
     message = resp.choices[0].message
     assert len(message.reasoning_content) == 3  # the fake model closes </think> after 3 tokens
     assert message.content
+    # the three thought tokens (</think> goes with the answer's first delta)
+    assert resp.usage.completion_tokens_details.reasoning_tokens == 3
     plain = client.chat.completions.create(model=MODEL, messages=FLAT, max_tokens=8, seed=1)
     assert getattr(plain.choices[0].message, "reasoning_content", None) is None
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 0
 
 
 def test_chat_thinking_budget(client):
@@ -232,6 +239,15 @@ def test_api_key():
 
 def test_session_key_is_accepted(client, server, engine_of):
     client.chat.completions.create(model=MODEL, messages=FLAT, max_tokens=3, user="alice")
+    # #41: the SDK's prompt_cache_key was refused as unknown; it is the session key now
+    client.chat.completions.create(model=MODEL, messages=FLAT, max_tokens=3,
+                                   prompt_cache_key="conversation-7")
+    client.completions.create(model=MODEL, prompt="hello", max_tokens=3,
+                              extra_body={"prompt_cache_key": "conversation-7"})
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=FLAT, max_tokens=3,
+                                       extra_body={"prompt_cache_key": 7})
+    assert e.value.body["param"] == "prompt_cache_key"
     client.with_options(default_headers={"x-session-id": "s-1"}).chat.completions.create(
         model=MODEL, messages=FLAT, max_tokens=3)
     assert_fully_free(engine_of(server))

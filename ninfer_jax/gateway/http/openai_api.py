@@ -38,7 +38,8 @@ _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 def usage_body(usage: Usage) -> dict[str, Any]:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens}}
 
 
 def total_usage(usages: Sequence[Usage], n: int) -> Usage:
@@ -46,7 +47,8 @@ def total_usage(usages: Sequence[Usage], n: int) -> Usage:
     per_prompt = [usages[i: i + n] for i in range(0, len(usages), n)]
     return Usage(prompt_tokens=sum(u[0].prompt_tokens for u in per_prompt),
                  completion_tokens=sum(u.completion_tokens for u in usages),
-                 cached_tokens=sum(min(x.cached_tokens for x in u) for u in per_prompt))
+                 cached_tokens=sum(min(x.cached_tokens for x in u) for u in per_prompt),
+                 reasoning_tokens=sum(u.reasoning_tokens for u in usages))
 
 
 def _sse(body: dict[str, Any]) -> str:

@@ -38,14 +38,14 @@ _OPENAI_SAMPLING = (*_FLOAT_FIELDS, "top_k", "seed", "stop", "min_tokens", "igno
 CHAT_FIELDS = frozenset({
     *_SHARED, *_OPENAI_SAMPLING, "messages", "max_tokens", "max_completion_tokens", "n",
     "stream_options", "user", "metadata", "store", "service_tier", "logprobs", "top_logprobs",
-    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "logit_bias",
+    "prompt_cache_key", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "logit_bias",
     "response_format", "enable_thinking", "chat_template_kwargs", "reasoning_effort",
     "guided_json",
     "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"})
 COMPLETION_FIELDS = frozenset({
     *_SHARED, *_OPENAI_SAMPLING, "prompt", "max_tokens", "n", "best_of", "stream_options",
     "user", "metadata", "store", "service_tier", "logprobs", "echo", "suffix", "logit_bias",
-    "enable_thinking", "response_format", "guided_json", "guided_regex", "guided_choice",
+    "prompt_cache_key", "enable_thinking", "response_format", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "structured_outputs"})
 MESSAGES_FIELDS = frozenset({
     *_SHARED, "messages", "system", "max_tokens", "temperature", "top_p", "top_k",
@@ -230,7 +230,15 @@ def _stream_options(body: Fields, stream: bool) -> dict[str, bool]:
 
 
 def session_of(body: Fields, header: str | None, key: str = "user") -> str | None:
-    return check_text(header, "x-session-id") if header else body.string(key)
+    """The session key: the `x-session-id` header, else OpenAI's `prompt_cache_key` (the SDKs
+    send it to keep a conversation's prefix cached), else `key` (`user`)."""
+    if header:
+        return check_text(header, "x-session-id")
+    if key == "user":
+        cache_key = body.string("prompt_cache_key")
+        if cache_key is not None:
+            return cache_key
+    return body.string(key)
 
 
 def openai_content(m: Fields, role: str) -> str | list[dict[str, Any]]:

@@ -49,7 +49,7 @@ FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temp
                     "top_p", "stream", "tools", "tool_choice", "parallel_tool_calls", "store",
                     "previous_response_id", "reasoning", "text", "metadata", "user",
                     "service_tier", "truncation", "include", "cache_salt",
-                    "allow_control_tokens", "seed", "top_k"})
+                    "allow_control_tokens", "seed", "top_k", "prompt_cache_key"})
 
 
 def _text(part_list: Any, field: str, kinds: tuple[str, ...]) -> str:
