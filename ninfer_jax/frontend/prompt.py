@@ -283,6 +283,10 @@ def prepare(
     else:
         if not isinstance(prompt, str):
             raise PromptError("prompt", f"expected a string, got {type(prompt).__name__}")
+        if enable_thinking:  # it was ignored: the demo model then answered nothing
+            raise PromptError("enable_thinking", "applies to messages (rendered with the chat "
+                              "template); a raw prompt is continued as given: pass messages, "
+                              "or write the template's thinking tags into the prompt")
         _check_unicode(prompt, "prompt")
         text = prompt
         escape = allow_control_tokens is False and pattern is not None

@@ -34,8 +34,10 @@ from ninfer_jax.program.config import MAX_SPECULATIVE_TOKENS
 from ninfer_jax.sampling_params import MAX_SEED, MAX_TOP_K, SamplingParams, SamplingParamsError
 
 FLAGS = flags.FLAGS
-flags.DEFINE_multi_string("prompt", [], "generate: a prompt (repeat the flag for several)")
-flags.DEFINE_string("messages", None, "generate: a JSON file with a list of chat messages")
+flags.DEFINE_multi_string("prompt", [], "generate: a raw prompt, continued as given (no chat "
+                          "template; repeat the flag for several)")
+flags.DEFINE_string("messages", None, "generate: a JSON file with a list of chat messages "
+                    "(rendered with the chat template, as `ninfer chat` does)")
 flags.DEFINE_multi_string("image", [], "generate: an image file for the prompt (a vision model; "
                           "repeat for several): each --prompt becomes a chat message holding "
                           "the images, then its text")

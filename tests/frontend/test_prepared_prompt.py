@@ -56,6 +56,9 @@ def test_same_ids_from_text_and_ids_have_the_same_identity(frontend):
         ({"messages": [{"role": "narrator", "content": "hi"}]}, "messages[0].role",
          r"must be one of \['system', 'user', 'assistant', 'tool'\], got 'narrator'"),
         ({"prompt": "ab\ud800c"}, "prompt", "lone surrogate at index 2"),
+        # #41: silently ignored (the demo model then returned an empty text)
+        ({"prompt": "Tell me a story.", "enable_thinking": True}, "enable_thinking",
+         "applies to messages"),
         ({"messages": [{"role": "user", "content": "x\udfffy"}]}, "messages[0].content",
          "lone surrogate at index 1"),
     ],
