@@ -146,8 +146,6 @@ def _dispatch_floor(program, batch: int) -> str:
 
     import jax
 
-    from ninfer_jax.program.executables import StepKey, StepKind
-
     leaves = (program.params, program.pools)
 
     def touch(params, pools):
@@ -166,9 +164,8 @@ def _dispatch_floor(program, batch: int) -> str:
     floor = (time.perf_counter() - start) / n
     jax.block_until_ready(pools)
     count = len(jax.tree.leaves(leaves))
-    key = StepKey(StepKind.DECODE, batch)
     return (f"dispatch floor: {1e6 * floor:.0f} us a call for the {count} params and pool "
-            f"leaves of {key.kind.value}({batch}) through an executable that reads one value "
+            f"leaves of decode({batch}) through an executable that reads one value "
             f"of each (jax's C++ call; the rest of a step's dispatch time on XLA:CPU is the "
             f"step's work run before the call returns)")
 

@@ -276,6 +276,7 @@ def prepare(
         render = functools.partial(chat_template.render, enable_thinking=enable_thinking,
                                    tools=tools)
         text = render(checked, add_generation_prompt=add_generation_prompt)
+        _check_unicode(text, "messages")  # what else the template rendered (tools, names)
         if add_generation_prompt:
             # The next turn: this answer in the history, then one more user message.
             follow_up = checked + [{"role": "assistant", "content": _PLACEHOLDER},
@@ -294,7 +295,6 @@ def prepare(
             text = _mark(text, pattern)
     if not text:
         raise PromptError(given[0], "must not be empty")
-    _check_unicode(text, given[0])  # what else the template rendered (tools, names)
     try:
         if escape:
             token_ids, text = _encode_marked(tokenizer, text)
