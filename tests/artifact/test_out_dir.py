@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from ninfer_jax import load_model
+from ninfer_jax.artifact import staging
 from ninfer_jax.artifact.convert import convert
 from ninfer_jax.artifact.export import export_hf
 from ninfer_jax.errors import CheckpointError
@@ -169,3 +170,29 @@ def test_a_writer_killed_part_way_leaves_the_old_artifact_and_a_marked_temporary
     convert(src, out, overwrite=True)
     load_model(out)
     assert _snapshot(leftovers[0]) == left
+
+
+@pytest.mark.parametrize("start", ["new", "empty"])
+def test_a_foreign_directory_appearing_in_out_while_converting_survives(tmp_path, monkeypatch,
+                                                                        start):
+    """Someone else fills `--out` after the first check, while the artifact is being written:
+    the second check (just before the rename) refuses, and their files stay as they were."""
+    out = tmp_path / "art"
+    if start == "empty":
+        out.mkdir()
+    real_fsync_tree = staging._fsync_tree
+    appeared = {}
+
+    def fill_out_then_fsync(root):
+        if out.exists():
+            (out / "manifest.json").write_text('{"name": "theirs"}')
+        else:
+            _web_project(out)
+        appeared.update(_snapshot(out))
+        real_fsync_tree(root)
+
+    monkeypatch.setattr(staging, "_fsync_tree", fill_out_then_fsync)
+    with pytest.raises(CheckpointError, match="is not empty and is not a ninfer artifact"):
+        convert(FIXTURES / "dense", out)
+    assert appeared and _snapshot(out) == appeared
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # the temporary is removed
