@@ -161,16 +161,23 @@ def test_resume_refuses_the_output_of_another_job(model_dir, tmp_path, capsys):
         assert cli.main(["ninfer", "score", f"--model={other_model}", *COMMON, f"--input={a}",
                          f"--output={out}"]) == 1
         assert "--model differs" in capsys.readouterr().err and out.read_bytes() == content
+    # The input edited in place (same path, same record count, other bytes) is another input.
+    saved_a = a.read_bytes()
+    a.write_bytes(b.read_bytes())
+    assert score_in_process(model_dir, f"--input={a}", f"--output={out}") == 1
+    assert "--input differs" in capsys.readouterr().err and out.read_bytes() == torn
+    a.write_bytes(saved_a)
     job = out.with_name(out.name + ".job.json")
     saved = job.read_bytes()
     job.unlink()
     assert score_in_process(model_dir, f"--input={a}", f"--output={out}") == 1
     assert "no job file" in capsys.readouterr().err and out.read_bytes() == torn
     job.write_bytes(saved)
-    # The same model under another path is the same model: the job resumes to the same bytes.
-    same_model = tmp_path / "same_model"
+    # The same model and input under other paths are the same job: it resumes to the same bytes.
+    same_model, same_input = tmp_path / "same_model", tmp_path / "moved.jsonl"
     shutil.copytree(model_dir, same_model)
-    assert score_in_process(same_model, f"--input={a}", f"--output={out}") == 0
+    shutil.copyfile(a, same_input)
+    assert score_in_process(same_model, f"--input={same_input}", f"--output={out}") == 0
     assert out.read_bytes() == clean
 
 
