@@ -300,3 +300,26 @@ def test_storm_over_an_evicting_redis_answers_identically(data, evicting_redis):
     evicting_redis.client().flushdb()
     with tempfile.TemporaryDirectory() as root:
         _storm(data, Path(root), damage=False, redis_url=evicting_redis.url)
+
+
+@pytest.mark.parametrize("pad", range(4))
+@pytest.mark.parametrize("victim", ["tail", "first"])
+def test_a_forged_kv_block_is_refused_at_every_frontier_alignment(tmp_path, pad, victim):
+    """A K/V block forged with a valid file checksum, at frontiers that end a page exactly or
+    1-3 tokens into one (the tail block then holds a partial page): its tag refuses it, so the
+    reload is a miss and the answer is the one computed from scratch."""
+    system = SYSTEMS[1] + [32] * (pad + 1)
+    with tiered_engine(tmp_path, 1) as t:
+        first = list(submit(t.core, system, 4).result(timeout=10).token_ids)
+        wait_writes(t.core)
+    assert len(first) == 4 and EOS not in first
+    longest = tuple(system + first[:-1])
+    kv, _ = t.layout.checkpoint_ids(longest, None)
+    assert len(longest) % t.layout.page_size == pad  # 0: the tail block is a whole page
+    forge(block_path(tmp_path, kv[-1] if victim == "tail" else kv[0]), bytes(BLOCK_BYTES))
+    turn = system + first + [104, 105]
+    with tiered_engine(tmp_path, 1) as t:
+        r = submit(t.core, turn, 5).result(timeout=10)
+        s = t.core.stats()
+    assert list(r.token_ids) == want_ids(turn, 5)
+    assert s.tiers.reload_failures == 1 and s.tiers.reloads == 0 and r.usage.cached_tokens == 0
