@@ -116,8 +116,10 @@ def stats_html(s: Any) -> str:
     t = s.tiers
     if t.tiers:
         hits = ", ".join(f"{k} {v}" for k, v in t.hits_by_tier) or "none"
+        damaged = "".join(f", {n} damaged files quarantined by {k}"
+                          for k, n in t.quarantined_by_tier if n)
         rows.append(("context store", f"{' > '.join(t.tiers)}: {t.offloads} offloads, "
-                                      f"{t.reloads} reloads (by tier: {hits})"))
+                                      f"{t.reloads} reloads (by tier: {hits}){damaged}"))
     return "<b>EngineStats</b>" + _TABLE.format(_rows(rows))
 
 

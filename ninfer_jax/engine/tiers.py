@@ -55,6 +55,8 @@ class TierStats:
     store_errors: int = 0  # store calls that raised (each also a miss or a failed write)
     hits_by_tier: tuple[tuple[str, int], ...] = ()  # reloads by the highest tier holding them
     evictions_by_tier: tuple[tuple[str, int], ...] = ()  # blocks evicted by host-memory tiers
+    # block files a disk tier found damaged or foreign and moved to its quarantine/ (a miss)
+    quarantined_by_tier: tuple[tuple[str, int], ...] = ()
     reload_seconds: float = 0.0  # total, lookup to import
     last_reload_seconds: float = 0.0
 
@@ -311,7 +313,10 @@ class ContextTiers:
     def stats(self) -> TierStats:
         evictions = tuple((name, tier.buffer.evictions) for name, tier in
                           zip(self._names, self._tiers) if hasattr(tier, "buffer"))
+        quarantined = tuple((name, tier.quarantine_count) for name, tier in
+                            zip(self._names, self._tiers) if hasattr(tier, "quarantine_count"))
         return dataclasses.replace(self._stats, evictions_by_tier=evictions,
+                                   quarantined_by_tier=quarantined,
                                    pending_reads=len(self._gets))
 
     def close(self, timeout_s: float = 60.0) -> None:

@@ -289,6 +289,8 @@ def stats_line(stats: Any) -> str:
         hits = ", ".join(f"{tier} {n}" for tier, n in t.hits_by_tier)
         line += (f"; context store {'->'.join(t.tiers)}: {t.offloads} checkpoints written "
                  f"({t.bytes_written} bytes), {t.reloads} reloaded [{hits}]")
+        line += "".join(f", {n} damaged files quarantined by {tier}"
+                        for tier, n in t.quarantined_by_tier if n)
     return line
 
 

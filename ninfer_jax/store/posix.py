@@ -107,6 +107,7 @@ class PosixStore(Store):
             self._owner.release()
             raise
         self._quarantine_numbers = itertools.count()
+        self._quarantined = 0  # entries this store moved to quarantine/
         self._verified: collections.OrderedDict[BlockId, files.Identity] = (
             collections.OrderedDict())
         self._verified_lock = threading.Lock()
@@ -183,6 +184,11 @@ class PosixStore(Store):
     @while_open
     def quarantined(self) -> list[pathlib.Path]:
         return sorted(self._quarantine.iterdir())
+
+    @property
+    def quarantine_count(self) -> int:
+        """How many block files this store moved to quarantine/ (each also logged)."""
+        return self._quarantined
 
     # -- jobs -------------------------------------------------------------------------------------
     def _check_sizes(self, job: JobDescriptor) -> None:
@@ -274,7 +280,7 @@ class PosixStore(Store):
             if ok:
                 self._remember(block_id, ident)
             else:
-                self._quarantine_entry(dir_fd, block_id, ident)
+                self._quarantine_entry(dir_fd, block_id, ident, "failed verification")
             return ok
 
     def _open(self, dir_fd: int, block_id: BlockId) -> int | None:
@@ -282,14 +288,19 @@ class PosixStore(Store):
         try:
             return files.open_block(dir_fd, f"{block_id.hex()}.blk", self._path(block_id))
         except files.Foreign as e:
-            self._quarantine_entry(dir_fd, block_id, e.identity)
+            self._quarantine_entry(dir_fd, block_id, e.identity, f"is a {e.kind}")
             return None
 
-    def _quarantine_entry(self, dir_fd: int, block_id: BlockId, ident: files.Identity) -> None:
+    def _quarantine_entry(self, dir_fd: int, block_id: BlockId, ident: files.Identity,
+                          why: str) -> None:
         self._forget(block_id)
         name = f"{block_id.hex()}.blk"
         dest = self._quarantine / f"{name}.{self._owner.name}.{next(self._quarantine_numbers)}"
-        files.quarantine(dir_fd, name, self._path(block_id), ident, dest)
+        if files.quarantine(dir_fd, name, self._path(block_id), ident, dest):
+            with self._verified_lock:
+                self._quarantined += 1
+            _log.warning("posix: block file %s %s; moved to %s (a miss)", self._path(block_id),
+                         why, dest)
 
     def _read(self, block_id: BlockId, payload: BlockPayload) -> bool:
         views = payload.views()
@@ -303,7 +314,7 @@ class PosixStore(Store):
                 ident = files.identity(os.fstat(fd))
                 header = files.read_header(fd, block_id)
                 if header is None:
-                    self._quarantine_entry(dir_fd, block_id, ident)
+                    self._quarantine_entry(dir_fd, block_id, ident, "has a bad header or length")
                     return False
                 length, crc = header
                 if sum(v.nbytes for v in views) != length:
@@ -313,7 +324,7 @@ class PosixStore(Store):
             finally:
                 os.close(fd)
             if actual != crc:
-                self._quarantine_entry(dir_fd, block_id, ident)
+                self._quarantine_entry(dir_fd, block_id, ident, "failed its checksum")
                 return False
             self._remember(block_id, ident)
             return True
@@ -338,7 +349,8 @@ class PosixStore(Store):
                     os.fsync(fd)
                     existing = files.stat_entry(dir_fd, name, final)
                     if existing is not None and not stat.S_ISREG(existing.st_mode):
-                        self._quarantine_entry(dir_fd, block_id, files.identity(existing))
+                        self._quarantine_entry(dir_fd, block_id, files.identity(existing),
+                                               "is not a regular file")
                     os.replace(tmp, name, dst_dir_fd=dir_fd)
                     os.fsync(dir_fd)
                 finally:

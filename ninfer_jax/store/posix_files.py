@@ -53,7 +53,8 @@ class Foreign(OsApiError):
     """Something other than a regular file sits at a block path; it is never read or followed."""
 
     def __init__(self, path: pathlib.Path, st: os.stat_result):
-        super().__init__(f"posix: {path} is a {_describe(st.st_mode)}, not a block file")
+        self.kind = _describe(st.st_mode)
+        super().__init__(f"posix: {path} is a {self.kind}, not a block file")
         self.identity = identity(st)
 
 
@@ -175,15 +176,16 @@ def verify(fd: int, block_id: BlockId) -> bool:
 
 
 def quarantine(dir_fd: int, name: str, path: pathlib.Path, examined: Identity,
-               dest: pathlib.Path) -> None:
-    """Moves the entry `name` (at `path`) to `dest` if it is still the examined one."""
+               dest: pathlib.Path) -> bool:
+    """Moves the entry `name` (at `path`) to `dest` if it is still the examined one; whether
+    it did."""
     st = stat_entry(dir_fd, name, path)
     if st is None or identity(st)[:2] != examined[:2]:
-        return  # gone, or already replaced by another writer's complete file
+        return False  # gone, or already replaced by another writer's complete file
     try:
         os.replace(name, dest, src_dir_fd=dir_fd)
     except FileNotFoundError:
-        return
+        return False
     except OSError as e:
         raise OsApiError(f"posix: cannot quarantine {path} to {dest}: {e}") from e
     moved = os.stat(dest, follow_symlinks=False)
@@ -191,6 +193,8 @@ def quarantine(dir_fd: int, name: str, path: pathlib.Path, examined: Identity,
         # Another writer renamed a complete file into place between the check and the move:
         # one id is one content (G1), so putting it back is right even over a newer copy.
         os.replace(dest, name, dst_dir_fd=dir_fd)
+        return False
+    return True
 
 
 _instances = itertools.count()

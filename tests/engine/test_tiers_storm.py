@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ninfer_jax.engine import Finished, FinishReason, GenerationStart
+from ninfer_jax.gateway.http.metrics import _tier_metrics
 from ninfer_jax.testing.fake_program import HOOK_POINTS
 from ninfer_jax.testing.redis_server import RedisServer
 from tests.engine.conftest import EOS, settle
@@ -273,6 +274,14 @@ def test_a_damaged_block_is_a_miss_that_stats_show(tmp_path, how):
         s = t.core.stats()
     assert list(r.token_ids) == want_ids(turn, 5)
     assert s.available and s.tiers.lookups == 1
+    # A file failing its checksum is moved aside and counted (a forged one passes it: the tag
+    # or the envelope refuses its bytes).
+    damaged = int(how == "flip")
+    assert dict(s.tiers.quarantined_by_tier) == {"posix": damaged}
+    assert len(list((tmp_path / "quarantine").iterdir())) == damaged
+    published = {(m.name, sample.labels.get("tier")): sample.value
+                 for m in _tier_metrics(s.tiers) for sample in m.samples}
+    assert published[("ninfer_store_quarantined", "posix")] == damaged  # /metrics says it too
     if how.startswith("forge"):  # found whole, refused by its envelope or tag: nothing reused
         assert s.tiers.reload_failures == 1 and s.tiers.reloads == 0
         assert r.usage.cached_tokens == 0

@@ -106,12 +106,12 @@ def test_foreign_entry_at_a_block_path_is_a_miss_a_failed_load_and_replaceable(t
     path, elsewhere = _plant(store, tmp_path, kind)
     assert within(BOUND_S, store.lookup, ids(1)) == [False]
     assert not os.path.lexists(path), "the foreign entry was left in place"
-    assert len(store.quarantined()) == 1
+    assert len(store.quarantined()) == store.quarantine_count == 1
 
     _plant(store, tmp_path, kind)
     ok, _ = load_ok(store, 1, [1])
     assert ok is False
-    assert not os.path.lexists(path) and len(store.quarantined()) == 2
+    assert not os.path.lexists(path) and len(store.quarantined()) == store.quarantine_count == 2
 
     _plant(store, tmp_path, kind)
     assert dump_ok(store, 2, [1])
@@ -178,7 +178,7 @@ def test_unreadable_block_is_an_os_api_error_naming_the_path(tmp_path):
     assert posix_store(tmp_path).lookup(ids(1)) == [True], "a permission problem is not rot"
 
 
-def test_lookup_of_a_wrong_checksum_is_a_miss_and_never_served(tmp_path):
+def test_lookup_of_a_wrong_checksum_is_a_miss_and_never_served(tmp_path, caplog):
     store = posix_store(tmp_path)
     assert dump_ok(store, 1, [1, 2])
     path = store.path_of(ids(1)[0])
@@ -186,7 +186,8 @@ def test_lookup_of_a_wrong_checksum_is_a_miss_and_never_served(tmp_path):
     raw[-1] ^= 0xFF  # same size, same header: only the checksum can tell
     path.write_bytes(raw)
     assert within(BOUND_S, store.lookup, ids(1, 2)) == [False, True]
-    assert len(store.quarantined()) == 1 and not path.exists()
+    assert len(store.quarantined()) == store.quarantine_count == 1 and not path.exists()
+    assert f"block file {path} failed verification; moved to" in caplog.text  # counted, said
     assert load_ok(store, 2, [1])[0] is False
 
 
@@ -198,7 +199,8 @@ def test_load_of_a_wrong_checksum_fails_and_quarantines(tmp_path):
     raw[40] ^= 0x01
     path.write_bytes(raw)
     assert load_ok(store, 2, [1])[0] is False
-    assert store.lookup(ids(1)) == [False] and len(store.quarantined()) == 1
+    assert store.lookup(ids(1)) == [False]
+    assert len(store.quarantined()) == store.quarantine_count == 1
 
 
 def test_a_remembered_verification_is_dropped_when_the_file_changes(tmp_path, monkeypatch):
@@ -233,6 +235,7 @@ def test_quarantine_never_moves_a_file_another_store_renamed_in_meanwhile(tmp_pa
     finally:
         os.close(dir_fd)
     assert reader.lookup(ids(1)) == [True] and reader.quarantined() == []
+    assert reader.quarantine_count == 0
 
 
 def test_setup_keeps_live_writers_temps_and_clears_dead_ones(tmp_path):

@@ -133,6 +133,12 @@ def _tier_metrics(t: Any) -> Iterator[Metric]:
     for tier, n in t.evictions_by_tier:
         evictions.add_metric([tier], n)
     yield evictions
+    quarantined = CounterMetricFamily("ninfer_store_quarantined", "block files a disk tier "
+                                      "found damaged or foreign and moved to its quarantine "
+                                      "directory", labels=["tier"])
+    for tier, n in t.quarantined_by_tier:
+        quarantined.add_metric([tier], n)
+    yield quarantined
 
 
 class Metrics:
