@@ -717,10 +717,17 @@ class EngineCore:
             boundary = r.prompt.reuse_boundary if self.reuse and r.reuse else None
             batch = self.program.prefill(r.seq, stop_at=boundary, mask=_mask(r))
             if batch is None:  # a middle chunk: the Program adopted it; nothing to publish
-                if boundary is not None and self.program.frontier(r.seq) == boundary:
+                frontier = self.program.frontier(r.seq)
+                if boundary is not None and frontier == boundary:
                     # where the conversation's next turn leaves this prompt (the Frontend's
                     # boundary): that turn reuses everything before this answer from here
                     self._retain(r, r.prompt.token_ids[:boundary])
+                elif boundary is None and \
+                        len(r.prompt.token_ids) - frontier <= self.limits.prefill_chunk:
+                    # the start of the prompt's last chunk: the same prompt sent again (a
+                    # retry, a regenerate) runs only that chunk, which it would run anyway to
+                    # sample its first token (a checkpoint at the prompt's end cannot serve it)
+                    self._retain(r, r.prompt.token_ids[:frontier])
                 return
             records = [r]
         elif isinstance(unit, ControlUnit):
@@ -854,8 +861,11 @@ class EngineCore:
         elif accepted != [1] * len(records):
             raise InvariantError(f"a round committed ahead with one token a row previewed "
                                  f"{accepted}")
-        if batch.kind is BatchKind.PREFILL and accepted[0] > 0:
-            self._retain(records[0])  # the prompt's frontier
+        if batch.kind is BatchKind.PREFILL and accepted[0] > 0 and (
+                records[0].prompt.reuse_boundary is not None
+                or len(records[0].prompt.token_ids) <= self.limits.prefill_chunk):
+            # The prompt's frontier (a longer prompt kept the start of its last chunk instead).
+            self._retain(records[0])
         for row, (r, preview, n) in enumerate(zip(records, previews, accepted)):
             r.control = ()
             if preview is None:

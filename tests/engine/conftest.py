@@ -25,6 +25,13 @@ def limits(max_concurrency: int, **kw) -> ProgramLimits:
     return ProgramLimits(**{**base, **kw})
 
 
+def prompt_checkpoint(n: int, chunk: int = 8) -> int:
+    """Where a prompt of n tokens leaves its checkpoint (no chat boundary): at the start of its
+    last prefill chunk when it spans several (so the same prompt again runs only that chunk),
+    else at its end."""
+    return (n - 1) // chunk * chunk if n > chunk else n
+
+
 @contextlib.contextmanager
 def fake_engine(max_concurrency: int = 3, *, max_queue: int = 64, program_kw=None, **limit_kw):
     program = FakeProgram(limits(max_concurrency, **limit_kw), eos_id=EOS, **(program_kw or {}))

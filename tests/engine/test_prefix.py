@@ -131,11 +131,13 @@ def test_eviction_under_pressure_never_fails_active_requests():
 
 
 def test_without_a_session_the_longest_cataloged_prefix_is_reused():
-    with engine(2) as (core, program):
+    with engine(2) as (core, _):
         stream = list(range(60, 110))
-        for n in (10, 30, 20):  # budget 1: each leaves one checkpoint, at its prompt
+        # Budget 1: each leaves its turn's checkpoint (at n) and its prompt's, at the start of
+        # its last prefill chunk (8 tokens; the chunks run from the checkpoint it reused: 10).
+        for n in (10, 30, 20):
             submit(core, stream[:n], 1).result(timeout=10)
-        assert program.stats().num_checkpoints == 3
+        assert sorted(e.frontier for e in core.catalog.entries()) == [8, 10, 18, 20, 26, 30]
         r = submit(core, stream, 4).result(timeout=10)
         assert r.usage.cached_tokens == 30 and list(r.token_ids) == want(stream, 4)
         r = submit(core, stream[:25] + [1, 2], 4).result(timeout=10)
@@ -156,3 +158,18 @@ def test_backfill_admits_small_requests_without_starving_the_head():
         results = [h.result(timeout=30) for h in [incumbent, head, *small]]
         assert all(r.finish_reason is FinishReason.LENGTH for r in results)
         assert core.scheduler.protected is None and core.stats().backfilled >= 1
+
+
+def test_an_exact_repeat_runs_only_the_prompts_last_chunk():
+    """The same prompt sent again (a retry, a regenerate) reuses the checkpoint its first send
+    left at the start of its last prefill chunk, and runs only that chunk; the first send ran
+    no extra chunk to leave it."""
+    with engine(2) as (core, program):
+        ids = list(range(60, 101))  # 41 tokens: chunks of 8 at 0, 8, ..., 40
+        first = submit(core, ids, 4).result(timeout=10)
+        assert first.usage.cached_tokens == 0 and program.prefilled_tokens == 41
+        assert program.num_steps == 6 + 3  # six prefill chunks (none extra), three rounds
+        before = program.prefilled_tokens
+        second = submit(core, ids, 4).result(timeout=10)
+        assert second.usage.cached_tokens == 40 and program.prefilled_tokens - before == 1
+        assert list(second.token_ids) == list(first.token_ids) == want(ids, 4)

@@ -39,6 +39,7 @@ from tests.engine.tier_helpers import (
 X = list(b"the system say")  # 14 tokens: pages [0, 8) full, [8, 14) the tail
 MORE = list(b"more!!")
 PS = 8  # page size of these tests: a checkpoint at X is 2 K/V blocks + 1 state block
+CHUNK = 32
 
 
 class FaultyPosix(PosixStore):
@@ -85,7 +86,8 @@ def _no_faults():
 
 
 def _engine(root, max_concurrency=1, **kw):
-    return tiered_engine(root, max_concurrency, page_size=PS, **kw)
+    # Every prompt here fits one prefill chunk: its checkpoint is at its end.
+    return tiered_engine(root, max_concurrency, page_size=PS, prefill_chunk=CHUNK, **kw)
 
 
 def _ids(t, tokens, scope=None):
@@ -318,7 +320,7 @@ def test_a_peer_topology_serves_reloads(tmp_path):
     from tests.engine.conftest import FRONTEND
     from tests.engine.tier_helpers import tier_limits
 
-    program = FakeProgram(tier_limits(2), eos_id=EOS)
+    program = FakeProgram(tier_limits(2, prefill_chunk=CHUNK), eos_id=EOS)
     peer = {"type": "peer", "routing": {"strategy": "length", "config": {"thresholds": [4]}},
             "branches": [{"type": "store", "store": "cache", "config": {"capacity": 64}},
                          {"type": "store", "store": "posix", "config": {"root": str(tmp_path)}}]}

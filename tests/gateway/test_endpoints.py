@@ -272,3 +272,37 @@ def test_echo_logprobs_equal_the_scorer(live, oa, max_tokens):
     assert generated == pytest.approx([-math.log(2)] * max_tokens)
     assert lp.text_offset[:2] == [0, len(_decode(ids[0]))]
     assert resp.usage.prompt_tokens == len(ids)
+
+
+# --- exact repeats -------------------------------------------------------------------------
+
+def test_an_exact_repeat_reuses_the_prompt_but_its_last_chunk(live, oa):
+    """A retry or a regenerate sends the same prompt again: its second send reuses the whole
+    prompt but its last prefill chunk (the one it would run anyway to sample its first token),
+    on chat, completions and Responses alike, and answers the same."""
+    chunk = 64  # the live Engine's prefill_chunk
+
+    def reused(prompt_tokens: int) -> int:  # where the prompt's last chunk starts
+        return (prompt_tokens - 1) // chunk * chunk
+
+    question = "why do foxes and crows argue? " * 4
+    sends = {
+        "chat": lambda: oa.chat.completions.create(
+            model=MODEL, messages=[{"role": "system", "content": "answer briefly"},
+                                   {"role": "user", "content": question}],
+            max_tokens=4, temperature=0),
+        "completions": lambda: oa.completions.create(
+            model=MODEL, prompt="a raw prompt " + question, max_tokens=4, temperature=0),
+    }
+    for name, send in sends.items():
+        first, second = send(), send()
+        n = first.usage.prompt_tokens
+        assert n > chunk and first.usage.prompt_tokens_details.cached_tokens == 0, name
+        assert second.usage.prompt_tokens_details.cached_tokens == reused(n), name
+        assert second.choices[0] == first.choices[0], name
+    first, second = (oa.responses.create(model=MODEL, input="in Responses: " + question,
+                                         max_output_tokens=4, temperature=0) for _ in range(2))
+    n = first.usage.input_tokens
+    assert n > chunk and first.usage.input_tokens_details.cached_tokens == 0
+    assert second.usage.input_tokens_details.cached_tokens == reused(n)
+    assert second.output_text == first.output_text
