@@ -304,7 +304,11 @@ class EngineCore:
                 self.tiers.close()
 
     def stats(self) -> EngineStats:
-        return self._stats
+        """The worker's last snapshot, with `outstanding` as of now (capacity comes back on
+        the consumer's side too, between the worker's snapshots)."""
+        with self._lock:
+            outstanding = self._outstanding
+        return dataclasses.replace(self._stats, outstanding=outstanding)
 
     @property
     def catalog(self) -> CheckpointCatalog:

@@ -306,3 +306,19 @@ def test_an_exact_repeat_reuses_the_prompt_but_its_last_chunk(live, oa):
     assert n > chunk and first.usage.input_tokens_details.cached_tokens == 0
     assert second.usage.input_tokens_details.cached_tokens == reused(n)
     assert second.output_text == first.output_text
+
+
+def test_a_finished_stream_holds_no_capacity_before_its_last_chunk(live):
+    """The capacity of a streamed request is back when its finishing chunk goes out, not after
+    the stream closes: a sequential client near `max_queue` that sends again on `[DONE]` is
+    never refused because of the request it just read."""
+    server, engine = live
+    body = {"model": MODEL, "prompt": "one after another", "max_tokens": 3, "stream": True}
+    for _ in range(5):
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if '"finish_reason":"length"' in line.replace(" ", ""):
+                    assert engine.stats().outstanding == 0, line
+                    break
+            else:
+                raise AssertionError("no finishing chunk")

@@ -82,6 +82,9 @@ class Generation:
             self._last_token_at = now
         elif isinstance(event, Finished):
             self.finished = event
+            # Its capacity back before the answer's last bytes go out: a client that sends its
+            # next request on seeing the end (the 200, `[DONE]`) is never refused for this one.
+            self.handle.release()
 
     def close(self, disconnected: bool) -> None:
         """Ends the request's hold on the Engine (cancelling it if it still runs); once."""
