@@ -33,6 +33,8 @@ def reply(prompt: str) -> str:
     last = prompt.rsplit("<|im_start|>", 1)[0]
     if "<tool_response>" in last.rsplit("<|im_start|>user", 1)[-1]:
         return "It is sunny in Paris."
+    if "think anyway" in last:  # a block the model opens though the prompt closed thinking
+        return "<think>\nShould I think here?\n</think>\n\nHello anyway."
     if "broken" in last:
         return "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</tool_call>"
     if "weather" in last:
@@ -239,6 +241,23 @@ def test_anthropic_without_thinking_field_streams_no_thinking_block(live, an):
                              messages=[{"role": "user", "content": "hi"}])
     assert [b.type for b in off.content] == ["text"]
     assert _prompts(live)[-1].endswith("<think>\n\n</think>\n\n")
+
+
+def test_anthropic_without_thinking_never_shows_a_block_the_model_opens_anyway(live, an):
+    """Thinking not asked: the prompt closes the block, and if the model (sampling) still opens
+    one, Messages shows only the answer, streamed or whole (a client that did not ask for
+    thinking gets no thinking block); asked, the block is there."""
+    ask = [{"role": "user", "content": "think anyway"}]
+    with an.messages.stream(model=MODEL, max_tokens=300, messages=ask) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert _prompts(live)[-1].endswith("<think>\n\n</think>\n\n")  # thinking off
+    assert [e.content_block.type for e in events if e.type == "content_block_start"] == ["text"]
+    whole = an.messages.create(model=MODEL, max_tokens=300, messages=ask)
+    for message in (final, whole):
+        assert [(b.type, b.text) for b in message.content] == [("text", "Hello anyway.")]
+    on = an.messages.create(model=MODEL, max_tokens=2000, messages=ask, thinking=THINKING)
+    assert [b.type for b in on.content] == ["thinking", "text"]
 
 
 @pytest.mark.parametrize("thinking", [None, THINKING])

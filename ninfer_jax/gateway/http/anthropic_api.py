@@ -45,6 +45,12 @@ def _usage(usage: Usage | None, prompt_tokens: int) -> dict[str, Any]:
             "cache_read_input_tokens": usage.cached_tokens}
 
 
+def _shown(req: GenerationRequest, channel: Channel) -> bool:
+    """Whether a channel's text is part of the answer: thinking only when the request asked
+    for it (the prompt then closes the block, but a sampled answer may still open one)."""
+    return channel is not Channel.THINKING or bool(req.enable_thinking)
+
+
 def _event(name: str, body: dict[str, Any]) -> str:
     return f"event: {name}\ndata: {json.dumps({'type': name, **body})}\n\n"
 
@@ -104,7 +110,7 @@ async def _stream(state: ServerState, gen: Generation, msg_id: str,
                         "type": "input_json_delta", "partial_json": arg}})
 
     async for event in gen.events():
-        if isinstance(event, Delta) and event.text:
+        if isinstance(event, Delta) and event.text and _shown(req, event.channel):
             for chunk in blocks(event.channel, event.text):
                 yield chunk
         elif isinstance(event, Finished):
@@ -141,7 +147,7 @@ async def create_message(state: ServerState, request: Request, req: GenerationRe
     if result.finish_reason not in _STOP_REASON:
         return from_failure(result.error, state.engine_available).response(Api.ANTHROPIC)
     content = []
-    if result.reasoning_text:
+    if result.reasoning_text and _shown(req, Channel.THINKING):
         content.append({"type": "thinking", "thinking": result.reasoning_text, "signature": ""})
     text, calls = result.text, []
     if req.parse_tools:
