@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+from typing import Any
 
 import llguidance
 import numpy as np
@@ -46,6 +47,39 @@ class _TokenizerView:
         return self._tokenizer.encode_text(text.decode("utf-8", errors="replace"))
 
 
+# llguidance reads schema bounds as f64, where 2**63 - 1 rounds past int64: this is the largest
+# f64 below 2**63, so every integer a bounded schema allows fits an int64.
+INT64_BOUND = 2**63 - 1024
+NUMERIC_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_SCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains",
+           "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def bounded_integers(schema: Any) -> Any:
+    """`schema` with int64 bounds on every integer it allows without a bound: a grammar that
+    allows digits forever lets a model that repeats one write until its budget runs out (a
+    forced tool call then never closes). Schemas with a bound of their own are kept."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA:
+        if isinstance(schema.get(key), dict):
+            out[key] = bounded_integers(schema[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            out[key] = [bounded_integers(s) for s in schema[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            out[key] = {k: bounded_integers(v) for k, v in schema[key].items()}
+    kind = schema.get("type")
+    if (kind == "integer" or (isinstance(kind, list) and "integer" in kind)) and \
+            not any(k in schema for k in NUMERIC_BOUNDS):
+        out["minimum"], out["maximum"] = -INT64_BOUND, INT64_BOUND
+    return out
+
+
 def grammar_text(spec: StructuredOutput) -> str:
     """The llguidance grammar of `spec` (not yet checked against a tokenizer)."""
     if spec.kind == "json_object":
@@ -58,7 +92,7 @@ def grammar_text(spec: StructuredOutput) -> str:
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("the schema must be a JSON object")
         return llguidance.LLMatcher.grammar_from_json_schema(
-            schema, defaults={"whitespace_flexible": False, "item_separator": ", ",
+            bounded_integers(schema), defaults={"whitespace_flexible": False, "item_separator": ", ",
                      "key_separator": ": "})
     if spec.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.spec)

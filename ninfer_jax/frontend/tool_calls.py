@@ -20,6 +20,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ninfer_jax.frontend.grammar import NUMERIC_BOUNDS, bounded_integers
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"\A\s*<function=([^>\n]+)>\n?(.*?)</function>\s*\Z", re.DOTALL)
 _PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>\s*", re.DOTALL)
@@ -221,6 +223,11 @@ def call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None = None,
     return "\n".join([start, f"call: {call}", *rules])
 
 
+# A number parameter without constraints: at most 16 significant digits on each side of the
+# point and a 3-digit exponent (a double's precision and range), so a written number ends.
+_NUMBER = r"/-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?([eE][-+]?[0-9]{1,3})?/"
+
+
 def _value_grammar(schema: Any) -> str:
     schema = schema if isinstance(schema, Mapping) else {}
     enum = schema.get("enum")
@@ -228,4 +235,7 @@ def _value_grammar(schema: Any) -> str:
         return "(" + " | ".join(json.dumps(v) for v in enum) + ")"
     if schema.get("type") == "string":
         return "/[^<\\n]+/"
-    return "%json" + json.dumps(dict(schema) or {})
+    if schema.get("type") == "number" and not any(
+            k in schema for k in (*NUMERIC_BOUNDS, "multipleOf", "enum", "const")):
+        return _NUMBER
+    return "%json" + json.dumps(bounded_integers(dict(schema)) or {})

@@ -154,3 +154,35 @@ def test_specs_that_overflow_at_the_first_token_fail_to_compile(compiler, spec, 
     with pytest.raises(GrammarError, match=reason) as err:
         compiler.compile(spec)
     assert "<state>" not in str(err.value) and "Parser:" not in str(err.value)
+
+
+def test_json_schema_integers_without_bounds_get_int64_bounds():
+    """An integer the schema leaves unbounded is bounded to int64 (so a model repeating a digit
+    is stopped); a schema's own bounds, enum data and non-integers are kept as written."""
+    from ninfer_jax.frontend.grammar import INT64_BOUND, bounded_integers
+
+    schema = {"type": "object", "properties": {
+        "n": {"type": "integer"}, "m": {"type": "integer", "maximum": 7},
+        "xs": {"type": "array", "items": {"type": ["integer", "null"]}},
+        "e": {"enum": [{"type": "integer"}]}, "f": {"type": "number"},
+        "any": {"anyOf": [{"type": "integer"}, {"type": "string"}]}},
+        "$defs": {"d": {"type": "integer"}}}
+    out = bounded_integers(schema)
+    bound = {"minimum": -INT64_BOUND, "maximum": INT64_BOUND}
+    props = out["properties"]
+    assert props["n"] == {"type": "integer", **bound} and props["m"] == schema["properties"]["m"]
+    assert props["xs"]["items"] == {"type": ["integer", "null"], **bound}
+    assert props["e"] == schema["properties"]["e"] and props["f"] == {"type": "number"}
+    assert props["any"]["anyOf"][0] == {"type": "integer", **bound}
+    assert out["$defs"]["d"] == {"type": "integer", **bound}
+    assert schema["properties"]["n"] == {"type": "integer"}  # the caller's schema untouched
+    # Through a compiled json_schema: the digits stop within int64.
+    compiler = GrammarCompiler(TOK)
+    m = compiler.matcher(StructuredOutput("json_schema", json.dumps(
+        {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})))
+    assert m.advance(TOK.encode('{"n": '))
+    digits = 0
+    while TOK.encode("9")[0] in set(allowed_ids(m.mask()).tolist()):
+        assert m.advance(TOK.encode("9"))
+        digits += 1
+    assert digits == 18 and str(INT64_BOUND).startswith("9223")

@@ -69,3 +69,46 @@ def test_the_stream_releases_the_same_as_the_whole_parse_at_any_split():
         content = "".join(p for p in pieces if isinstance(p, str))
         calls = [(c.name, c.arguments) for c in pieces if not isinstance(c, str)]
         assert (content, calls) == (whole[0], [(c.name, c.arguments) for c in whole[1]]), cut
+
+
+def _forced_matcher(schema):
+    from ninfer_jax.frontend.grammar import GrammarCompiler
+    from ninfer_jax.frontend.tool_calls import call_grammar
+    from ninfer_jax.sampling_params import StructuredOutput
+    from ninfer_jax.testing import ByteTokenizer
+
+    tok = ByteTokenizer()
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": schema}, "required": ["n"]}}}]
+    grammar = StructuredOutput("grammar", call_grammar(tools, "f", tok.special_tokens))
+    matcher = GrammarCompiler(tok).matcher(grammar)
+    assert matcher.advance(tok.encode("<tool_call>\n<function=f>\n<parameter=n>\n"))
+    return tok, matcher
+
+
+def _accepted(tok, matcher, text: str) -> int:
+    """How many characters of `text` the matcher takes before its mask refuses one."""
+    from ninfer_jax.frontend.grammar import allowed_ids
+
+    for n, ch in enumerate(text):
+        (token,) = tok.encode(ch)
+        if token not in set(allowed_ids(matcher.mask()).tolist()):
+            return n
+        assert matcher.advance([token])
+    return len(text)
+
+
+@pytest.mark.parametrize(("schema", "runaway", "longest"), [
+    ({"type": "integer"}, "-" + "3" * 40, 20),  # int64: a sign and 19 digits
+    ({"type": ["integer", "null"]}, "9" * 40, 18),  # 999... past 2**63 - 1024 after 18
+    ({"type": "number"}, "-0." + "3" * 40, 19),  # 16 digits after the point
+    ({"type": "number"}, "1" * 40, 16),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}}, '{"a": ' + "3" * 40, 25),
+])
+def test_a_forced_calls_numbers_end_so_the_call_closes(schema, runaway, longest):
+    """A model that repeats a digit inside a forced call's number is stopped at int64 (or a
+    double's digits) and the call then closes and parses: numbers are bounded in the grammar."""
+    tok, matcher = _forced_matcher(schema)
+    assert _accepted(tok, matcher, runaway) == longest
+    rest = ("}" if runaway.startswith("{") else "") + "\n</parameter>\n</function>\n</tool_call>"
+    assert _accepted(tok, matcher, rest) == len(rest) and matcher.is_accepting
