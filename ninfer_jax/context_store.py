@@ -77,6 +77,34 @@ def _read(path: pathlib.Path) -> dict:
     return config
 
 
+# Where each built-in store sits in a pipe: host memory above the local disk above a remote
+# Redis (DESIGN §11: device -> host -> disk -> remote). Other stores may go anywhere.
+_DEPTH = {"cache": 0, "posix": 1, "redis": 2}
+
+
+def check_order(node: Any, where: str = "context_store") -> None:
+    """Refuses a pipe whose built-in stores are not fastest first (a host-memory cache below
+    the disk never serves a read the disk would not: it only adds a copy), naming both."""
+    if not isinstance(node, dict):
+        return
+    for key in ("stores", "branches"):
+        for i, child in enumerate(node.get(key) or []):
+            check_order(child, f"{where}.{key}[{i}]")
+    if node.get("type") != "pipe":
+        return
+    above: tuple[int, str] | None = None
+    for i, child in enumerate(node.get("stores") or []):
+        depth = _DEPTH.get(child.get("store")) if isinstance(child, dict) else None
+        if depth is None:
+            continue
+        if above is not None and depth < _DEPTH[above[1]]:
+            raise ConfigError(
+                f"{where}.stores[{i}] is {child['store']!r} below {above[1]!r} "
+                f"({where}.stores[{above[0]}]): a pipe runs from the fastest tier down "
+                "(cache -> posix -> redis); list them in that order")
+        above = (i, child["store"])
+
+
 def fill(node: Any, block_bytes: int, where: str = "context_store") -> None:
     """Completes every `cache` tier of a topology in place: block_bytes (the model's page
     block; a different given value is an error) and capacity from capacity_gb."""
@@ -131,6 +159,7 @@ def open_tiers(config: dict | None, program: Any, identity: bytes) -> ContextTie
         raise ConfigError("context_store needs prefix checkpoints (num_checkpoint_slots > 0)")
     layout = BlockLayout(identity, lim.page_size, lim.rewrites_below_frontier, lim.page_bytes,
                          lim.checkpoint_state_bytes)
+    check_order(config)
     fill(config, layout.block_bytes)
     try:
         assembler = StoreAssembler(config)

@@ -264,6 +264,22 @@ def test_a_store_that_cannot_be_set_up_is_a_config_error(tmp_path):
         open_tiers(topology(tmp_path, 8), program, IDENTITY)
 
 
+@pytest.mark.parametrize(("stores", "message"), [
+    (["posix", "cache"], r"stores\[1\] is 'cache' below 'posix' \(context_store.stores\[0\]\)"),
+    (["cache", "redis", "posix"], r"stores\[2\] is 'posix' below 'redis'"),
+])
+def test_a_pipe_not_fastest_first_is_a_config_error(tmp_path, stores, message):
+    """A host-memory cache below the disk (or the disk below Redis) only adds a copy: the
+    Engine refuses the topology before any store is set up, naming both tiers."""
+    configs = {"cache": {"capacity": 8}, "posix": {"root": str(tmp_path / "disk")},
+               "redis": {"url": "redis://127.0.0.1:1/0"}}
+    pipe = {"type": "pipe", "stores": [{"store": s, "config": configs[s]} for s in stores]}
+    program = FakeProgram(tier_limits(1), eos_id=EOS)
+    with pytest.raises(ConfigError, match=message):
+        open_tiers(pipe, program, IDENTITY)
+    assert not (tmp_path / "disk").exists()  # refused before any store was set up
+
+
 def test_close_waits_for_pending_writes(tmp_path):
     """Writes that take long are still stored once close returns, the ones queued behind the
     store's transfer threads too."""
