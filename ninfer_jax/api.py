@@ -364,6 +364,12 @@ class Engine:
         return self._generation("stats").stats()
 
     @property
+    def outstanding(self) -> int:
+        """Requests holding capacity now (`stats().outstanding` is the worker's last snapshot,
+        which lags a consumer's release by up to one worker iteration)."""
+        return self._generation("outstanding").outstanding
+
+    @property
     def available(self) -> bool:
         """False once the Engine failed or was closed (it then rejects every submit)."""
         return not self._closed if self.core is None else self.core.available

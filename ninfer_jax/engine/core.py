@@ -304,11 +304,15 @@ class EngineCore:
                 self.tiers.close()
 
     def stats(self) -> EngineStats:
-        """The worker's last snapshot, with `outstanding` as of now (capacity comes back on
-        the consumer's side too, between the worker's snapshots)."""
+        """The worker's last snapshot (one object per publication)."""
+        return self._stats
+
+    @property
+    def outstanding(self) -> int:
+        """Requests holding capacity as of now: capacity also comes back on the consumer's side
+        (a handle read or released), between the worker's snapshots."""
         with self._lock:
-            outstanding = self._outstanding
-        return dataclasses.replace(self._stats, outstanding=outstanding)
+            return self._outstanding
 
     @property
     def catalog(self) -> CheckpointCatalog:

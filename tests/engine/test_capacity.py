@@ -43,10 +43,10 @@ def test_a_finished_request_holds_capacity_until_its_consumer_reads_it():
         _wait_finished(core, 1)  # response_done; nobody has read the result yet
         with pytest.raises(RejectedError, match="queue full: 1 outstanding"):
             core.submit(prompt("next"), GREEDY)
-        assert core.stats().outstanding == 1
+        assert core.outstanding == 1
         assert h.result(timeout=10).finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
         h.release()
-        assert core.stats().outstanding == 0  # as of now, not the worker's last snapshot
+        assert core.outstanding == 0  # as of now, not the worker's last snapshot
         assert core.submit(prompt("next"), GREEDY).result(timeout=10).error is None
 
 

@@ -54,7 +54,8 @@ class _EngineCollector:
             "queue_depth": ("requests waiting for admission", s.waiting),
             "active_requests": ("requests admitted and not yet finished", s.active),
             "outstanding_requests": (
-                "requests holding capacity (waiting, running or unconsumed)", s.outstanding),
+                "requests holding capacity (waiting, running or unconsumed)",
+                self._engine.outstanding),
             "max_outstanding_requests": ("outstanding requests before overload (429)",
                                          s.capacity),
             "free_lanes": ("free request lanes", s.free_lanes),
