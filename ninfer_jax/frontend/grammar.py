@@ -92,8 +92,8 @@ def grammar_text(spec: StructuredOutput) -> str:
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("the schema must be a JSON object")
         return llguidance.LLMatcher.grammar_from_json_schema(
-            bounded_integers(schema), defaults={"whitespace_flexible": False, "item_separator": ", ",
-                     "key_separator": ": "})
+            bounded_integers(schema), defaults={"whitespace_flexible": False,
+                                                "item_separator": ", ", "key_separator": ": "})
     if spec.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.spec)
     if spec.kind == "choice":
