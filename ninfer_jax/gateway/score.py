@@ -39,7 +39,7 @@ from typing import Any
 
 from absl import app, flags
 
-from ninfer_jax.gateway import score_job
+from ninfer_jax.gateway import score_job, score_records
 from ninfer_jax.gateway.files import CommandError, read_text
 from ninfer_jax.program.config import resolve_dtype
 
@@ -69,7 +69,7 @@ flags.DEFINE_string("coordinator", None, "score: HOST:PORT of the jax.distribute
                     "served by process 0 (needed with --num_processes > 1)")
 
 # Every flag that changes a job's results: recorded in its job file, checked on resume.
-RESULT_FLAGS = score_job.RESULT_SETTINGS
+RESULT_FLAGS = score_records.RESULT_SETTINGS
 
 
 def _open_scorer():
@@ -88,7 +88,7 @@ def _open_scorer():
 
 def _prepare(scorer, line: bytes) -> Any:
     """The record's ScoreRequest under the parsed flags, or the reason it cannot be scored."""
-    return score_job.prepare(scorer, line, FLAGS.text_field, FLAGS.context_field)
+    return score_records.prepare(scorer, line, FLAGS.text_field, FLAGS.context_field)
 
 
 def _check_processes() -> None:

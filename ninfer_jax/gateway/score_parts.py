@@ -5,7 +5,7 @@ Owns joining the processes, which process scores which records, the part files a
 Chunk c of the job (records [c*K, (c+1)*K), K = chunk_records) belongs to process c % N. Process
 P appends the results of its chunks, in order, to its part `OUT.parts/part-P-of-N.jsonl` with the
 one-process discipline (complete lines, flush + fsync per chunk; a restart cuts a torn line and
-recomputes the chunk it resumes in; `score_job.write_chunks`). When every part is complete,
+recomputes the chunk it resumes in; `score_records.write_chunks`). When every part is complete,
 process 0 merges them into OUT in input order, appending and fsyncing chunk by chunk (a merge
 cut short resumes where OUT ends), then deletes the parts. A chunk's lines are the same bytes
 whichever process scored them, so OUT is byte-identical to a one-process run's.
@@ -40,7 +40,7 @@ from typing import Any
 
 from ninfer_jax.errors import NinferError
 from ninfer_jax.gateway.files import CommandError, os_reason
-from ninfer_jax.gateway.score_job import (
+from ninfer_jax.gateway.score_records import (
     JobReport,
     ScoreJob,
     append,

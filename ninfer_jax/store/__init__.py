@@ -15,7 +15,8 @@ from ninfer_jax.store.errors import (
     OsApiError,
     StoreError,
 )
-from ninfer_jax.store.policy import ReplacementPolicy, create_policy, register_policy
+from ninfer_jax.store.policies import create_policy, register_policy
+from ninfer_jax.store.policy import ReplacementPolicy
 from ninfer_jax.store.proxy.api import StoreNode, StoreScheduler, StoreWorker
 from ninfer_jax.store.proxy.assembler import StoreAssembler
 from ninfer_jax.store.proxy.entry import StoreEntry

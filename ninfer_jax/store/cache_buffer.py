@@ -24,7 +24,8 @@ from collections.abc import Callable, Sequence
 
 from ninfer_jax.store.errors import InvalidParam, NoSpace, NotFound
 from ninfer_jax.store.expiry import ExpiryQueue
-from ninfer_jax.store.policy import ReplacementPolicy, create_policy
+from ninfer_jax.store.policies import create_policy
+from ninfer_jax.store.policy import ReplacementPolicy
 from ninfer_jax.store.types import BlockId, require_unique
 
 

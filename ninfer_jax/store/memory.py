@@ -35,7 +35,8 @@ from ninfer_jax.store.config import get_int, get_str, reject_unknown, require_ma
 from ninfer_jax.store.errors import InvalidParam
 from ninfer_jax.store.jobs import JobTable
 from ninfer_jax.store.lifecycle import Lifecycle, while_open
-from ninfer_jax.store.policy import known_policies
+from ninfer_jax.store.memory_prefetch import CachePrefetch
+from ninfer_jax.store.policies import known_policies
 from ninfer_jax.store.transfer import TransferPool, gather, scatter
 from ninfer_jax.store.types import (
     AddressedToken,
@@ -61,9 +62,6 @@ class CacheStore(Store):
         self.life = Lifecycle("cache")
 
     def setup(self, config: Mapping[str, Any]) -> None:
-        from ninfer_jax.store import policies  # noqa: F401  (registers lru/clock/fifo)
-        from ninfer_jax.store.memory_prefetch import CachePrefetch
-
         self.life.require_new("setup")
         config = require_mapping(config, "cache")
         reject_unknown(config, _FIELDS, "cache")

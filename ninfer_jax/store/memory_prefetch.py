@@ -30,18 +30,38 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import struct
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
-from ninfer_jax.store.base import Prefetchable
+import numpy as np
+
+from ninfer_jax.store.base import Prefetchable, Store
+from ninfer_jax.store.cache_buffer import CacheBuffer
 from ninfer_jax.store.errors import InvalidParam, NotFound, StoreError
-from ninfer_jax.store.lifecycle import while_open
+from ninfer_jax.store.jobs import JobTable
+from ninfer_jax.store.lifecycle import Lifecycle, while_open
+from ninfer_jax.store.transfer import TransferPool
 from ninfer_jax.store.types import AddressedToken, BlockId, BlockPayload, RequestContext
 
-if TYPE_CHECKING:
-    from ninfer_jax.store.memory import CacheStore
-
 _PLAN = struct.Struct("<Q")
+
+
+class CacheParts(Protocol):
+    """What the facet uses of its CacheStore (`memory.py`), and nothing else."""
+
+    lock: Any  # the store's RLock: guards the buffer and the jobs
+    life: Lifecycle
+    buffer: CacheBuffer
+    slab: np.ndarray  # [capacity, block_bytes] uint8, one row per slot
+    jobs: JobTable
+    pool: TransferPool
+    lower: Store | None
+
+    def lower_transfer(self, kind: str, ids: list[BlockId], payloads: list[BlockPayload],
+                       token: AddressedToken | None = None) -> bool: ...
+
+    def track(self, job_id: int, ids: Sequence[BlockId], writes: bool,
+              on_consumed: Callable[[bool], None] | None = None) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +85,7 @@ class _Plan:
 
 
 class CachePrefetch(Prefetchable):
-    def __init__(self, store: CacheStore):
+    def __init__(self, store: CacheParts):
         self._s = store
         self.life = store.life
         self._signals: dict[str, _Signal] = {}

@@ -1,4 +1,4 @@
-"""The built-in eviction disciplines, registered as "lru", "clock" and "fifo".
+"""The registry of eviction disciplines by name, and the built-in ones: "lru", "clock", "fifo".
 
 Each keeps only an order over committed slots; pins are honoured by skipping pinned slots.
 LRU evicts the least recently admitted-or-touched slot; FIFO the oldest admitted (touch does not
@@ -8,8 +8,37 @@ reorder); Clock approximates LRU with one reference bit per slot and a sweeping 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
-from ninfer_jax.store.policy import ReplacementPolicy, register_policy
+from ninfer_jax.store.errors import InvalidParam
+from ninfer_jax.store.policy import ReplacementPolicy
+
+_POLICIES: dict[str, type[ReplacementPolicy]] = {}
+
+
+def register_policy(name: str) -> Callable[[type[ReplacementPolicy]], type[ReplacementPolicy]]:
+    """Class decorator adding a policy to the registry under `name`."""
+
+    def register(cls: type[ReplacementPolicy]) -> type[ReplacementPolicy]:
+        if name in _POLICIES:
+            raise InvalidParam(f"replacement policy {name!r} is already registered")
+        _POLICIES[name] = cls
+        return cls
+
+    return register
+
+
+def known_policies() -> list[str]:
+    return sorted(_POLICIES)
+
+
+def create_policy(name: str, capacity: int) -> ReplacementPolicy:
+    """A set-up policy instance by registered name; an unknown name lists the known ones."""
+    if name not in _POLICIES:
+        raise InvalidParam(f"unknown replacement policy {name!r}; known: {known_policies()}")
+    policy = _POLICIES[name]()
+    policy.setup(capacity)
+    return policy
 
 
 @register_policy("lru")

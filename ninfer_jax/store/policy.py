@@ -11,7 +11,8 @@ A subclass contributes only the discipline: `on_setup`, `on_slot_admitted`, `on_
 for the newcomer and is reported, so the caller invalidates the victim's mapping first.
 `num_free` and `num_evictable` (committed, unpinned) are kept current in O(1), so a caller can ask
 how many newcomers would find a slot without scanning the pool.
-Block ids, visibility and TTL belong to CacheBuffer, not here. Policies register by name.
+Block ids, visibility and TTL belong to CacheBuffer, not here; the registry of policies by
+name, and the built-in ones, live in `policies.py`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-from collections.abc import Callable
 
 from ninfer_jax.store.errors import InvalidParam
 
@@ -144,35 +144,3 @@ class ReplacementPolicy(abc.ABC):
     def _expect(self, slot: int, state: SlotState) -> None:
         if self._state[slot] is not state:
             raise AssertionError(f"slot {slot} is {self._state[slot].value}, expected {state.value}")
-
-
-_POLICIES: dict[str, type[ReplacementPolicy]] = {}
-
-
-def register_policy(name: str) -> Callable[[type[ReplacementPolicy]], type[ReplacementPolicy]]:
-    """Class decorator adding a policy to the registry under `name`."""
-
-    def register(cls: type[ReplacementPolicy]) -> type[ReplacementPolicy]:
-        if name in _POLICIES:
-            raise InvalidParam(f"replacement policy {name!r} is already registered")
-        _POLICIES[name] = cls
-        return cls
-
-    return register
-
-
-def known_policies() -> list[str]:
-    from ninfer_jax.store import policies  # noqa: F401  (registers the built-in disciplines)
-
-    return sorted(_POLICIES)
-
-
-def create_policy(name: str, capacity: int) -> ReplacementPolicy:
-    """A set-up policy instance by registered name; an unknown name lists the known ones."""
-    from ninfer_jax.store import policies  # noqa: F401  (registers the built-in disciplines)
-
-    if name not in _POLICIES:
-        raise InvalidParam(f"unknown replacement policy {name!r}; known: {known_policies()}")
-    policy = _POLICIES[name]()
-    policy.setup(capacity)
-    return policy

@@ -3,7 +3,8 @@
 import pytest
 
 from ninfer_jax.store import InvalidParam, ReplacementPolicy, create_policy, register_policy
-from ninfer_jax.store.policy import SlotState, known_policies
+from ninfer_jax.store.policies import known_policies
+from ninfer_jax.store.policy import SlotState
 
 POLICIES = ["lru", "clock", "fifo"]
 
