@@ -14,6 +14,7 @@ import pytest
 from ninfer_jax import Engine, load_model
 from ninfer_jax.sampling_params import SamplingParams
 from ninfer_jax.testing.redis_server import RedisServer
+from tests.engine.conftest import settle
 from tests.engine.test_speculative_engine import MAX_CONCURRENCY, SETTINGS
 
 # ~130 s cold (the demo Engines with and without MTP, every tier): the default run's 15 minutes;
@@ -37,6 +38,9 @@ def _pipe(*stores: dict) -> dict:
 
 
 def _drained(engine: Engine) -> None:
+    """Every checkpoint retained so far sent to the store (the worker idle: a turn's checkpoint
+    is sent in the iteration after its answer) and every write completed."""
+    settle(engine.core)
     deadline = time.monotonic() + 30
     while engine.stats().tiers.pending_writes and time.monotonic() < deadline:
         time.sleep(0.01)
