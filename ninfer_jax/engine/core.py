@@ -730,11 +730,13 @@ class EngineCore:
                     # where the conversation's next turn leaves this prompt (the Frontend's
                     # boundary): that turn reuses everything before this answer from here
                     self._retain(r, r.prompt.token_ids[:boundary])
-                elif boundary is None and \
+                elif boundary is None and r.sampling.max_new_tokens > 1 and \
                         len(r.prompt.token_ids) - frontier <= self.limits.prefill_chunk:
                     # the start of the prompt's last chunk: the same prompt sent again (a
                     # retry, a regenerate) runs only that chunk, which it would run anyway to
-                    # sample its first token (a checkpoint at the prompt's end cannot serve it)
+                    # sample its first token (a checkpoint at the prompt's end cannot serve it).
+                    # A one-token request keeps only its turn's, at the prompt's end: a second
+                    # state image for one prompt is not worth a chunk.
                     self._retain(r, r.prompt.token_ids[:frontier])
                 return
             records = [r]
@@ -871,6 +873,7 @@ class EngineCore:
                                  f"{accepted}")
         if batch.kind is BatchKind.PREFILL and accepted[0] > 0 and (
                 records[0].prompt.reuse_boundary is not None
+                or records[0].sampling.max_new_tokens == 1
                 or len(records[0].prompt.token_ids) <= self.limits.prefill_chunk):
             # The prompt's frontier (a longer prompt kept the start of its last chunk instead).
             self._retain(records[0])
