@@ -43,8 +43,8 @@ def test_cpu_smoke_prints_every_row_and_passes():
     checks = [line.split(" | ")[0].removeprefix("| ") for line in table]
     for row in ROWS:
         assert row in checks, (row, r.stdout)
-    assert checks.count("1 decode kernel") == 2  # bf16 and fp32
-    assert checks.count("1 prefill kernel") == 4  # a chunk and a verify window, bf16 and fp32
+    assert checks.count("1 decode kernel") == 3  # bf16, fp32, bf16 over int8 pages
+    assert checks.count("1 prefill kernel") == 6  # a chunk and a verify window for each of those
     assert checks.count("1 GDN kernel") == 3  # decode, verify, prefill
     assert checks.count("1 quant matmul") == 4  # int8, int4, fp8, fp8 x fp8
     assert checks.count("4 executables") == 6  # every Program built
