@@ -26,9 +26,9 @@ def limits(max_concurrency: int, **kw) -> ProgramLimits:
 
 
 def prompt_checkpoint(n: int, chunk: int = 8) -> int:
-    """Where a prompt of n tokens leaves its checkpoint (no chat boundary): at the start of its
-    last prefill chunk when it spans several (so the same prompt again runs only that chunk),
-    else at its end."""
+    """Where a prompt of n tokens leaves its checkpoint (no chat boundary, a request of more
+    than one token): at the start of its last prefill chunk when it spans several (so the same
+    prompt again runs only that chunk), else at its end."""
     return (n - 1) // chunk * chunk if n > chunk else n
 
 
