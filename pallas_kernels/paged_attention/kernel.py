@@ -1,8 +1,8 @@
 """Pallas (Triton backend) paged attention decode kernel.
 
 Owns the GPU decode path: one query token per row attending over that row's pages. It reads the
-same pool layout and gives the same result as `reference.paged_attention_reference`, which is its
-oracle; it does not write pages. On CPU it runs only with `interpret=True`.
+same pool layout and gives the same result as `reference.paged_attention_decode_reference`,
+which is its oracle; it does not write pages. On CPU it runs only with `interpret=True`.
 
 Shape of the computation. The grid is `(B, H_kv)`: one program per batch row and kv head. The
 program holds the `G = H_q // H_kv` query heads that share its kv head, padded to
@@ -142,7 +142,7 @@ def _decode_kernel(
     o_ref[...] = (acc / row_sum[:, None]).astype(o_ref.dtype)
 
 
-def paged_attention(
+def paged_attention_decode_pallas(
     q: jax.Array,
     k_pages: jax.Array,
     v_pages: jax.Array,

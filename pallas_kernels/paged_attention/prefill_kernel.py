@@ -3,7 +3,7 @@
 Owns the GPU path for T > 1 query tokens per row: each row's chunk attends to the row's cached
 pages (positions `< prior_len`) and causally to its own keys (`chunk_k/chunk_v`, key `j` visible
 to query `i` when `j <= i < chunk_len`). It gives the result of
-`reference.paged_prefill_attention_reference` for every row of the batch, which is its oracle; it
+`reference.paged_attention_prefill_reference` for every row of the batch, which is its oracle; it
 does not write pages. On CPU it runs only with `interpret=True`.
 
 Shape of the computation. Queries are laid out `[B, H_kv, T * G, D]`: the `G = H_q // H_kv`
@@ -130,7 +130,7 @@ def _prefill_kernel(
     o_ref[...] = out.astype(o_ref.dtype)
 
 
-def paged_prefill_attention(
+def paged_attention_prefill_pallas(
     q: jax.Array,
     k_pages: jax.Array,
     v_pages: jax.Array,

@@ -59,7 +59,7 @@ def _masked_softmax_weights(logits: jax.Array, mask: jax.Array) -> jax.Array:
     return weights / jnp.where(denom == 0.0, 1.0, denom)
 
 
-def paged_attention_reference(
+def paged_attention_decode_reference(
     q: jax.Array,
     k_pages: jax.Array,
     v_pages: jax.Array,
@@ -102,7 +102,7 @@ def paged_attention_reference(
     return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 
-def paged_prefill_attention_reference(
+def paged_attention_prefill_reference(
     q: jax.Array,
     k_pages: jax.Array,
     v_pages: jax.Array,

@@ -18,11 +18,11 @@ import pytest
 
 from pallas_kernels.paged_attention import (
     dequantize,
-    paged_attention,
     paged_attention_decode,
+    paged_attention_decode_pallas,
+    paged_attention_decode_reference,
     paged_attention_prefill,
-    paged_attention_reference,
-    paged_prefill_attention,
+    paged_attention_prefill_pallas,
     quantize,
 )
 from tests.pallas_kernels.test_paged_attention import (
@@ -73,8 +73,9 @@ DECODE_CONFIGS = [(1, 64, jnp.float32, 16), pytest.param(4, 128, jnp.float32, No
 
 @pytest.mark.parametrize("group, head_dim, dtype, block_k", DECODE_CONFIGS)
 def test_decode_kernel_on_int8_pages_matches_the_reference(group, head_dim, dtype, block_k):
-    kernel = jax.jit(functools.partial(paged_attention, block_k=block_k, interpret=True))
-    reference = jax.jit(paged_attention_reference)
+    kernel = jax.jit(functools.partial(paged_attention_decode_pallas, block_k=block_k,
+                                       interpret=True))
+    reference = jax.jit(paged_attention_decode_reference)
     tol = TOLERANCES[dtype]
     for seed in (0, 1):  # each seed shuffles the ragged rows
         case = make_decode_case(seed, group=group, head_dim=head_dim, dtype=jnp.float32)
@@ -103,7 +104,7 @@ PREFILL_CONFIGS = [pytest.param(8, 1, 64, jnp.float32, {"block_k": 16}, marks=SL
 @pytest.mark.parametrize("tokens, group, head_dim, dtype, blocks", PREFILL_CONFIGS)
 def test_prefill_kernel_on_int8_pages_matches_the_reference(tokens, group, head_dim, dtype,
                                                            blocks):
-    kernel = jax.jit(functools.partial(paged_prefill_attention, interpret=True, **blocks))
+    kernel = jax.jit(functools.partial(paged_attention_prefill_pallas, interpret=True, **blocks))
     reference = jax.jit(functools.partial(paged_attention_prefill, impl="reference"))
     tol = TOLERANCES[dtype]
     cases = make_batch(3, tokens=tokens, group=group, head_dim=head_dim, dtype=jnp.float32)

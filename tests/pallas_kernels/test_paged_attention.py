@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_attention import (
-    paged_attention,
     paged_attention_decode,
-    paged_attention_reference,
-    paged_prefill_attention_reference,
+    paged_attention_decode_pallas,
+    paged_attention_decode_reference,
+    paged_attention_prefill_reference,
 )
 
 TOLERANCES = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}  # atol and rtol, by dtype
@@ -125,8 +125,9 @@ KERNEL_CONFIGS = [
 
 @pytest.mark.parametrize("group, head_dim, dtype, block_k", KERNEL_CONFIGS)
 def test_kernel_matches_reference(group, head_dim, dtype, block_k):
-    kernel = jax.jit(functools.partial(paged_attention, block_k=block_k, interpret=True))
-    reference = jax.jit(paged_attention_reference)
+    kernel = jax.jit(functools.partial(paged_attention_decode_pallas, block_k=block_k,
+                                       interpret=True))
+    reference = jax.jit(paged_attention_decode_reference)
     for seed in SEEDS:
         case = make_decode_case(seed, group=group, head_dim=head_dim, dtype=dtype)
         args = case.device_args(dtype)
@@ -139,7 +140,8 @@ def test_kernel_matches_reference(group, head_dim, dtype, block_k):
 @pytest.mark.parametrize("block_k", [16, 32])
 def test_key_blocks_smaller_than_a_page(block_k, dtype):
     """Pages of 64 positions read 16 or 32 at a time (the tiles fp32 at head_dim 256 fit)."""
-    kernel = jax.jit(functools.partial(paged_attention, block_k=block_k, interpret=True))
+    kernel = jax.jit(functools.partial(paged_attention_decode_pallas, block_k=block_k,
+                                       interpret=True))
     case = make_decode_case(5, group=4, head_dim=64, dtype=dtype, page_size=64)
     out = kernel(*case.device_args(dtype))
     assert_close(out, dense_decode(case), dtype)
@@ -148,7 +150,7 @@ def test_key_blocks_smaller_than_a_page(block_k, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("group, head_dim", [(1, 64), (4, 128), (8, 64)])
 def test_reference_matches_dense_numpy(group, head_dim, dtype):
-    reference = jax.jit(paged_attention_reference)
+    reference = jax.jit(paged_attention_decode_reference)
     for seed in SEEDS:
         case = make_decode_case(seed, group=group, head_dim=head_dim, dtype=dtype)
         assert_close(reference(*case.device_args(dtype)), dense_decode(case), dtype)
@@ -158,7 +160,7 @@ def test_explicit_scale_is_used_by_both_paths():
     case = make_decode_case(3, group=2, head_dim=64, dtype=jnp.float32)
     args = case.device_args(jnp.float32)
     scaled_q = (args[0] * 0.3,) + args[1:]
-    expected = paged_attention_reference(*scaled_q, scale=1.0)
+    expected = paged_attention_decode_reference(*scaled_q, scale=1.0)
     for impl in ("reference", "pallas"):
         out = paged_attention_decode(*args, scale=0.3, impl=impl, block_k=16)
         assert_close(out, np.asarray(expected), jnp.float32)
@@ -244,7 +246,7 @@ def dense_causal(case: PrefillCase) -> np.ndarray:
     [(0, 8), (0, 3), (5, 8), (PAGE_SIZE, 5), (2 * PAGE_SIZE + 5, 1), (13, 0), (0, 0)],
 )
 def test_prefill_reference_matches_dense_causal(prior_len, chunk_len):
-    prefill = jax.jit(paged_prefill_attention_reference)
+    prefill = jax.jit(paged_attention_prefill_reference)
     for seed in SEEDS:
         case = make_prefill_case(seed, prior_len, chunk_len)
         out = prefill(*case.device_args())
@@ -257,11 +259,11 @@ def test_one_token_prefill_equals_decode():
     prior_len = 11
     case = make_prefill_case(5, prior_len=prior_len, chunk_len=1, num_tokens=1)
     q, k_pages, v_pages, page_table, _, chunk_k, chunk_v, _ = case.device_args()
-    prefill_out = paged_prefill_attention_reference(*case.device_args())
+    prefill_out = paged_attention_prefill_reference(*case.device_args())
     page, offset = case.page_table[prior_len // PAGE_SIZE], prior_len % PAGE_SIZE
     k_pages = k_pages.at[page, offset].set(chunk_k[0])
     v_pages = v_pages.at[page, offset].set(chunk_v[0])
-    decode_out = paged_attention_reference(
+    decode_out = paged_attention_decode_reference(
         q, k_pages, v_pages, page_table[None], jnp.asarray([prior_len + 1], jnp.int32)
     )
     assert_close(prefill_out, np.asarray(decode_out), jnp.float32)
@@ -356,4 +358,4 @@ def test_bad_prefill_inputs_name_the_argument():
     args = list(make_prefill_case(0, prior_len=3, chunk_len=2).device_args())
     args[5] = args[5][:, :1]  # chunk_k with one kv head instead of two
     with pytest.raises(ValueError, match=r"chunk_k must be \[T, num_kv_heads, head_dim\]"):
-        paged_prefill_attention_reference(*args)
+        paged_attention_prefill_reference(*args)

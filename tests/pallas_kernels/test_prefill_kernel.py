@@ -18,7 +18,7 @@ import pytest
 
 from pallas_kernels.paged_attention import (
     paged_attention_prefill,
-    paged_prefill_attention,
+    paged_attention_prefill_pallas,
 )
 from tests.pallas_kernels.test_paged_attention import (
     NUM_KV_HEADS,
@@ -91,7 +91,7 @@ CONFIGS = [
 
 @pytest.mark.parametrize("tokens, group, head_dim, dtype, blocks", CONFIGS)
 def test_kernel_matches_reference_and_dense_numpy(tokens, group, head_dim, dtype, blocks):
-    kernel = jax.jit(functools.partial(paged_prefill_attention, interpret=True, **blocks))
+    kernel = jax.jit(functools.partial(paged_attention_prefill_pallas, interpret=True, **blocks))
     reference = jax.jit(functools.partial(paged_attention_prefill, impl="reference"))
     for seed in (0, 1):
         cases = make_batch(seed, tokens=tokens, group=group, head_dim=head_dim, dtype=dtype)
@@ -105,7 +105,7 @@ def test_kernel_matches_reference_and_dense_numpy(tokens, group, head_dim, dtype
 
 def test_key_blocks_smaller_than_a_page():
     """Pages of 64 positions read 16 at a time, rows crossing and ending inside pages."""
-    kernel = jax.jit(functools.partial(paged_prefill_attention, interpret=True, block_k=16,
+    kernel = jax.jit(functools.partial(paged_attention_prefill_pallas, interpret=True, block_k=16,
                                        block_m=16, block_c=16))
     cases = make_batch(4, tokens=12, group=2, head_dim=64, dtype=jnp.float32, page_size=64)
     out = kernel(*batch_args(cases, jnp.float32))
@@ -153,7 +153,8 @@ def test_bad_inputs_name_the_argument(change, kwargs, message):
     args = change(batch_args(make_batch(0, tokens=8, group=2, head_dim=64, dtype=jnp.float32),
                              jnp.float32))
     with pytest.raises(ValueError) as err:
-        jax.jit(functools.partial(paged_prefill_attention, interpret=True, **kwargs)).trace(*args)
+        jax.jit(functools.partial(paged_attention_prefill_pallas, interpret=True,
+                                  **kwargs)).trace(*args)
     assert message in str(err.value)
     if not kwargs:  # the reference checks the same contract
         with pytest.raises(ValueError, match=None) as ref_err:
