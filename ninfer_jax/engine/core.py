@@ -706,6 +706,14 @@ class EngineCore:
             self._to_offload.append(entry)
         return entry
 
+    def _prompt_kept_at_end(self, r: RequestRecord) -> bool:
+        """Whether the prompt's checkpoint is at its end rather than at the start of its last
+        prefill chunk: with a reuse boundary (checkpointed there too), a prompt of one chunk (a
+        repeat runs one chunk either way), or a one-token request (its turn's checkpoint is at
+        the prompt's end: a second state image for one prompt is not worth a chunk)."""
+        return (r.prompt.reuse_boundary is not None or r.sampling.max_new_tokens == 1
+                or len(r.prompt.token_ids) <= self.limits.prefill_chunk)
+
     def _drop_checkpoint(self, entry: CatalogEntry, evicted: bool, keep: bool = True) -> None:
         """Releases a device checkpoint; with `keep`, one not yet in the context store goes
         there first."""
@@ -730,13 +738,11 @@ class EngineCore:
                     # where the conversation's next turn leaves this prompt (the Frontend's
                     # boundary): that turn reuses everything before this answer from here
                     self._retain(r, r.prompt.token_ids[:boundary])
-                elif boundary is None and r.sampling.max_new_tokens > 1 and \
+                elif not self._prompt_kept_at_end(r) and \
                         len(r.prompt.token_ids) - frontier <= self.limits.prefill_chunk:
                     # the start of the prompt's last chunk: the same prompt sent again (a
                     # retry, a regenerate) runs only that chunk, which it would run anyway to
-                    # sample its first token (a checkpoint at the prompt's end cannot serve it).
-                    # A one-token request keeps only its turn's, at the prompt's end: a second
-                    # state image for one prompt is not worth a chunk.
+                    # sample its first token (a checkpoint at the prompt's end cannot serve it)
                     self._retain(r, r.prompt.token_ids[:frontier])
                 return
             records = [r]
@@ -871,12 +877,9 @@ class EngineCore:
         elif accepted != [1] * len(records):
             raise InvariantError(f"a round committed ahead with one token a row previewed "
                                  f"{accepted}")
-        if batch.kind is BatchKind.PREFILL and accepted[0] > 0 and (
-                records[0].prompt.reuse_boundary is not None
-                or records[0].sampling.max_new_tokens == 1
-                or len(records[0].prompt.token_ids) <= self.limits.prefill_chunk):
-            # The prompt's frontier (a longer prompt kept the start of its last chunk instead).
-            self._retain(records[0])
+        if batch.kind is BatchKind.PREFILL and accepted[0] > 0 and \
+                self._prompt_kept_at_end(records[0]):
+            self._retain(records[0])  # the prompt's frontier
         for row, (r, preview, n) in enumerate(zip(records, previews, accepted)):
             r.control = ()
             if preview is None:
