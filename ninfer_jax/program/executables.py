@@ -43,6 +43,8 @@ class StepKind(enum.Enum):
     EXPORT_STATE = "export_state"
     IMPORT_STATE = "import_state"
     SCORE_WINDOW = "score_window"  # the CausalScoring purpose: batch windows of `length` tokens
+    # batch contexts of `length` tokens, extra = (continuation rows, their length)
+    SCORE_SHARED = "score_shared"
     VISION_ENCODE = "vision_encode"  # the vision tower on `length` (a bucket) packed patches
 
 
@@ -51,6 +53,7 @@ class StepKey:
     kind: StepKind
     batch: int
     length: int = 0  # tokens per row, where the kind's shape is not fixed by the ProgramConfig
+    extra: tuple[int, ...] = ()  # further shape numbers of a kind with more than two
 
 
 def abstract_args(tree: Any, mesh: Mesh | None = None) -> Any:

@@ -1,11 +1,15 @@
-"""The scoring window step: `(params, WindowInputs) -> WindowScores`, a pure function.
+"""The scoring steps, pure functions: `score_window_step` `(params, WindowInputs) -> WindowScores`
+and `score_shared_step` `(params, SharedInputs) -> WindowScores`.
 
-Owns the device side of the CausalScoring purpose (DESIGN §9): every row is a window that starts
-from empty temporary state (zero GDN state, `CausalKV`: attention only over the window's own
-tokens, so nothing outlives the call and nothing is donated), runs the decoder stack, then turns
-hidden states into per-token target log-probs and greedy flags in chunks of tokens. A chunk's
-[C, vocab] logits are the only vocabulary-wide buffer (the scoring staging); no vocabulary row
-ever leaves the device.
+Owns the device side of the CausalScoring purpose (DESIGN §9). In a window step every row holds
+one or more windows (segments: short texts are packed), each starting from empty temporary
+state (zero GDN state, restarted at every segment; attention only within the segment, so
+nothing outlives the call and nothing is donated). A shared step scores continuations of common
+contexts: it runs each context once, keeps its GDN state and K/V inside the call, and runs every
+continuation row from its context's state, so a context with N continuations is read once, not
+N times. Both turn hidden states into per-token target log-probs and greedy flags in chunks of
+tokens. A chunk's [C, vocab] logits are the only vocabulary-wide buffer (the scoring staging);
+no vocabulary row ever leaves the device.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ninfer_jax.models.qwen3_6 import CausalKV, GDNState, ModelConfig
+from ninfer_jax.models.qwen3_6 import ContiguousKV, GDNState, ModelConfig, SegmentedCausalKV
 from ninfer_jax.models.qwen3_6.layers import rms_norm
 from ninfer_jax.models.qwen3_6.model import lm_head, run_layers
 from ninfer_jax.program.steps import _register
@@ -24,13 +28,30 @@ from ninfer_jax.program.steps import _register
 LOGITS_CHUNK_BYTES = 64 << 20
 
 
-@_register(["token_ids", "target_ids", "target_mask", "num_valid"])
+@_register(["token_ids", "target_ids", "target_mask", "num_valid", "positions", "segment_ids"])
 @dataclasses.dataclass(frozen=True)
 class WindowInputs:
-    token_ids: jax.Array  # [B, L] int32, each row a window from position 0 (padded past num_valid)
+    token_ids: jax.Array  # [B, L] int32, each row windows laid end to end (padded past num_valid)
     target_ids: jax.Array  # [B, L] int32, the token input position t predicts
     target_mask: jax.Array  # [B, L] bool, positions whose target is scored
     num_valid: jax.Array  # [B] int32, real tokens in the row (0 for a filler row)
+    positions: jax.Array  # [B, L] int32, each token's position in its own window (from 0)
+    # [B, L] int32, non-decreasing: the window each token belongs to (padding: the last one's)
+    segment_ids: jax.Array
+
+
+@_register(["context_ids", "context_len", "token_ids", "target_ids", "target_mask",
+            "num_valid", "context_of"])
+@dataclasses.dataclass(frozen=True)
+class SharedInputs:
+    context_ids: jax.Array  # [C, Lc] int32, each row a context from position 0 (padded)
+    context_len: jax.Array  # [C] int32, the context's tokens (>= 1; 1 for a filler row)
+    # [B, Lk] int32: a continuation's tokens but its last, the inputs after the context
+    token_ids: jax.Array
+    target_ids: jax.Array  # [B, Lk] int32, the continuation: target t follows input t - 1
+    target_mask: jax.Array  # [B, Lk] bool, the continuation's tokens (none for a filler row)
+    num_valid: jax.Array  # [B] int32, inputs in the row (the continuation's length - 1)
+    context_of: jax.Array  # [B] int32, the row's context (an index into context_ids)
 
 
 @_register(["logprobs", "is_greedy", "top_ids", "top_logprobs"])
@@ -79,20 +100,54 @@ def target_scores(params: dict, cfg: ModelConfig, hidden: jax.Array, target_ids:
             top_ids.reshape(n + pad, top_n)[:n], top_lps.reshape(n + pad, top_n)[:n])
 
 
-def score_window_step(params: dict, inputs: WindowInputs, *, cfg: ModelConfig,
-                      top_n: int = 0) -> WindowScores:
-    """Scores B windows of L positions, each from empty state at position 0; with top_n, also
-    each position's top_n most likely next tokens."""
-    b, length = inputs.token_ids.shape
-    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
-    h = params["embed"][inputs.token_ids]
-    gdn = GDNState.zeros(cfg, b, params["embed"].dtype)
-    h, _, _, _ = run_layers(params, cfg, h, positions, gdn, CausalKV(), inputs.num_valid)
-    hidden = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+def _scores(params: dict, cfg: ModelConfig, hidden: jax.Array, target_ids: jax.Array,
+            mask: jax.Array, top_n: int) -> WindowScores:
+    """hidden [B, L, H] (final-normed), target_ids and mask [B, L] -> the rows' scores."""
+    b, length = target_ids.shape
     logprobs, greedy, top_ids, top_lps = target_scores(
-        params, cfg, hidden.reshape(b * length, -1), inputs.target_ids.reshape(-1), top_n)
-    mask = inputs.target_mask
+        params, cfg, hidden.reshape(b * length, -1), target_ids.reshape(-1), top_n)
     return WindowScores(logprobs=jnp.where(mask, logprobs.reshape(b, length), 0.0),
                         is_greedy=greedy.reshape(b, length) | ~mask,
                         top_ids=top_ids.reshape(b, length, top_n),
                         top_logprobs=top_lps.reshape(b, length, top_n))
+
+
+def score_window_step(params: dict, inputs: WindowInputs, *, cfg: ModelConfig,
+                      top_n: int = 0) -> WindowScores:
+    """Scores B rows of L positions, each window (segment) from empty state; with top_n, also
+    each position's top_n most likely next tokens."""
+    b, _ = inputs.token_ids.shape
+    h = params["embed"][inputs.token_ids]
+    gdn = GDNState.zeros(cfg, b, params["embed"].dtype)
+    segments = inputs.segment_ids
+    h, _, _, _ = run_layers(params, cfg, h, inputs.positions, gdn, SegmentedCausalKV(segments),
+                            inputs.num_valid, segments=segments)
+    hidden = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    return _scores(params, cfg, hidden, inputs.target_ids, inputs.target_mask, top_n)
+
+
+def score_shared_step(params: dict, inputs: SharedInputs, *, cfg: ModelConfig,
+                      top_n: int = 0) -> WindowScores:
+    """Scores B continuation rows of Lk targets after C shared contexts: each context runs once
+    from empty state (its K/V kept in a contiguous buffer of Lc + Lk positions), then every row
+    runs from its context's GDN state and K/V at positions context_len... The first target is
+    scored from the context's last position, target t > 0 from input t - 1."""
+    c, lc = inputs.context_ids.shape
+    lk = inputs.token_ids.shape[1]
+    dtype = params["embed"].dtype
+    positions = jnp.broadcast_to(jnp.arange(lc, dtype=jnp.int32), (c, lc))
+    kv = ContiguousKV.zeros(cfg, c, lc + lk, dtype)
+    h, gdn, kv, _ = run_layers(params, cfg, params["embed"][inputs.context_ids], positions,
+                               GDNState.zeros(cfg, c, dtype), kv, inputs.context_len)
+    last = h[jnp.arange(c), inputs.context_len - 1][inputs.context_of]  # [B, H]
+
+    rows = inputs.context_of
+    start = inputs.context_len[rows]
+    gdn = jax.tree.map(lambda a: a[:, rows], gdn)
+    kv = ContiguousKV(layers=jax.tree.map(lambda a: a[:, rows], kv.layers), lengths=start)
+    positions = start[:, None] + jnp.arange(lk, dtype=jnp.int32)[None, :]
+    h, _, _, _ = run_layers(params, cfg, params["embed"][inputs.token_ids], positions, gdn, kv,
+                            inputs.num_valid)
+    h = jnp.concatenate([last[:, None], h[:, : lk - 1]], axis=1)
+    hidden = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    return _scores(params, cfg, hidden, inputs.target_ids, inputs.target_mask, top_n)

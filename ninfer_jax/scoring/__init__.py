@@ -7,6 +7,7 @@
 
 from ninfer_jax.scoring.core import (
     CausalScoreCore,
+    Occupancy,
     ScoreInputError,
     ScoreRequest,
     ScoringConfig,
@@ -16,5 +17,5 @@ from ninfer_jax.scoring.core import (
 from ninfer_jax.scoring.scorer import Scorer, ScoreResult
 from ninfer_jax.scoring.windows import Window, rolling_windows
 
-__all__ = ["CausalScoreCore", "ScoreInputError", "ScoreRequest", "ScoreResult", "Scorer",
+__all__ = ["CausalScoreCore", "Occupancy", "ScoreInputError", "ScoreRequest", "ScoreResult", "Scorer",
            "ScoringConfig", "TokenScores", "Window", "WindowKey", "rolling_windows"]

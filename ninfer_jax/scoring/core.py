@@ -1,16 +1,23 @@
 """CausalScoreCore: the CausalScoring purpose's executor (DESIGN §9, §10).
 
-Owns the window plan and the order in which windows run; execution belongs to its
-`ScoringProgram`, which it calls serially. At start-up the program compiles one executable per
-window shape `WindowKey(rows, length)`: a few window lengths (doubling from `min_len` up to the
-longest window) with `rows = max_batch_tokens // length` windows per call. A window runs in the
-shortest compiled length that holds it; windows of one length are packed `rows` at a time and
-the last call of a length is filled with empty rows, so every call has an exact compiled shape
-and nothing compiles after start-up.
+Owns the call plan (which windows share a call, a row or a context) and the order in which calls
+run; execution belongs to its `ScoringProgram`, which it calls serially. At start-up the program
+compiles every shape a plan can use, so nothing compiles after start-up:
+- `WindowKey(rows, length)`: a few window lengths (doubling from `min_len` up to the longest
+  window), `rows = max_batch_tokens // length` rows per call. A window runs in the shortest
+  length that holds it; short windows (at most half of `pack_len`) are packed several to a
+  row of `pack_len` tokens (first fit, longest first), each from its own empty state.
+- `SharedKey(contexts, context_len, rows, length)` (with `share_contexts`): requests that share
+  their context tokens exactly (lm-eval's N choices of one question) and fit one window score
+  the context once and every continuation from its state, in rows of at most
+  `max_continuation` targets; a context of one request, or a continuation too long for the
+  shape, is scored as a window instead.
+The last call of a shape is filled with empty rows, so every call has an exact compiled shape.
+Every score equals the score of the request alone (to floating-point rounding).
 
 There are no requests, checkpoints, Scheduler or ResourceManager, and no generation pools: each
-window starts from empty GDN state and KV inside its call. It knows token ids only; text belongs
-to `Scorer`.
+window or context starts from empty GDN state and KV inside its call. It knows token ids only;
+text belongs to `Scorer`.
 """
 
 from __future__ import annotations
@@ -23,15 +30,16 @@ import numpy as np
 
 from ninfer_jax.errors import ConfigError, NinferError
 from ninfer_jax.models.qwen3_6 import ModelConfig
-from ninfer_jax.program.scoring import ScoringProgram, WindowKey
-from ninfer_jax.program.scoring_steps import WindowInputs
+from ninfer_jax.program.scoring import ScoringProgram, SharedKey, WindowKey
+from ninfer_jax.program.scoring_steps import SharedInputs, WindowInputs
 from ninfer_jax.progress import bar
 from ninfer_jax.scoring.windows import Window, check_window_stride, rolling_windows
 
-__all__ = ["CausalScoreCore", "ScoreInputError", "ScoreRequest", "ScoringConfig", "TokenScores",
-           "WindowKey"]
+__all__ = ["CausalScoreCore", "Occupancy", "ScoreInputError", "ScoreRequest", "ScoringConfig", "SharedKey",
+           "TokenScores", "WindowKey"]
 
 DEFAULT_MAX_LEN = 2048
+SHARED_ROWS = 4  # continuation rows per context slot in a shared call
 
 
 class ScoreInputError(NinferError, ValueError):
@@ -52,6 +60,9 @@ class ScoringConfig:
     dtype: weights and activations ("float32" or "bfloat16"); log-probs are always fp32.
     top_logprobs: also return each scored position's N most likely tokens (0 = none; the
       server's `echo` uses MAX_LOGPROBS).
+    pack: put windows of at most half of `pack_len` several to a row (see the module docstring).
+    share_contexts: score a context shared by several requests once (see the module docstring).
+    max_continuation: most targets of a continuation scored from a shared context.
     """
 
     window: int | None = None
@@ -61,10 +72,17 @@ class ScoringConfig:
     max_batch_tokens: int = 4096
     dtype: str = "float32"
     top_logprobs: int = 0
+    pack: bool = True
+    share_contexts: bool = True
+    max_continuation: int = 32
 
     def __post_init__(self):
         """Types and model-independent ranges, checked before any model is loaded."""
-        for name in ("window", "stride", "max_len", "min_len", "max_batch_tokens"):
+        for name in ("pack", "share_contexts"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r:.40}")
+        for name in ("window", "stride", "max_len", "min_len", "max_batch_tokens",
+                     "max_continuation"):
             value = getattr(self, name)
             optional = name in ("window", "stride", "max_len")
             if value is None and optional:
@@ -104,6 +122,27 @@ class ScoringConfig:
             n *= 2
         return (*lens, longest)
 
+    def pack_len(self, cfg: ModelConfig) -> int | None:
+        """The row length short windows are packed into (the third window length, or the
+        longest), or None without packing."""
+        lens = self.window_lens(cfg)
+        return lens[min(2, len(lens) - 1)] if self.pack else None
+
+    def window_keys(self, cfg: ModelConfig) -> list[WindowKey]:
+        return [WindowKey(max(1, self.max_batch_tokens // n), n) for n in self.window_lens(cfg)]
+
+    def shared_keys(self, cfg: ModelConfig) -> list[SharedKey]:
+        """Per window length Lc: continuations of up to min(max_continuation, Lc // 2) targets,
+        four rows per context (a four-way choice), as many contexts as max_batch_tokens holds."""
+        if not self.share_contexts:
+            return []
+        keys = []
+        for n in self.window_lens(cfg):
+            length = min(self.max_continuation, max(1, n // 2))
+            contexts = max(1, self.max_batch_tokens // (n + SHARED_ROWS * length))
+            keys.append(SharedKey(contexts, n, SHARED_ROWS * contexts, length))
+        return keys
+
 
 @dataclasses.dataclass(frozen=True)
 class ScoreRequest:
@@ -111,6 +150,27 @@ class ScoreRequest:
 
     token_ids: np.ndarray
     first_target: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Occupancy:
+    """How full the calls were: `slots` input positions dispatched (every row of every call),
+    `tokens` of them real (a request's tokens; the rest is padding and filler rows)."""
+
+    calls: int = 0
+    slots: int = 0
+    tokens: int = 0
+    shared_contexts: int = 0  # contexts scored once for several continuations
+    shared_rows: int = 0  # continuations scored from a shared context
+
+    @property
+    def fill(self) -> float:
+        """The share of input positions that were real tokens (1.0 before any call)."""
+        return self.tokens / self.slots if self.slots else 1.0
+
+    def __add__(self, other: Occupancy) -> Occupancy:
+        return Occupancy(*(getattr(self, f.name) + getattr(other, f.name)
+                           for f in dataclasses.fields(self)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,17 +192,20 @@ class CausalScoreCore:
         self.window = scfg.longest(cfg)
         self.stride = scfg.stride if scfg.window is not None else None
         self.lengths = scfg.window_lens(cfg)
-        self._rows = {n: max(1, scfg.max_batch_tokens // n) for n in self.lengths}
+        self.pack_len = scfg.pack_len(cfg)
+        self._rows = {k.length: k.rows for k in scfg.window_keys(cfg)}
+        self._shared = {k.context_len: k for k in scfg.shared_keys(cfg)}
         self.program = ScoringProgram(cfg, params,
-                                      [WindowKey(rows, n) for n, rows in self._rows.items()],
+                                      [*scfg.window_keys(cfg), *self._shared.values()],
                                       dtype=scfg.dtype, top_n=scfg.top_logprobs,
                                       progress=progress)
+        self.occupancy = Occupancy()  # summed over every call so far
 
-    def keys(self) -> list[WindowKey]:
+    def keys(self) -> list[WindowKey | SharedKey]:
         return self.program.keys()
 
     @property
-    def compile_seconds(self) -> dict[WindowKey, float]:
+    def compile_seconds(self) -> dict[WindowKey | SharedKey, float]:
         return self.program.compile_seconds
 
     def plan(self, request: ScoreRequest, *, roll: bool = False) -> list[Window]:
@@ -169,48 +232,176 @@ class CausalScoreCore:
               progress: bool | None = False) -> list[TokenScores]:
         """Per-token scores of every request, in order. Every request must pass `plan`.
         progress: a bar over the windows (None: in a notebook only; see `ninfer_jax.progress`)."""
-        by_len: dict[int, list[tuple[int, int, Window]]] = collections.defaultdict(list)
-        num_windows = []
-        for i, request in enumerate(requests):
-            windows = self.plan(request, roll=roll)
-            num_windows.append(len(windows))
-            for j, w in enumerate(windows):
-                length = next(n for n in self.lengths if n >= w.length)
-                by_len[length].append((i, j, w))
+        plans = [self.plan(r, roll=roll) for r in requests]
+        ids = [np.asarray(r.token_ids, np.int64) for r in requests]
+        groups = self._shared_groups(requests, ids, plans)
+        in_group = {i for members in groups.values() for i in members}
+        windows = [(i, j, w) for i, plan in enumerate(plans) if i not in in_group
+                   for j, w in enumerate(plan)]
         dispatched = []  # every call is issued before any result is read (async dispatch)
-        for length, jobs in sorted(by_len.items()):
-            rows = self._rows[length]
-            for k in range(0, len(jobs), rows):
-                batch = jobs[k : k + rows]
-                inputs = _inputs([(requests[i].token_ids, w) for i, _, w in batch], rows, length)
+        for length, rows in sorted(self._rows_by_length(windows).items()):
+            per_call = self._rows[length]
+            for k in range(0, len(rows), per_call):
+                batch = rows[k : k + per_call]
+                inputs, places = _window_inputs(ids, batch, per_call, length)
+                self.occupancy += Occupancy(1, per_call * length, int(inputs.num_valid.sum()))
                 dispatched.append(
-                    (batch, self.program.score_windows(WindowKey(rows, length), inputs)))
+                    (places, self.program.score_windows(WindowKey(per_call, length), inputs)))
+        for key, contexts in self._shared_calls(requests, groups):
+            inputs, places = _shared_inputs(ids, requests, key, contexts)
+            self.occupancy += Occupancy(
+                1, key.contexts * key.context_len + key.rows * key.length,
+                int(inputs.context_len[: len(contexts)].sum() + inputs.num_valid.sum()),
+                len(contexts), len(places))
+            dispatched.append((places, self.program.score_shared(key, inputs)))
         pieces: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
-        with bar(progress, sum(num_windows), "scoring", "window") as b:
-            for batch, out in dispatched:
+        with bar(progress, sum(len(p) for p in plans), "scoring", "window") as b:
+            for places, out in dispatched:
                 arrays = [np.asarray(a) for a in (out.logprobs, out.is_greedy, out.top_ids,
                                                   out.top_logprobs)]
-                for row, (i, j, w) in enumerate(batch):
-                    lo = w.length - w.num_targets
-                    pieces[i, j] = tuple(a[row, lo : w.length] for a in arrays)
-                b.update(len(batch))
-        return [TokenScores(*(np.concatenate([pieces[i, j][f] for j in range(n)])
+                for row, lo, hi, i, j in places:
+                    pieces[i, j] = tuple(a[row, lo:hi] for a in arrays)
+                b.update(len(places))
+        return [TokenScores(*(np.concatenate([pieces[i, j][f] for j in range(len(plan))])
                               for f in range(4)))
-                for i, n in enumerate(num_windows)]
+                for i, plan in enumerate(plans)]
+
+    def _shared_groups(self, requests: Sequence[ScoreRequest], ids: list[np.ndarray],
+                       plans: list[list[Window]]) -> dict[tuple[int, bytes], list[int]]:
+        """Requests that share a context, by (context length, its tokens): only groups of two
+        or more requests whose pair fits one window from its start, whose continuation fits
+        the shared shape of the context's length, and whose context is at least as long as that
+        shape's rows (a shorter one costs less to read again than a row costs)."""
+        groups: dict[tuple[int, bytes], list[int]] = collections.defaultdict(list)
+        if not self._shared:
+            return groups
+        for i, (r, plan) in enumerate(zip(requests, plans)):
+            first = r.first_target
+            key = self._shared_key(first)
+            if len(plan) == 1 and plan[0].start == 0 and key is not None \
+                    and len(ids[i]) - first <= key.length <= first:
+                groups[first, ids[i][:first].tobytes()].append(i)
+        return {k: v for k, v in groups.items() if len(v) > 1}
+
+    def _shared_key(self, context_len: int) -> SharedKey | None:
+        length = next((n for n in self.lengths if n >= context_len), None)
+        return self._shared.get(length)
+
+    def _shared_calls(self, requests: Sequence[ScoreRequest],
+                      groups: dict[tuple[int, bytes], list[int]]
+                      ) -> list[tuple[SharedKey, list[list[int]]]]:
+        """The shared calls: per key, its contexts (each a list of the requests it serves),
+        `contexts` slots and `rows` continuation rows a call; a group larger than the rows left
+        continues in another slot."""
+        by_key: dict[SharedKey, list[list[int]]] = collections.defaultdict(list)
+        for (context_len, _), members in groups.items():
+            by_key[self._shared_key(context_len)].append(members)
+        calls = []
+        for key, contexts in by_key.items():
+            slots: list[list[int]] = []
+            used = 0
+            for members in contexts:
+                while members:
+                    if len(slots) == key.contexts or used == key.rows:
+                        calls.append((key, slots))
+                        slots, used = [], 0
+                    take = members[: key.rows - used]
+                    slots.append(take)
+                    used += len(take)
+                    members = members[len(take):]
+            if slots:
+                calls.append((key, slots))
+        return calls
+
+    def _rows_by_length(self, windows: list[tuple[int, int, Window]]
+                        ) -> dict[int, list[list[tuple[int, int, Window]]]]:
+        """Rows per compiled length: a window alone in the shortest length that holds it, or
+        packed with others in a `pack_len` row when it takes at most half of one."""
+        rows: dict[int, list[list[tuple[int, int, Window]]]] = collections.defaultdict(list)
+        packable = []
+        for item in windows:
+            if self.pack_len is not None and item[2].length <= self.pack_len // 2:
+                packable.append(item)
+            else:
+                rows[next(n for n in self.lengths if n >= item[2].length)].append([item])
+        if packable:
+            rows[self.pack_len].extend(_first_fit(packable, self.pack_len))
+        return rows
 
 
-def _inputs(windows: list[tuple[np.ndarray, Window]], rows: int, length: int) -> WindowInputs:
-    """Host arrays for one call: each window at the start of its row, empty rows after them."""
-    token_ids = np.zeros((rows, length), np.int32)
-    target_ids = np.zeros((rows, length), np.int32)
-    mask = np.zeros((rows, length), bool)
-    num_valid = np.zeros(rows, np.int32)
-    for row, (ids, w) in enumerate(windows):
-        n = w.length
-        token_ids[row, :n] = ids[w.start : w.end]
-        target_ids[row, :n] = ids[w.start + 1 : w.end + 1]
-        mask[row, n - w.num_targets : n] = True
-        num_valid[row] = n
+def _first_fit(items: list[tuple[int, int, Window]], capacity: int
+               ) -> list[list[tuple[int, int, Window]]]:
+    """Items packed into rows of `capacity` tokens, longest first, each into the fullest row
+    that still holds it (best fit decreasing)."""
+    rows: list[list[tuple[int, int, Window]]] = []
+    free: dict[int, list[int]] = collections.defaultdict(list)  # room left -> rows with it
+    for item in sorted(items, key=lambda x: -x[2].length):
+        n = item[2].length
+        room = next((r for r in range(n, capacity + 1) if free.get(r)), None)
+        if room is None:
+            rows.append([])
+            row, room = len(rows) - 1, capacity
+        else:
+            row = free[room].pop()
+        rows[row].append(item)
+        free[room - n].append(row)
+    return rows
+
+
+def _window_inputs(ids: list[np.ndarray], rows: list[list[tuple[int, int, Window]]],
+                   num_rows: int, length: int) -> tuple[WindowInputs, list[tuple]]:
+    """Host arrays for one window call: each row's windows end to end from its start, empty
+    rows after them; and where each window's scores are, (row, lo, hi, request, window)."""
+    token_ids = np.zeros((num_rows, length), np.int32)
+    target_ids = np.zeros((num_rows, length), np.int32)
+    mask = np.zeros((num_rows, length), bool)
+    num_valid = np.zeros(num_rows, np.int32)
+    positions = np.zeros((num_rows, length), np.int32)
+    segments = np.zeros((num_rows, length), np.int32)
+    places = []
+    for row, windows in enumerate(rows):
+        at = 0
+        for segment, (i, j, w) in enumerate(windows):
+            n, end = w.length, at + w.length
+            token_ids[row, at:end] = ids[i][w.start : w.end]
+            target_ids[row, at:end] = ids[i][w.start + 1 : w.end + 1]
+            mask[row, end - w.num_targets : end] = True
+            positions[row, at:end] = np.arange(n)
+            segments[row, at:] = segment
+            places.append((row, end - w.num_targets, end, i, j))
+            at = end
+        num_valid[row] = at
     return WindowInputs(token_ids=token_ids, target_ids=target_ids, target_mask=mask,
-                        num_valid=num_valid)
+                        num_valid=num_valid, positions=positions,
+                        segment_ids=segments), places
 
+
+def _shared_inputs(ids: list[np.ndarray], requests: Sequence[ScoreRequest], key: SharedKey,
+                   contexts: list[list[int]]) -> tuple[SharedInputs, list[tuple]]:
+    """Host arrays for one shared call (filler contexts of one token, filler rows scoring
+    nothing) and where each request's scores are, (row, 0, targets, request, 0)."""
+    context_ids = np.zeros((key.contexts, key.context_len), np.int32)
+    context_len = np.ones(key.contexts, np.int32)
+    token_ids = np.zeros((key.rows, key.length), np.int32)
+    target_ids = np.zeros((key.rows, key.length), np.int32)
+    mask = np.zeros((key.rows, key.length), bool)
+    num_valid = np.zeros(key.rows, np.int32)
+    context_of = np.zeros(key.rows, np.int32)
+    places, row = [], 0
+    for c, members in enumerate(contexts):
+        first = requests[members[0]].first_target
+        context_ids[c, :first] = ids[members[0]][:first]
+        context_len[c] = first
+        for i in members:
+            cont = ids[i][first:]
+            n = len(cont)
+            token_ids[row, : n - 1] = cont[:-1]
+            target_ids[row, :n] = cont
+            mask[row, :n] = True
+            num_valid[row] = n - 1
+            context_of[row] = c
+            places.append((row, 0, n, i, 0))
+            row += 1
+    return SharedInputs(context_ids=context_ids, context_len=context_len, token_ids=token_ids,
+                        target_ids=target_ids, target_mask=mask, num_valid=num_valid,
+                        context_of=context_of), places

@@ -117,3 +117,68 @@ def test_chunk_size_does_not_change_the_model():
     small = dataclasses.replace(model.config, gdn_chunk_size=8)
     got = jit_static_cfg(forward)(model.params, small, jnp.asarray(ids))
     assert rel_err(got, model.logits(ids)) <= 1e-5
+
+
+@pytest.mark.parametrize("seed,chunk,lens", [
+    (0, 16, [5, 19, 1, 13]),  # segments inside a chunk, across one, and of one token
+    (1, 8, [8, 8, 16, 7]),  # segments on chunk boundaries
+    (2, 64, [45]),  # one segment: the plain rule
+])
+def test_a_segment_restarts_the_state_as_if_it_ran_alone(seed, chunk, lens):
+    """A packed row: every segment's outputs equal the recurrent rule over that segment alone
+    from zero state (the first from the row's state); the state after the row is the last
+    segment's, padding after it changing nothing."""
+    q, k, v, g, beta, s0 = _random_gdn_inputs(seed)
+    t = q.shape[1]
+    pad = t - sum(lens)
+    segments = np.repeat(np.arange(len(lens)), lens)
+    segments = np.concatenate([segments, np.full(pad, len(lens) - 1)]).astype(np.int32)
+    valid = (np.arange(t) < sum(lens))[None, :, None]
+    g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
+    segs = jnp.asarray(np.broadcast_to(segments, (q.shape[0], t)))
+    out, state = jax.jit(chunked_delta_rule, static_argnums=6)(q, k, v, g, beta, s0, chunk, segs)
+    at = 0
+    for i, n in enumerate(lens):
+        part = slice(at, at + n)
+        start = s0 if i == 0 else jnp.zeros_like(s0)
+        want, want_state = recurrent_delta_rule(q[:, part], k[:, part], v[:, part],
+                                                g[:, part], beta[:, part], start)
+        assert rel_err(out[:, part], want) <= 1e-5, i
+        at += n
+    assert rel_err(state, want_state) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_a_packed_row_scores_every_text_as_if_alone(name):
+    """The decoder stack over one row holding three texts (segments: GDN state restarts, the
+    conv and attention see their own text only, positions restart) equals each text's own
+    forward."""
+    from ninfer_jax.models.qwen3_6 import CausalKV, SegmentedCausalKV
+    from ninfer_jax.models.qwen3_6.model import run_layers
+
+    model = loaded(name)
+    cfg, params = model.config, model.params
+    ids = reference(name)["token_ids"]
+    texts = [ids[0, :7], ids[1, :20], ids[2, :9]]
+    row = np.concatenate(texts)[None].astype(np.int32)
+    segments = np.repeat(np.arange(3), [len(t) for t in texts])[None].astype(np.int32)
+    positions = np.concatenate([np.arange(len(t)) for t in texts])[None].astype(np.int32)
+
+    def packed(params, row, positions, segments):
+        h, _, _, _ = run_layers(params, cfg, params["embed"][row], positions,
+                                GDNState.zeros(cfg, 1), SegmentedCausalKV(segments), None,
+                                segments=segments)
+        return h
+
+    def alone(params, row):
+        h, _, _, _ = run_layers(params, cfg, params["embed"][row],
+                                jnp.arange(row.shape[1])[None], GDNState.zeros(cfg, 1),
+                                CausalKV(), None)
+        return h
+
+    got = np.asarray(jax.jit(packed)(params, row, positions, segments))[0]
+    at = 0
+    for t in texts:
+        want = np.asarray(jax.jit(alone)(params, t[None].astype(np.int32)))[0]
+        assert rel_err(got[at : at + len(t)], want) <= 1e-5
+        at += len(t)

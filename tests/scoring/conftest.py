@@ -1,7 +1,8 @@
 """Scoring cores shared by the scoring tests, and the transformers reference log-probs.
 
-Every core here compiles the same window shape (3 rows of 40 tokens, the fixtures' row length),
-so one executable per fixture model serves all of them.
+Every core here compiles the same window shape (3 rows of 40 tokens, the fixtures' row length)
+and, unless plain, the same shared-context shape (one context of 40, four continuation rows of
+20), so one executable of each per fixture model serves all of them.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ ROWS = 3
 
 
 @functools.lru_cache(maxsize=None)
-def core(name: str = "dense", window: int | None = None, stride: int | None = None
-         ) -> CausalScoreCore:
+def core(name: str = "dense", window: int | None = None, stride: int | None = None,
+         plain: bool = False) -> CausalScoreCore:
+    """plain: no packing and no shared contexts (every window alone in its row)."""
     m = loaded(name)
     scfg = ScoringConfig(window=window, stride=stride, max_len=None if window else WIDTH,
-                         max_batch_tokens=ROWS * WIDTH)
+                         max_batch_tokens=ROWS * WIDTH, pack=not plain,
+                         share_contexts=not plain)
     return CausalScoreCore(m.config, m.params, scfg)
 
 

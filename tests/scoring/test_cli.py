@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ninfer_jax.scoring import Scorer
+from tests.models.conftest import rel_err
 from tests.scoring.conftest import WIDTH, core, scorer
 
 CLI = [sys.executable, "-c", "from ninfer_jax.gateway.cli import run; run()", "score"]
@@ -93,8 +94,9 @@ def test_results_and_error_lines(model_dir, tmp_path):
         else:
             [want] = sc.score(texts=[text], contexts=[ctx])
         assert line["num_tokens"] == want.num_tokens
-        np.testing.assert_array_equal(np.float32(line["token_logprobs"]), want.token_logprobs)
-        assert line["sum_logprob"] == pytest.approx(want.sum_logprob, rel=1e-12)
+        # alone vs packed with the chunk's other records: equal up to rounding
+        assert rel_err(np.float32(line["token_logprobs"]), want.token_logprobs) <= 1e-5
+        assert line["sum_logprob"] == pytest.approx(want.sum_logprob, rel=1e-5)
         assert line["is_greedy"] == want.is_greedy
     errors = [lines[i]["error"] for i in range(4, len(lines), 5)]
     for reason, error in zip(REASONS, errors, strict=True):

@@ -36,8 +36,10 @@ def test_loglikelihood_matches_the_scorer(lm):
             sc.score(texts=[" sat."], contexts=["The cat"])[0],
             sc.score(token_ids=[list(b"Hello")], contexts=[[prefix]])[0],
             sc.score(texts=[" end"], contexts=["x" * 60])[0]]  # context cut from the left
+    # equal to each pair scored alone up to rounding: the adapter's batch shares the first two
+    # pairs' context and packs the others in a row (tests/scoring/test_sharing.py)
     for (lp, greedy), w in zip(got, want):
-        assert lp == pytest.approx(w.sum_logprob, rel=1e-12) and greedy == w.is_greedy
+        assert lp == pytest.approx(w.sum_logprob, rel=1e-6) and greedy == w.is_greedy
 
 
 def test_loglikelihood_rolling_matches_rolling_windows(model_dir):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ninfer_jax.scoring import ScoreInputError, ScoreRequest
+from ninfer_jax.scoring import ScoreInputError, ScoreRequest, WindowKey
+from ninfer_jax.scoring.core import SharedKey
 from tests.models.conftest import reference, rel_err
 from tests.scoring.conftest import (
     WIDTH,
@@ -141,5 +142,6 @@ def test_bad_items_are_refused_with_a_reason(kwargs, match):
 
 def test_the_core_keeps_only_its_window_executables():
     c = core("dense", window=WIDTH, stride=13)
-    assert [(k.rows, k.length) for k in c.keys()] == [(3, WIDTH)]
+    assert c.keys() == [WindowKey(3, WIDTH), SharedKey(1, WIDTH, 4, WIDTH // 2)]
     assert core("dense").keys() == c.keys()
+    assert core("dense", plain=True).keys() == [WindowKey(3, WIDTH)]

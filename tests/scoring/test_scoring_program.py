@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ninfer_jax.program.errors import MissingExecutableError
-from ninfer_jax.program.scoring import ScoringProgram, WindowKey
+from ninfer_jax.program.scoring import ScoringProgram, SharedKey, WindowKey
 from ninfer_jax.program.scoring_steps import WindowInputs
 from ninfer_jax.scoring import ScoreRequest
 from tests.models.conftest import loaded, reference
@@ -23,7 +23,9 @@ def _inputs(rows: int, length: int, **changes) -> WindowInputs:
     fields = dict(token_ids=np.zeros((rows, length), np.int32),
                   target_ids=np.zeros((rows, length), np.int32),
                   target_mask=np.zeros((rows, length), bool),
-                  num_valid=np.zeros(rows, np.int32))
+                  num_valid=np.zeros(rows, np.int32),
+                  positions=np.tile(np.arange(length, dtype=np.int32), (rows, 1)),
+                  segment_ids=np.zeros((rows, length), np.int32))
     return WindowInputs(**{**fields, **changes})
 
 
@@ -62,8 +64,9 @@ def test_the_core_runs_every_window_through_its_program_serially(monkeypatch):
 def test_the_program_holds_exactly_its_compiled_shapes():
     c = core("dense")
     program = c.program
-    assert program.keys() == [WindowKey(ROWS, WIDTH)]
-    assert set(program.compile_seconds) == {WindowKey(ROWS, WIDTH)}
+    shared = SharedKey(1, WIDTH, 4, WIDTH // 2)
+    assert program.keys() == [WindowKey(ROWS, WIDTH), shared]
+    assert set(program.compile_seconds) == {WindowKey(ROWS, WIDTH), shared}
     with pytest.raises(MissingExecutableError, match="score_window"):
         program.score_windows(WindowKey(ROWS + 1, WIDTH), _inputs(ROWS + 1, WIDTH))
 

@@ -69,6 +69,25 @@ class CausalKV:
         return self
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["segments", "layers"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class SegmentedCausalKV:
+    """No cache: causal attention over the tokens of this call within segments (a packed row
+    of several texts): a token sees the earlier tokens of its own segment only."""
+
+    segments: jax.Array  # [B, T] int32, the text each token belongs to
+    layers: None = None
+
+    def attend(self, layers, layer, q, k, v):
+        t = q.shape[1]
+        same = self.segments[:, :, None] == self.segments[:, None, :]
+        return _grouped_attention(q, k, v, jnp.tril(jnp.ones((t, t), bool)) & same), layers
+
+    def with_layers(self, layers):
+        return self
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["layers", "lengths"],
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)

@@ -121,12 +121,26 @@ def _inverse_unit_lower(a: jax.Array) -> jax.Array:
     return t[..., 0, :, :]
 
 
-def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int):
+def _segment_cumsum(x: jax.Array, starts: jax.Array) -> jax.Array:
+    """Cumulative sums along the last axis that restart wherever `starts` is True."""
+    def combine(a, b):
+        (xa, sa), (xb, sb) = a, b
+        return jnp.where(sb, xb, xa + xb), sa | sb
+
+    return jax.lax.associative_scan(combine, (x, starts), axis=-1)[0]
+
+
+def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int, segments=None):
     """Chunked (UT-transform) gated delta rule, same contract as `recurrent_delta_rule`.
 
     Within a chunk the delta-rule updates are condensed into matmuls by inverting the unit
     lower-triangular system (I + A) with forward substitution (batched triangular solves are
     slow on XLA:CPU); chunks are then scanned with the state as carry.
+
+    segments [B, T] int32 (a packed row: non-decreasing ids, one per text): the state restarts
+    from zero at each segment's first token, so every segment gets the outputs it would get
+    alone (the incoming `state` belongs to the first segment). Inside a chunk the decays are
+    cumulated per segment and every product across a segment boundary is masked out.
     """
     b, t, h, dk = q.shape
     dv = v.shape[-1]
@@ -135,24 +149,44 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int):
     if pad:
         q, k, v = (jnp.pad(a, ((0, 0), (0, pad), (0, 0), (0, 0))) for a in (q, k, v))
         g, beta = (jnp.pad(a, ((0, 0), (0, pad), (0, 0))) for a in (g, beta))
+        if segments is not None:  # padding joins the last segment: it neither decays nor writes
+            segments = jnp.pad(segments, ((0, 0), (0, pad)), mode="edge")
     n = (t + pad) // c
     # [B, H, N, C, ...]
     q, k, v = (a.reshape(b, n, c, h, -1).transpose(0, 3, 1, 2, 4) for a in (q, k, v))
     g, beta = (a.reshape(b, n, c, h).transpose(0, 3, 1, 2) for a in (g, beta))
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    cum = jnp.cumsum(g, axis=-1)
     lower = jnp.tril(jnp.ones((c, c), bool))
     strict = jnp.tril(jnp.ones((c, c), bool), -1)
+    if segments is None:
+        cum = jnp.cumsum(g, axis=-1)
+        carried = last = 1.0
+    else:
+        seg = segments.reshape(b, 1, n, c)  # [B, 1, N, C], broadcast over heads
+        starts = jnp.concatenate([jnp.ones((b, 1, n, 1), bool),
+                                  seg[..., 1:] != seg[..., :-1]], axis=-1)
+        cum = _segment_cumsum(g, jnp.broadcast_to(starts, g.shape))
+        same = seg[..., :, None] == seg[..., None, :]
+        lower, strict = lower & same, strict & same
+        # The segment the incoming state belongs to: the last one of the chunk before.
+        before = jnp.concatenate([seg[:, :, :1, 0], seg[:, :, :-1, -1]], axis=-1)[..., None]
+        carried = (seg == before).astype(g.dtype)  # [B, 1, N, C]: rows that see the state
+        last = (seg == seg[..., -1:]).astype(g.dtype)  # rows that write the outgoing state
     decay = jnp.where(lower, jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], 0.0)), 0.0)
     # (I + K)^-1 with K = strictly-lower(k_beta k^T * decay).
     t_inv = _inverse_unit_lower(jnp.where(strict, -(k_beta @ jnp.swapaxes(k, -1, -2)) * decay,
                                           0.0))
     new_v = t_inv @ v_beta
-    k_cumdecay = t_inv @ (k_beta * jnp.exp(cum)[..., None])
+    k_cumdecay = t_inv @ (k_beta * (jnp.exp(cum) * carried)[..., None])
     intra = jnp.where(lower, (q @ jnp.swapaxes(k, -1, -2)) * decay, 0.0)
-    q_dec = q * jnp.exp(cum)[..., None]
-    k_dec = k * jnp.exp(cum[..., -1:] - cum)[..., None]
-    chunk_decay = jnp.exp(cum[..., -1])[..., None, None]
+    q_dec = q * (jnp.exp(cum) * carried)[..., None]
+    to_end = cum[..., -1:] - cum
+    if segments is None:
+        k_dec = k * jnp.exp(to_end)[..., None]
+        chunk_decay = jnp.exp(cum[..., -1])[..., None, None]
+    else:
+        k_dec = k * (jnp.exp(jnp.where(last > 0, to_end, 0.0)) * last)[..., None]
+        chunk_decay = (jnp.exp(cum[..., -1]) * carried[..., -1])[..., None, None]
 
     def per_chunk(s, xs):
         nv, kc, qd, kd, it, cd = xs
@@ -169,7 +203,7 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int):
 
 def gdn_mixer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array,
               num_valid: jax.Array | None, cfg: ModelConfig, keep_states: bool = False,
-              impl: str = "reference"):
+              impl: str = "reference", segments: jax.Array | None = None):
     """One GDN layer's mixer (after input_layernorm).
 
     x [B, T, H]; conv_state [B, conv_dim, K-1]; rec_state [B, Hv, dk, dv] fp32;
@@ -177,9 +211,13 @@ def gdn_mixer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array
     With `keep_states` (a speculative verify: the state at any accepted prefix is needed) the
     states come back after every token, conv [B, T, conv_dim, K-1] and rec [B, T, Hv, dk, dv],
     computed by the recurrent form; a padded token's entries are don't-care. `impl`: as
-    `GDNState.impl`.
+    `GDNState.impl`. segments [B, T] int32 or None: a packed row of several texts (see
+    `chunked_delta_rule`; the conv reads no input of an earlier segment either); reference
+    chunked form only.
     """
     bsz, t, _ = x.shape
+    if segments is not None and (keep_states or impl != "reference"):
+        raise ValueError("segments need the reference chunked form (no keep_states, no kernel)")
     kern = cfg.conv_kernel
     hk, hv, dk, dv = cfg.linear_num_k_heads, cfg.linear_num_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
     mixed = dense(x, p["in_qkv"])  # [B, T, conv_dim]
@@ -190,7 +228,13 @@ def gdn_mixer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array
     # Causal depthwise conv over [previous K-1 inputs | this chunk].
     full = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2).astype(mixed.dtype), mixed], axis=1)
     w = p["conv"].astype(jnp.float32)  # [K, conv_dim]
-    conv = sum(full[:, i : i + t].astype(jnp.float32) * w[i] for i in range(kern))
+    if segments is None:
+        conv = sum(full[:, i : i + t].astype(jnp.float32) * w[i] for i in range(kern))
+    else:  # an input counts only for the tokens of its own segment (the state: the first's)
+        seg_full = jnp.concatenate([jnp.repeat(segments[:, :1], kern - 1, axis=1), segments], 1)
+        conv = sum(jnp.where((seg_full[:, i : i + t] == segments)[..., None],
+                             full[:, i : i + t].astype(jnp.float32), 0.0) * w[i]
+                   for i in range(kern))
     conv = jax.nn.silu(conv).astype(x.dtype)
     if keep_states:  # the K-1 inputs ending at each token
         new_conv = jnp.stack([full[:, i + 1 : i + kern] for i in range(t)], axis=1)
@@ -228,6 +272,6 @@ def gdn_mixer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array
     elif t == 1 or keep_states:
         out, rec = recurrent_delta_rule(q, k, v, g, beta, rec_state, keep_states)
     else:
-        out, rec = chunked_delta_rule(q, k, v, g, beta, rec_state, cfg.gdn_chunk_size)
+        out, rec = chunked_delta_rule(q, k, v, g, beta, rec_state, cfg.gdn_chunk_size, segments)
     out = gated_rms_norm(out.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)
     return dense(out.reshape(bsz, t, hv * dv), p["out"]), new_conv, rec

@@ -64,8 +64,10 @@ def _features(outputs: list[jax.Array] | jax.Array, feature_layers: tuple[int, .
 def run_layers(params: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Array,
                gdn: GDNState, kv: KVAccess, num_valid: jax.Array | None,
                keep_states: bool = False, feature_layers: tuple[int, ...] = (),
-               moe_sharding: str = "intermediate"):
-    """Applies the decoder stack. h [B, T, H]; positions [B, T] int32 absolute positions.
+               moe_sharding: str = "intermediate", segments: jax.Array | None = None):
+    """Applies the decoder stack. h [B, T, H]; positions [B, T] int32 absolute positions;
+    segments [B, T] int32 or None: packed rows of several texts for the GDN layers (see
+    `gdn_mixer`; the attention layers' `kv` masks them, e.g. `SegmentedCausalKV`).
 
     The loop runs over repeats of the layer pattern. Weights stay in their stacked buffers (each
     layer indexes them, `layers.layer_params`; passing them as scan inputs made XLA copy them
@@ -104,7 +106,7 @@ def run_layers(params: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Arra
                 i_att += 1
             else:
                 y, c, r = gdn_mixer(p["mixer"], x, conv[i_lin], rec[i_lin], num_valid, cfg,
-                                    keep_states, gdn.impl)
+                                    keep_states, gdn.impl, segments)
                 convs.append(c)
                 recs.append(r)
                 i_lin += 1
