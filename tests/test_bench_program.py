@@ -55,11 +55,20 @@ def test_tiny_program_suite_agrees_with_transformers(tmp_path):
 @pytest.mark.slow
 @pytest.mark.dev
 def test_tiny_scoring_suite_agrees_with_transformers(tmp_path):
-    s = scoring.Settings(configs=("tiny",), windows=4, window=32, rows=2, reps=2, warmup=1,
-                         timeout_s=600, torch_env=PASSIVE)
+    s = scoring.Settings(configs=("tiny",), windows=4, window=32, contexts=3, records=40,
+                         hf_rows=4, reps=2, warmup=1, lm_eval=False, timeout_s=600,
+                         torch_env=PASSIVE)
     r = scoring.measure("tiny", s, tmp_path)
-    assert r["logprob_rel_err"] < 1e-5
-    assert r["greedy_flags_agree"] == 1.0
-    m = r["measurement"]
-    assert m["order"] == ["ours", "transformers"] * 2
-    assert m["sides"]["ours"]["work"] == m["sides"]["transformers"]["work"] == 4 * 32
+    assert set(r["tasks"]) == {"rolling", "choice", "short"}
+    for task, t in r["tasks"].items():
+        assert t["vs_transformers"]["logprob_rel_err"] < 1e-5, task
+        assert t["vs_transformers"]["greedy_flags_agree"] == 1.0, task
+        m = t["measurement"]
+        sides = ["ours", "transformers"] if task == "rolling" else \
+            ["ours", "ours_plain", "transformers"]
+        assert m["order"] == sides * 2
+        assert len({m["sides"][n]["work"] for n in sides}) == 1
+    assert r["tasks"]["rolling"]["measurement"]["sides"]["ours"]["work"] == 4 * 32
+    assert r["tasks"]["choice"]["measurement"]["sides"]["ours"]["work"] == 3 * 4
+    assert r["tasks"]["short"]["fill"]["ours"] > r["tasks"]["short"]["fill"]["ours_plain"]
+    assert "ours/plain" in scoring.format_table([r])

@@ -11,8 +11,10 @@ Owns translating lm-eval requests into the CausalScoring purpose (`Scorer`) and,
 `generate_until`, the Generation purpose (`Engine`, opened on first use): the two purposes are
 separate start-ups of the same model package. Tokenization and the context/continuation split are
 lm-eval's own (`TemplateLM`); windows follow `scoring/windows.py` (lm-eval's rolling windows with
-`context_len = window - stride + 1`). Model arguments: model, window, stride, max_len,
-max_batch_tokens, dtype, prefix_token_id, max_gen_toks, max_concurrency, max_seq_len.
+`context_len = window - stride + 1`); the choices of one question share their context's
+scoring (`ScoringConfig.share_contexts`). Model arguments: model, window, stride, max_len,
+max_batch_tokens, dtype, pack, share_contexts, prefix_token_id, max_gen_toks, max_concurrency,
+max_seq_len.
 """
 
 from __future__ import annotations
@@ -36,13 +38,15 @@ class NinferLM(TemplateLM):
                  stride: int | None = None, max_len: int | None = None,
                  max_batch_tokens: int = 4096, dtype: str = "float32",
                  prefix_token_id: int | None = None, max_gen_toks: int = 256,
-                 max_concurrency: int = 4, max_seq_len: int = 2048, **ignored: Any):
+                 max_concurrency: int = 4, max_seq_len: int = 2048, pack: bool = True,
+                 share_contexts: bool = True, **ignored: Any):
         super().__init__()
         unknown = sorted(set(ignored) - set(_IGNORED))
         if unknown:
             raise TypeError(f"unknown ninfer model argument(s) {unknown}")
         self.scorer = Scorer.open(model, window=window, stride=stride, max_len=max_len,
-                                  max_batch_tokens=max_batch_tokens, dtype=dtype)
+                                  max_batch_tokens=max_batch_tokens, dtype=dtype, pack=pack,
+                                  share_contexts=share_contexts)
         if self.scorer.tokenizer is None:
             raise ValueError(f"{self.scorer.model_path} has no tokenizer; lm-eval needs text")
         self.tokenizer_ = self.scorer.tokenizer

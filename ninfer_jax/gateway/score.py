@@ -57,7 +57,8 @@ flags.DEFINE_integer("stride", None, "score: new tokens scored per later window 
 flags.DEFINE_integer("max_len", None, "score: longest window without --window (default: the "
                      "model's limit, at most 2048)", lower_bound=1)
 flags.DEFINE_integer("max_batch_tokens", 4096, "score: tokens per device call", lower_bound=1)
-flags.DEFINE_integer("chunk_records", 64, "score: records per fsynced output chunk",
+flags.DEFINE_integer("chunk_records", score_records.CHUNK_RECORDS,
+                     "score: records per chunk (scored together, fsynced, recomputed on resume)",
                      lower_bound=1)
 flags.DEFINE_string("perplexity", None, "score: print the corpus perplexity of this text file")
 flags.DEFINE_integer("num_processes", 1, "score: processes sharing the job through "

@@ -31,6 +31,7 @@ from ninfer_jax.errors import ConfigError
 from ninfer_jax.gateway.files import CommandError
 from ninfer_jax.gateway.score_parts import run_parts
 from ninfer_jax.gateway.score_records import (
+    CHUNK_RECORDS,
     JobReport,
     ScoreJob,
     chunk_ranges,
@@ -64,7 +65,7 @@ def run_job(job: ScoreJob, scorer: ScorerSource = None, *, progress: bool = True
 
 
 def score_jsonl(scorer, input: str, output: str, *, text_field: str = "text",
-                context_field: str | None = None, chunk_records: int = 64,
+                context_field: str | None = None, chunk_records: int = CHUNK_RECORDS,
                 progress: bool = True) -> JobReport:
     """`run_job` with an open Scorer: the job's model and settings are the scorer's."""
     scfg = scorer.core.scfg
@@ -125,9 +126,9 @@ def _run_one(job: ScoreJob, identity, open_scorer, progress: bool) -> JobReport:
         return JobReport(job.output, total, 0, 0, 0, 0.0)
     scorer = open_scorer()
     chunks = chunk_ranges(total, job.chunk_records)
-    n, errors, tokens = write_chunks(job, scorer, job.output, "output", chunks, done,
-                                     progress=progress)
+    n, errors, tokens, fill = write_chunks(job, scorer, job.output, "output", chunks, done,
+                                           progress=progress)
     seconds = time.perf_counter() - start
-    print(f"[ninfer] {n} records ({errors} errors), {tokens} tokens in {seconds:.1f}s -> "
-          f"{job.output}", file=sys.stderr)
-    return JobReport(job.output, total, n, errors, tokens, seconds)
+    print(f"[ninfer] {n} records ({errors} errors), {tokens} tokens in {seconds:.1f}s, "
+          f"window fill {fill:.0%} -> {job.output}", file=sys.stderr)
+    return JobReport(job.output, total, n, errors, tokens, seconds, fill=fill)

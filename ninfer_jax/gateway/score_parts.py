@@ -114,23 +114,24 @@ def run_parts(job: ScoreJob, identity, open_scorer: Callable[[], Any], *,
     wanted = [sum(len(c) for c in my_chunks(total, job.chunk_records, p, n)) for p in range(n)]
     start = time.perf_counter()
     written = errors = tokens = 0
+    fill = 1.0
 
     def score() -> None:
-        nonlocal written, errors, tokens
+        nonlocal written, errors, tokens, fill
         scorer = open_scorer()  # in every process: the model's restore synchronises them
         if held[pid] < wanted[pid]:
-            written, errors, tokens = write_chunks(job, scorer, part, "output", chunks,
-                                                   held[pid], progress=progress)
+            written, errors, tokens, fill = write_chunks(job, scorer, part, "output", chunks,
+                                                         held[pid], progress=progress)
 
     if any(h < w for h, w in zip(held, wanted)):
         phases.run("score", score)
     seconds = time.perf_counter() - start
     print(f"[ninfer] process {pid} of {n}: {written} records ({errors} errors), {tokens} "
-          f"tokens in {seconds:.1f}s -> {part}", file=sys.stderr)
+          f"tokens in {seconds:.1f}s, window fill {fill:.0%} -> {part}", file=sys.stderr)
     phases.run("merge", lambda: _merge(job, total, n, done) if pid == 0 else None)
     if pid == 0:
         print(f"[ninfer] merged {n} parts -> {job.output}", file=sys.stderr)
-    return JobReport(job.output, total, written, errors, tokens, seconds, pid, n)
+    return JobReport(job.output, total, written, errors, tokens, seconds, pid, n, fill)
 
 
 class _Phases:

@@ -34,6 +34,9 @@ RESULT_SETTINGS = ("text_field", "context_field", "window", "stride", "max_len",
                    "max_batch_tokens", "dtype", "chunk_records")
 _SCORING = ("window", "stride", "max_len", "max_batch_tokens", "dtype")
 _INT64 = 1 << 63
+# Records per chunk: a chunk is scored in one go (its short texts packed, its shared contexts
+# read once) and is what a resumed job recomputes.
+CHUNK_RECORDS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +53,7 @@ class ScoreJob:
     max_len: int | None = None
     max_batch_tokens: int = 4096
     dtype: str = "auto"  # resolved for the running backend when the job starts
-    chunk_records: int = 64
+    chunk_records: int = CHUNK_RECORDS
     verify_weights: bool = True
 
     def __post_init__(self):
@@ -92,6 +95,7 @@ class JobReport:
     seconds: float
     process_id: int = 0
     num_processes: int = 1
+    fill: float = 1.0  # the share of the scoring calls' input positions that were real tokens
 
 
 def job_file(output: str | os.PathLike) -> pathlib.Path:
@@ -114,9 +118,10 @@ def chunk_ranges(total: int, chunk_records: int) -> list[range]:
 
 def write_chunks(job: ScoreJob, scorer, path: str | os.PathLike, flag: str,
                  chunks: Sequence[range], done: int, *, progress: bool = True
-                 ) -> tuple[int, int, int]:
+                 ) -> tuple[int, int, int, float]:
     """Appends the results of `chunks` (in order) to `path`, which already holds the first
-    `done` of their records as complete lines; returns (records written, error lines, tokens).
+    `done` of their records as complete lines; returns (records written, error lines, tokens,
+    the calls' fill: see `Occupancy`).
     The chunk holding the first missing record is scored whole and only its missing records
     written, so the file is what an uninterrupted run writes. `flag` names `path` in errors."""
     from tqdm import tqdm
@@ -129,7 +134,7 @@ def write_chunks(job: ScoreJob, scorer, path: str | os.PathLike, flag: str,
     todo = chunks[skip:]
     first_new = todo[0].start + (done - skipped) if todo else 0
     written = errors = tokens = 0
-    start = time.perf_counter()
+    start, before = time.perf_counter(), scorer.core.occupancy
     bar = tqdm(total=wanted, initial=done, unit="rec", file=sys.stderr, dynamic_ncols=True,
                disable=not progress)
     with bar, open_append(path, flag) as out:  # the bar ends its line before any error line
@@ -141,9 +146,16 @@ def write_chunks(job: ScoreJob, scorer, path: str | os.PathLike, flag: str,
             errors += sum("error" in a for a in new)
             tokens += n
             bar.update(len(new))
+            fill = _fill(before, scorer.core.occupancy)
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}",
-                            errors=errors)
-    return written, errors, tokens
+                            fill=f"{fill:.0%}", errors=errors)
+    return written, errors, tokens, _fill(before, scorer.core.occupancy)
+
+
+def _fill(before, after) -> float:
+    """The fill of the calls made between two `Occupancy` readings."""
+    slots = after.slots - before.slots
+    return (after.tokens - before.tokens) / slots if slots else 1.0
 
 
 def _chunk_lines(input_path: str, chunks: Sequence[range]

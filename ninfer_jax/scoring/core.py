@@ -40,6 +40,7 @@ __all__ = ["CausalScoreCore", "Occupancy", "ScoreInputError", "ScoreRequest", "S
 
 DEFAULT_MAX_LEN = 2048
 SHARED_ROWS = 4  # continuation rows per context slot in a shared call
+TAIL_SHARE = 4  # the tail call of packed rows has 1 / TAIL_SHARE of a full call's rows
 
 
 class ScoreInputError(NinferError, ValueError):
@@ -129,7 +130,13 @@ class ScoringConfig:
         return lens[min(2, len(lens) - 1)] if self.pack else None
 
     def window_keys(self, cfg: ModelConfig) -> list[WindowKey]:
-        return [WindowKey(max(1, self.max_batch_tokens // n), n) for n in self.window_lens(cfg)]
+        """One key per window length; with packing, also a quarter-size call of packed rows
+        (the last call of a batch of short texts, so that it is not mostly filler)."""
+        keys = [WindowKey(max(1, self.max_batch_tokens // n), n) for n in self.window_lens(cfg)]
+        pack = self.pack_len(cfg)
+        if pack is not None and self.max_batch_tokens // pack >= TAIL_SHARE:
+            keys.append(WindowKey(self.max_batch_tokens // pack // TAIL_SHARE, pack))
+        return keys
 
     def shared_keys(self, cfg: ModelConfig) -> list[SharedKey]:
         """Per window length Lc: continuations of up to min(max_continuation, Lc // 2) targets,
@@ -193,7 +200,9 @@ class CausalScoreCore:
         self.stride = scfg.stride if scfg.window is not None else None
         self.lengths = scfg.window_lens(cfg)
         self.pack_len = scfg.pack_len(cfg)
-        self._rows = {k.length: k.rows for k in scfg.window_keys(cfg)}
+        self._rows = {}  # length -> rows of its calls, most first (a full call, a tail call)
+        for k in scfg.window_keys(cfg):
+            self._rows.setdefault(k.length, []).append(k.rows)
         self._shared = {k.context_len: k for k in scfg.shared_keys(cfg)}
         self.program = ScoringProgram(cfg, params,
                                       [*scfg.window_keys(cfg), *self._shared.values()],
@@ -240,9 +249,7 @@ class CausalScoreCore:
                    for j, w in enumerate(plan)]
         dispatched = []  # every call is issued before any result is read (async dispatch)
         for length, rows in sorted(self._rows_by_length(windows).items()):
-            per_call = self._rows[length]
-            for k in range(0, len(rows), per_call):
-                batch = rows[k : k + per_call]
+            for per_call, batch in _calls(rows, self._rows[length]):
                 inputs, places = _window_inputs(ids, batch, per_call, length)
                 self.occupancy += Occupancy(1, per_call * length, int(inputs.num_valid.sum()))
                 dispatched.append(
@@ -327,6 +334,22 @@ class CausalScoreCore:
         if packable:
             rows[self.pack_len].extend(_first_fit(packable, self.pack_len))
         return rows
+
+
+def _calls(rows: list, sizes: list[int]) -> list[tuple[int, list]]:
+    """`rows` split into calls: full calls of sizes[0] rows, then the rest in tail calls of
+    sizes[1] rows where that takes fewer rows than one more full call."""
+    full, calls = sizes[0], []
+    end = len(rows) - len(rows) % full
+    calls = [(full, rows[k : k + full]) for k in range(0, end, full)]
+    rest = rows[end:]
+    if rest:
+        tail = sizes[-1]
+        if -(-len(rest) // tail) * tail < full:
+            calls += [(tail, rest[k : k + tail]) for k in range(0, len(rest), tail)]
+        else:
+            calls.append((full, rest))
+    return calls
 
 
 def _first_fit(items: list[tuple[int, int, Window]], capacity: int

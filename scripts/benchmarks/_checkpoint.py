@@ -45,3 +45,23 @@ def write_random_checkpoint(name: str, out: pathlib.Path, seed: int = 0) -> dict
     del params, leaves
     gc.collect()
     return info
+
+
+def write_demo_checkpoint(out: pathlib.Path) -> dict:
+    """Writes the embedded demo model (its trained weights, fp32) to `out` as an HF checkpoint;
+    returns what `write_random_checkpoint` returns."""
+    import jax
+    import numpy as np
+
+    from ninfer_jax.artifact.export import export_hf
+    from ninfer_jax.loader import load_model
+
+    model = load_model(None, dtype="float32")
+    params = jax.tree.map(np.asarray, model.params)
+    leaves = jax.tree.leaves(params)
+    export_hf(model.config, params, out)
+    info = {"num_params": sum(a.size for a in leaves),
+            "weight_bytes": sum(a.nbytes for a in leaves), "vocab_size": model.config.vocab_size}
+    del model, params, leaves
+    gc.collect()
+    return info

@@ -2,23 +2,39 @@
 
     python scripts/bench.py --suite=scoring --out=DIR
 
-For each config (tiny, then MEDIUM; random fp32 weights written once as an HF checkpoint, see
-`_checkpoint.py`) two long-lived workers load the same directory: ours
-(`workers/scoring_jax.py`: `CausalScoreCore`, one compiled window shape) and transformers
-(`workers/scoring_hf.py`: forward + `log_softmax` + gather + argmax, as lm-evaluation-harness's
-HF backend scores). The job: WINDOWS random sequences of WINDOW + 1 tokens, each one window
-scoring WINDOW targets, ROWS windows per call. Set-up is timed and reported apart; then one
-warm-up repetition per side and REPS repetitions in turn (ours, transformers, ...), with the
-load average around each. Scored tokens/s = targets / seconds. Both sides' log-probs are
-compared (max error relative to the largest |log-prob|) and their greedy flags counted.
+For each config (`demo`: the embedded model exported as an HF checkpoint; `tiny`, `medium`:
+random fp32 weights, see `_checkpoint.py`) three long-lived workers load the same directory:
+ours (`workers/scoring_jax.py`: `CausalScoreCore`, default settings up to windows of MAX_LEN),
+ours as it was before shared contexts and packing (`ours_plain`: `pack=False,
+share_contexts=False`, every window alone in its row) and transformers (`workers/scoring_hf.py`:
+`Qwen3_5ForCausalLM` forward + `log_softmax` + gather + argmax, longest first in padded batches
+of HF_ROWS, as lm-evaluation-harness's HF backend scores). Tasks (random token ids):
 
-Settings (environment): BENCH_SCORING_CONFIGS=tiny,medium  BENCH_SCORING_WINDOWS (default 16
-on tiny, 4 on MEDIUM)  BENCH_SCORING_WINDOW=256  BENCH_SCORING_ROWS=2  BENCH_SCORING_REPS=5
-BENCH_SCORING_WARMUP=1  BENCH_TIMEOUT_S=1800  BENCH_TORCH_OMP_WAIT_POLICY (see `_env.py`).
+- rolling: disjoint rolling windows of a long text (lm-eval `loglikelihood_rolling`): WINDOWS
+  sequences of WINDOW + 1 tokens, every token after the first scored; tokens/s.
+- choice: a four-way multiple choice (lm-eval `loglikelihood`): CONTEXTS contexts of 140-169
+  tokens, each with four continuations of 10-21 tokens; pairs/s.
+- short: RECORDS short texts of 20-80 tokens (perplexity filtering), every token after the
+  first scored; records/s.
+
+Set-up is timed and reported apart; then one warm-up repetition per side and REPS repetitions in
+turn (ours, ours_plain, transformers, ...), with the load average around each. Reported per
+task: each side's rate (median [min-max]), the per-round ratios, the share of our calls' input
+positions that were real tokens (fill), and agreement: ours against transformers and against
+ours_plain (max log-prob error relative to the largest |log-prob|, greedy flags that agree).
+`lm_eval_choice` (below) is the lm-evaluation-harness check of the same sharing.
+
+Settings (environment): BENCH_SCORING_CONFIGS=demo,medium  BENCH_SCORING_TASKS (default: every
+task on demo and tiny, rolling on medium)  BENCH_SCORING_WINDOWS (16, 4 on medium)
+BENCH_SCORING_WINDOW=256  BENCH_SCORING_CONTEXTS (48, 4 on medium)  BENCH_SCORING_RECORDS
+(10000, 48 on medium)  BENCH_SCORING_HF_ROWS=16  BENCH_SCORING_REPS=3  BENCH_SCORING_WARMUP=1
+BENCH_SCORING_LM_EVAL=1 (0: skip the lm-eval check)  BENCH_TIMEOUT_S=1800
+BENCH_TORCH_OMP_WAIT_POLICY (see `_env.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -27,88 +43,250 @@ import time
 
 import numpy as np
 
-from scripts.benchmarks._abab import Worker, alternate, fmt_spread, progress, strip_outputs
-from scripts.benchmarks._checkpoint import CONFIG_NAMES, write_random_checkpoint
+from scripts.benchmarks._abab import (
+    LocalSide,
+    Worker,
+    alternate,
+    fmt_spread,
+    progress,
+    strip_outputs,
+)
+from scripts.benchmarks._checkpoint import write_demo_checkpoint, write_random_checkpoint
 from scripts.benchmarks._env import env_choices, env_int, torch_worker_env
 
-DEFAULT_WINDOWS = {"tiny": 16, "medium": 4}
+CONFIGS = ("demo", "tiny", "medium")
+TASKS = ("rolling", "choice", "short")
+MAX_LEN = 512  # our longest window: the tasks' sequences are at most 257 tokens
+PLAIN = {"pack": False, "share_contexts": False}
+UNITS = {"rolling": ("tokens", "tok/s"), "choice": ("requests", "pairs/s"),
+         "short": ("requests", "rec/s")}
+SMALL = {"medium"}  # configs whose defaults are sized for minutes, not hours, on 2 cores
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    configs: tuple[str, ...] = CONFIG_NAMES
-    windows: int | None = None  # None: DEFAULT_WINDOWS per config
+    configs: tuple[str, ...] = ("demo", "medium")
+    tasks: tuple[str, ...] | None = None  # None: every task, rolling only on medium
+    windows: int | None = None  # None: 16, 4 on medium
     window: int = 256
-    rows: int = 2
-    reps: int = 5
+    contexts: int | None = None  # None: 48, 4 on medium
+    records: int | None = None  # None: 10000, 48 on medium
+    hf_rows: int = 16
+    reps: int = 3
     warmup: int = 1
+    lm_eval: bool = True
     timeout_s: int = 1800
     torch_env: dict = dataclasses.field(default_factory=dict)  # the transformers worker's
 
     @classmethod
     def from_env(cls) -> Settings:
         d = cls()
-        windows = env_int("BENCH_SCORING_WINDOWS", 0, minimum=1)
-        return cls(configs=env_choices("BENCH_SCORING_CONFIGS", d.configs, CONFIG_NAMES),
-                   windows=windows or None,
+        tasks = env_choices("BENCH_SCORING_TASKS", (), TASKS)
+        return cls(configs=env_choices("BENCH_SCORING_CONFIGS", d.configs, CONFIGS),
+                   tasks=tasks or None,
+                   windows=env_int("BENCH_SCORING_WINDOWS", 0, minimum=1) or None,
                    window=env_int("BENCH_SCORING_WINDOW", d.window, minimum=2),
-                   rows=env_int("BENCH_SCORING_ROWS", d.rows),
+                   contexts=env_int("BENCH_SCORING_CONTEXTS", 0, minimum=1) or None,
+                   records=env_int("BENCH_SCORING_RECORDS", 0, minimum=1) or None,
+                   hf_rows=env_int("BENCH_SCORING_HF_ROWS", d.hf_rows),
                    reps=env_int("BENCH_SCORING_REPS", d.reps),
                    warmup=env_int("BENCH_SCORING_WARMUP", d.warmup, minimum=0),
+                   lm_eval=bool(env_int("BENCH_SCORING_LM_EVAL", 1, minimum=0, maximum=1)),
                    timeout_s=env_int("BENCH_TIMEOUT_S", d.timeout_s),
                    torch_env=torch_worker_env())
+
+    def tasks_of(self, config: str) -> tuple[str, ...]:
+        if self.tasks is not None:
+            return self.tasks
+        return ("rolling",) if config in SMALL else TASKS
+
+
+def task_requests(task: str, s: Settings, config: str, vocab: int, seed: int = 0
+                  ) -> tuple[list[list[int]], list[int]]:
+    """(sequences, index of each one's first scored token) of one task."""
+    rng = np.random.default_rng(seed)
+    small = config in SMALL
+    if task == "rolling":
+        n = s.windows or (4 if small else 16)
+        return rng.integers(0, vocab, (n, s.window + 1)).tolist(), [1] * n
+    seqs, firsts = [], []
+    if task == "choice":
+        for _ in range(s.contexts or (4 if small else 48)):
+            context = rng.integers(0, vocab, int(rng.integers(140, 170))).tolist()
+            for _ in range(4):
+                seqs.append(context + rng.integers(0, vocab, int(rng.integers(10, 22))).tolist())
+                firsts.append(len(context))
+        return seqs, firsts
+    n = s.records or (48 if small else 10000)
+    return [rng.integers(0, vocab, int(rng.integers(20, 81))).tolist() for _ in range(n)], [1] * n
+
+
+def _agreement(a: dict, b: dict) -> dict:
+    la, lb = np.asarray(a["logprobs"]), np.asarray(b["logprobs"])
+    return {"logprob_rel_err": float(np.abs(la - lb).max() / np.abs(lb).max()),
+            "greedy_flags_agree": float((np.asarray(a["is_greedy"]) ==
+                                         np.asarray(b["is_greedy"])).mean())}
 
 
 def measure(name: str, s: Settings, workdir: pathlib.Path) -> dict:
     path = workdir / name
-    info = write_random_checkpoint(name, path)
-    num_windows = s.windows or DEFAULT_WINDOWS[name]
-    rng = np.random.default_rng(0)
-    seqs = rng.integers(0, info["vocab_size"], (num_windows, s.window + 1)).tolist()
+    info = write_demo_checkpoint(path) if name == "demo" else write_random_checkpoint(name, path)
+    tasks = s.tasks_of(name)
     timeouts = {"setup_timeout_s": 2 * s.timeout_s, "timeout_s": s.timeout_s}
-    out = {"config": name, **info, "window": s.window, "num_windows": num_windows,
-           "rows_per_call": s.rows, "setup": {}}
-    with Worker("transformers", "scripts.benchmarks.workers.scoring_hf", env=s.torch_env,
-                **timeouts) as hf, \
-            Worker("ours", "scripts.benchmarks.workers.scoring_jax", **timeouts) as ours:
-        for w, args in ((hf, {"path": str(path), "rows": s.rows}),
-                        (ours, {"path": str(path), "window": s.window, "rows": s.rows})):
-            progress(f"{name}: set-up of {w.name}")
-            out["setup"][w.name] = {**w.setup(args), "wall_s": w.setup_s}
+    out = {"config": name, **info, "hf_rows": s.hf_rows, "setup": {}, "tasks": {}}
+    needs_plain = any(t != "rolling" for t in tasks)
+    with contextlib.ExitStack() as stack:
+        hf = stack.enter_context(Worker("transformers", "scripts.benchmarks.workers.scoring_hf",
+                                        env=s.torch_env, **timeouts))
+        ours = stack.enter_context(Worker("ours", "scripts.benchmarks.workers.scoring_jax",
+                                          **timeouts))
+        plain = stack.enter_context(Worker("ours_plain", "scripts.benchmarks.workers.scoring_jax",
+                                           **timeouts)) if needs_plain else None
+        config = {"max_len": MAX_LEN}
+        for w, args in ((hf, {"path": str(path), "rows": s.hf_rows}),
+                        (ours, {"path": str(path), "config": config}),
+                        (plain, {"path": str(path), "config": {**config, **PLAIN}})):
+            if w is not None:
+                progress(f"{name}: set-up of {w.name}")
+                out["setup"][w.name] = {**w.setup(args), "wall_s": w.setup_s}
         out["setup"]["transformers"]["env"] = s.torch_env
-        progress(f"{name}: scoring {num_windows} x {s.window}")
-        r = alternate([ours, hf], "score", {"seqs": seqs}, reps=s.reps, warmup=s.warmup)
-    o, t = (r["sides"][n]["outputs"][-1] for n in ("ours", "transformers"))
-    lo, lt = np.array(o["logprobs"]), np.array(t["logprobs"])
-    out["logprob_rel_err"] = float(np.abs(lo - lt).max() / np.abs(lt).max())
-    out["greedy_flags_agree"] = float((np.array(o["is_greedy"]) == np.array(t["is_greedy"]))
-                                      .mean())
-    out["measurement"] = strip_outputs(r)
+        for task in tasks:
+            seqs, firsts = task_requests(task, s, name, info["vocab_size"])
+            sides = [ours, hf] if task == "rolling" else [ours, plain, hf]
+            progress(f"{name}: {task}, {len(seqs)} sequences")
+            r = alternate(sides, task, {"seqs": seqs, "firsts": firsts,
+                                        "unit": UNITS[task][0]},
+                          reps=s.reps, warmup=s.warmup)
+            last = {n: r["sides"][n]["outputs"][-1] for n in r["sides"]}
+            result = {"sequences": len(seqs), "tokens": sum(len(q) for q in seqs),
+                      "targets": sum(len(q) - f for q, f in zip(seqs, firsts)),
+                      "vs_transformers": _agreement(last["ours"], last["transformers"]),
+                      "fill": {n: last[n]["fill"] for n in last if "fill" in last[n]}}
+            if "ours_plain" in last:
+                result["vs_plain"] = _agreement(last["ours"], last["ours_plain"])
+            result["measurement"] = strip_outputs(r)
+            out["tasks"][task] = result
     return out
 
 
-def format_table(results: list[dict]) -> str:
-    lines = [(f"{'config':<8}{'params':>9}{'windows':>16}{'ours tok/s':>26}"
-              f"{'transformers tok/s':>24}{'ours/hf':>20}{'rel err':>9}{'greedy':>8}"
-              f"{'load 1-min':>12}")]
+def lm_eval_choice(workdir: pathlib.Path, docs: int = 100, reps: int = 3) -> dict:
+    """lm-evaluation-harness `simple_evaluate` on a local four-way multiple-choice task over the
+    demo model (TinyStories: a story's opening, its next words against three other stories'),
+    through the adapter with shared contexts and packing and without, in turns in this process
+    (both sides ours). Wall seconds per evaluation and the accuracy of each."""
+    import json
+
+    import lm_eval
+
+    import ninfer_jax.gateway.lm_eval_adapter  # noqa: F401 - registers the `ninfer` model
+    from lm_eval.tasks import TaskManager
+
+    stories = _stories(docs + 3)
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(docs):
+        words = stories[i].split()
+        cut = min(len(words) - 6, 120)
+        others = [stories[j].split() for j in rng.choice(
+            [k for k in range(len(stories)) if k != i], 3, replace=False)]
+        choices = [" " + " ".join(words[cut : cut + 5])] + [
+            " " + " ".join(o[min(len(o) - 6, 120) : min(len(o) - 6, 120) + 5]) for o in others]
+        order = rng.permutation(4)
+        rows.append({"q": " ".join(words[:cut]), "choices": [choices[k] for k in order],
+                     "gold": int(np.argmax(order == 0))})
+    (workdir / "stories_mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (workdir / "stories_mc.yaml").write_text(f"""
+task: stories_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {workdir / 'stories_mc.jsonl'}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{q}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: gold
+metric_list:
+  - metric: acc
+""")
+    manager = TaskManager(include_path=str(workdir))
+
+    class Evaluation:
+        def __init__(self, **settings):
+            from ninfer_jax.gateway.lm_eval_adapter import NinferLM
+
+            self.lm = NinferLM(max_len=MAX_LEN, **settings)
+
+        def prepare(self, name, args):
+            return None
+
+        def rep(self, name):
+            start = time.perf_counter()
+            r = lm_eval.simple_evaluate(model=self.lm, tasks=["stories_mc"], task_manager=manager,
+                                        log_samples=False, verbosity="ERROR")
+            seconds = time.perf_counter() - start
+            return {"seconds": seconds, "work": docs,
+                    "outputs": {"acc": r["results"]["stories_mc"]["acc,none"]}}
+
+        def finish(self, name):
+            return None
+
+    sides = [LocalSide("ours", Evaluation()), LocalSide("ours_plain", Evaluation(**PLAIN))]
+    r = alternate(sides, "lm_eval", {}, reps=reps, warmup=1)
+    acc = {n: r["sides"][n]["outputs"][-1]["acc"] for n in r["sides"]}
+    return {"docs": docs, "acc": acc, "measurement": strip_outputs(r)}
+
+
+def _stories(n: int) -> list[str]:
+    data = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "data" / \
+        "tinystories" / "valid_head_cased.txt"
+    lines = [x for x in data.read_text(encoding="utf-8").splitlines() if len(x.split()) > 30]
+    return lines[:n]
+
+
+def format_table(results: list[dict], lm: dict | None = None) -> str:
+    lines = [f"{'config':<8}{'task':<9}{'work':>14}{'ours':>22}{'ours_plain':>22}"
+             f"{'transformers':>22}{'ours/plain':>18}{'ours/hf':>18}{'fill':>12}"
+             f"{'err hf':>9}{'err plain':>10}{'load 1-min':>12}"]
     for r in results:
-        m = r["measurement"]
-        windows = f"{r['num_windows']}x{r['window']} B={r['rows_per_call']}"
-        load = m["load_1min"]
-        lines.append(
-            f"{r['config']:<8}{r['num_params'] / 1e6:>8.1f}M{windows:>16}"
-            f"{fmt_spread(m['sides']['ours']['rate']):>26}"
-            f"{fmt_spread(m['sides']['transformers']['rate']):>24}"
-            f"{fmt_spread(m['ratios']['ours/transformers'], 2):>20}{r['logprob_rel_err']:>9.1e}"
-            f"{r['greedy_flags_agree']:>8.1%}{load['min']:>6.1f}-{load['max']:<5.1f}")
+        for task, t in r["tasks"].items():
+            m = t["measurement"]
+            sides, ratios, load = m["sides"], m["ratios"], m["load_1min"]
+            unit = UNITS[task][1]
+
+            def rate(n):
+                return f"{fmt_spread(sides[n]['rate'])} {unit}" if n in sides else "-"
+
+            def ratio(n):
+                key = f"ours/{n}"
+                return fmt_spread(ratios[key], 2) if key in ratios else "-"
+
+            fill = t["fill"]
+            fills = f"{fill['ours']:.0%}" + (f"/{fill['ours_plain']:.0%}"
+                                             if "ours_plain" in fill else "")
+            plain_err = f"{t['vs_plain']['logprob_rel_err']:.1e}" if "vs_plain" in t else "-"
+            lines.append(
+                f"{r['config']:<8}{task:<9}{t['sequences']:>6} x {t['targets'] // t['sequences']:<5}"
+                f"{rate('ours'):>22}{rate('ours_plain'):>22}{rate('transformers'):>22}"
+                f"{ratio('ours_plain'):>18}{ratio('transformers'):>18}{fills:>12}"
+                f"{t['vs_transformers']['logprob_rel_err']:>9.1e}{plain_err:>10}"
+                f"{load['min']:>6.1f}-{load['max']:<5.1f}")
     for r in results:
         su = r["setup"]
-        lines.append(f"{r['config']} set-up: ours {su['ours']['wall_s']:.1f} s (compile "
-                     f"{su['ours']['compile_s']:.1f}), transformers {su['transformers']['wall_s']:.1f}"
-                     f" s ({su['transformers']['threads']} torch threads, "
-                     f"{su['transformers']['env'] or 'inherited environment'})")
-    lines.append("tok/s: scored tokens, median [min-max] over the repetitions; ours/hf per ABAB "
-                 "pair")
+        lines.append(f"{r['config']} ({r['num_params'] / 1e6:.1f}M params) set-up: ours "
+                     f"{su['ours']['wall_s']:.1f} s ({su['ours']['executables']} executables), "
+                     f"transformers {su['transformers']['wall_s']:.1f} s "
+                     f"({su['transformers']['threads']} torch threads, batches of {r['hf_rows']})")
+    if lm:
+        m = lm["measurement"]
+        lines.append(f"lm-eval simple_evaluate, {lm['docs']} four-way docs on demo: ours "
+                     f"{fmt_spread(m['sides']['ours']['seconds'], 2)} s, ours_plain "
+                     f"{fmt_spread(m['sides']['ours_plain']['seconds'], 2)} s, ours/plain "
+                     f"{fmt_spread(m['ratios']['ours/ours_plain'], 2)} (docs/s), acc "
+                     f"{lm['acc']['ours']:.3f} vs {lm['acc']['ours_plain']:.3f}")
+    lines.append("rates: median [min-max] over the repetitions; ratios per round; fill: real "
+                 "tokens per input position of our calls (ours/ours_plain); err: max log-prob "
+                 "error relative to the largest |log-prob|")
     return "\n".join(lines)
 
 
@@ -119,7 +297,11 @@ def run(out_dir: str) -> dict:
     progress(f"settings {s}")
     with tempfile.TemporaryDirectory(prefix="ninfer_bench_scoring_") as tmp:
         results = [measure(name, s, pathlib.Path(tmp)) for name in s.configs]
-    table = format_table(results)
+        lm = None
+        if s.lm_eval:
+            progress("demo: lm-eval simple_evaluate, shared and plain")
+            lm = lm_eval_choice(pathlib.Path(tmp), reps=s.reps)
+    table = format_table(results, lm)
     print(table)
-    return {"settings": dataclasses.asdict(s), "results": results, "cpu_count": os.cpu_count(),
-            "wall_s": time.perf_counter() - start, "table": table}
+    return {"settings": dataclasses.asdict(s), "results": results, "lm_eval": lm,
+            "cpu_count": os.cpu_count(), "wall_s": time.perf_counter() - start, "table": table}

@@ -8,6 +8,8 @@ test_scores) on the dense and MoE fixtures, with the calls the program received.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -117,3 +119,22 @@ def test_a_window_longer_than_half_a_row_runs_alone_and_sharing_can_be_off():
     c.score(requests)
     assert c.occupancy.slots - before.slots == 2 * ROWS * WIDTH  # four rows: two calls
     assert core("dense", plain=True).keys() == [WindowKey(ROWS, WIDTH)]
+
+
+def test_the_tail_of_packed_rows_runs_in_quarter_calls():
+    """Full calls first; the rest in quarter-size calls when they take fewer rows than one
+    more full call (a batch's last call is not mostly filler)."""
+    from ninfer_jax.scoring import ScoringConfig
+    from ninfer_jax.scoring.core import _calls
+    from tests.models.conftest import loaded
+
+    rows = list(range(37))
+    assert [(n, len(b)) for n, b in _calls(rows, [16, 4])] == [(16, 16), (16, 16), (4, 4),
+                                                               (4, 1)]
+    assert [(n, len(b)) for n, b in _calls(rows[:29], [16, 4])] == [(16, 16), (16, 13)]
+    assert [(n, len(b)) for n, b in _calls(rows[:5], [16])] == [(16, 5)]
+    cfg = dataclasses.replace(loaded("dense").config, max_position_embeddings=4096)
+    assert ScoringConfig().window_keys(cfg)[-1] == WindowKey(4, 256)
+    assert ScoringConfig(pack=False).window_keys(cfg)[-1] == WindowKey(2, 2048)
+    assert ScoringConfig(max_len=WIDTH, max_batch_tokens=ROWS * WIDTH).window_keys(cfg) == [
+        WindowKey(ROWS, WIDTH)]  # fewer than four rows a call: no tail call

@@ -1,10 +1,11 @@
 """Worker: our CausalScoreCore on a model directory (the `scoring` suite).
 
-setup args: path (HF checkpoint dir, loaded with `load_model`), window, rows. One compiled
-window shape: window = min_len = `window`, max_batch_tokens = rows * window.
-Measurement (prepare args {"seqs": [[window + 1 ids], ...]}): a repetition scores every
-sequence as one window (targets from index 1); outputs the log-probs and greedy flags,
-[num_seqs][window] each.
+setup args: path (HF checkpoint dir, loaded with `load_model`), config (`ScoringConfig`
+settings). Measurement (prepare args {"seqs": [[ids], ...], "firsts": [int, ...], "unit":
+"tokens" | "requests"}): a repetition scores every request (sequence s scored from index
+first on) in one `score` call; its work is the scored tokens or the requests; outputs the
+log-probs and greedy flags of every request, concatenated in order, and the share of the
+calls' input positions that were real tokens (`Occupancy.fill`).
 """
 
 from __future__ import annotations
@@ -26,27 +27,29 @@ class ScoringJax(BenchWorker):
         start = time.perf_counter()
         model = load_model(args["path"], verify=False)
         load_s = time.perf_counter() - start
-        w = args["window"]
         start = time.perf_counter()
-        self.core = CausalScoreCore(model.config, model.params, ScoringConfig(
-            window=w, min_len=w, max_batch_tokens=args["rows"] * w))
+        self.core = CausalScoreCore(model.config, model.params, ScoringConfig(**args["config"]))
         return {"load_s": load_s, "compile_s": time.perf_counter() - start,
-                "jax": jax.__version__}
+                "executables": len(self.core.keys()), "jax": jax.__version__}
 
     def prepare(self, name: str, args: dict) -> None:
         import numpy as np
 
         from ninfer_jax.scoring import ScoreRequest
 
-        self.requests = [ScoreRequest(np.array(q), 1) for q in args["seqs"]]
-        self.num_targets = sum(len(q) - 1 for q in args["seqs"])
+        self.requests = [ScoreRequest(np.array(q), f) for q, f in zip(args["seqs"], args["firsts"])]
+        targets = sum(len(q) - f for q, f in zip(args["seqs"], args["firsts"]))
+        self.work = targets if args["unit"] == "tokens" else len(self.requests)
 
     def rep(self, name: str) -> dict:
         import numpy as np
 
-        r = timed(lambda: self.core.score(self.requests), work=self.num_targets)
-        r["outputs"] = {"logprobs": np.stack([x.logprobs for x in r["outputs"]]),
-                        "is_greedy": np.stack([x.is_greedy for x in r["outputs"]])}
+        before = self.core.occupancy
+        r = timed(lambda: self.core.score(self.requests, roll=True), work=self.work)
+        after = self.core.occupancy
+        r["outputs"] = {"logprobs": np.concatenate([x.logprobs for x in r["outputs"]]),
+                        "is_greedy": np.concatenate([x.is_greedy for x in r["outputs"]]),
+                        "fill": (after.tokens - before.tokens) / (after.slots - before.slots)}
         return r
 
 
