@@ -57,6 +57,9 @@ flags.DEFINE_integer("stride", None, "score: new tokens scored per later window 
 flags.DEFINE_integer("max_len", None, "score: longest window without --window (default: the "
                      "model's limit, at most 2048)", lower_bound=1)
 flags.DEFINE_integer("max_batch_tokens", 4096, "score: tokens per device call", lower_bound=1)
+flags.DEFINE_bool("pack", True, "score: put short texts several to a window row")
+flags.DEFINE_bool("share_contexts", True, "score: score a context shared by several records of "
+                  "a chunk once")
 flags.DEFINE_integer("chunk_records", score_records.CHUNK_RECORDS,
                      "score: records per chunk (scored together, fsynced, recomputed on resume)",
                      lower_bound=1)
@@ -78,7 +81,9 @@ def _open_scorer():
 
     start = time.perf_counter()
     config = {"window": FLAGS.window, "stride": FLAGS.stride, "max_len": FLAGS.max_len,
-              "max_batch_tokens": FLAGS.max_batch_tokens,
+              "max_batch_tokens": FLAGS.max_batch_tokens, "pack": FLAGS.pack,
+              # without a context field there is nothing to share: no shared shapes to compile
+              "share_contexts": FLAGS.share_contexts and FLAGS.context_field is not None,
               "dtype": resolve_dtype(FLAGS.dtype)}
     scorer = Scorer.open(FLAGS.model, verify_weights=FLAGS.verify_weights,
                          quantize=FLAGS.quantize, **config)
@@ -122,7 +127,8 @@ def run_score() -> int:
     job = score_job.ScoreJob(
         FLAGS.input, FLAGS.output, model=FLAGS.model, text_field=FLAGS.text_field,
         context_field=FLAGS.context_field, window=FLAGS.window, stride=FLAGS.stride,
-        max_len=FLAGS.max_len, max_batch_tokens=FLAGS.max_batch_tokens, dtype=FLAGS.dtype,
+        max_len=FLAGS.max_len, max_batch_tokens=FLAGS.max_batch_tokens, pack=FLAGS.pack,
+        share_contexts=FLAGS.share_contexts, dtype=FLAGS.dtype,
         chunk_records=FLAGS.chunk_records, verify_weights=FLAGS.verify_weights)
     if FLAGS.num_processes == 1:
         score_job.run_job(job, _open_scorer)

@@ -70,13 +70,14 @@ def score_jsonl(scorer, input: str, output: str, *, text_field: str = "text",
     """`run_job` with an open Scorer: the job's model and settings are the scorer's."""
     scfg = scorer.core.scfg
     if (scfg.min_len, scfg.top_logprobs) != (64, 0):
-        raise ConfigError("a scoring job records window, stride, max_len, max_batch_tokens and "
-                          "dtype only; open the Scorer with the default min_len and "
-                          "top_logprobs")
+        raise ConfigError("a scoring job records window, stride, max_len, max_batch_tokens, "
+                          "pack, share_contexts and dtype only; open the Scorer with the "
+                          "default min_len and top_logprobs")
     job = ScoreJob(input, output, model=scorer.model_path, text_field=text_field,
                    context_field=context_field, window=scfg.window, stride=scfg.stride,
                    max_len=scfg.max_len, max_batch_tokens=scfg.max_batch_tokens,
-                   dtype=scfg.dtype, chunk_records=chunk_records)
+                   pack=scfg.pack, share_contexts=scfg.share_contexts, dtype=scfg.dtype,
+                   chunk_records=chunk_records)
     return run_job(job, scorer, progress=progress)
 
 
@@ -126,9 +127,9 @@ def _run_one(job: ScoreJob, identity, open_scorer, progress: bool) -> JobReport:
         return JobReport(job.output, total, 0, 0, 0, 0.0)
     scorer = open_scorer()
     chunks = chunk_ranges(total, job.chunk_records)
-    n, errors, tokens, fill = write_chunks(job, scorer, job.output, "output", chunks, done,
-                                           progress=progress)
+    n, errors, tokens, occupancy = write_chunks(job, scorer, job.output, "output", chunks,
+                                                done, progress=progress)
     seconds = time.perf_counter() - start
     print(f"[ninfer] {n} records ({errors} errors), {tokens} tokens in {seconds:.1f}s, "
-          f"window fill {fill:.0%} -> {job.output}", file=sys.stderr)
-    return JobReport(job.output, total, n, errors, tokens, seconds, fill=fill)
+          f"{occupancy.summary()} -> {job.output}", file=sys.stderr)
+    return JobReport(job.output, total, n, errors, tokens, seconds, occupancy=occupancy)

@@ -50,6 +50,7 @@ from ninfer_jax.gateway.score_records import (
     parts_dir,
     write_chunks,
 )
+from ninfer_jax.scoring.core import Occupancy
 
 INIT_TIMEOUT_S = 300  # every process must have joined within this
 HEARTBEAT_TIMEOUT_S = 60  # a process silent this long is dead: jax ends the others
@@ -114,24 +115,24 @@ def run_parts(job: ScoreJob, identity, open_scorer: Callable[[], Any], *,
     wanted = [sum(len(c) for c in my_chunks(total, job.chunk_records, p, n)) for p in range(n)]
     start = time.perf_counter()
     written = errors = tokens = 0
-    fill = 1.0
+    occupancy = Occupancy()
 
     def score() -> None:
-        nonlocal written, errors, tokens, fill
+        nonlocal written, errors, tokens, occupancy
         scorer = open_scorer()  # in every process: the model's restore synchronises them
         if held[pid] < wanted[pid]:
-            written, errors, tokens, fill = write_chunks(job, scorer, part, "output", chunks,
-                                                         held[pid], progress=progress)
+            written, errors, tokens, occupancy = write_chunks(
+                job, scorer, part, "output", chunks, held[pid], progress=progress)
 
     if any(h < w for h, w in zip(held, wanted)):
         phases.run("score", score)
     seconds = time.perf_counter() - start
     print(f"[ninfer] process {pid} of {n}: {written} records ({errors} errors), {tokens} "
-          f"tokens in {seconds:.1f}s, window fill {fill:.0%} -> {part}", file=sys.stderr)
+          f"tokens in {seconds:.1f}s, {occupancy.summary()} -> {part}", file=sys.stderr)
     phases.run("merge", lambda: _merge(job, total, n, done) if pid == 0 else None)
     if pid == 0:
         print(f"[ninfer] merged {n} parts -> {job.output}", file=sys.stderr)
-    return JobReport(job.output, total, written, errors, tokens, seconds, pid, n, fill)
+    return JobReport(job.output, total, written, errors, tokens, seconds, pid, n, occupancy)
 
 
 class _Phases:

@@ -28,11 +28,12 @@ from ninfer_jax.gateway.files import (
     os_reason,
     parse_record,
 )
+from ninfer_jax.scoring.core import Occupancy
 
 # Every setting that changes a job's results: recorded in its job file, checked on resume.
 RESULT_SETTINGS = ("text_field", "context_field", "window", "stride", "max_len",
-                   "max_batch_tokens", "dtype", "chunk_records")
-_SCORING = ("window", "stride", "max_len", "max_batch_tokens", "dtype")
+                   "max_batch_tokens", "pack", "share_contexts", "dtype", "chunk_records")
+_SCORING = ("window", "stride", "max_len", "max_batch_tokens", "pack", "share_contexts", "dtype")
 _INT64 = 1 << 63
 # Records per chunk: a chunk is scored in one go (its short texts packed, its shared contexts
 # read once) and is what a resumed job recomputes.
@@ -52,6 +53,8 @@ class ScoreJob:
     stride: int | None = None
     max_len: int | None = None
     max_batch_tokens: int = 4096
+    pack: bool = True
+    share_contexts: bool = True
     dtype: str = "auto"  # resolved for the running backend when the job starts
     chunk_records: int = CHUNK_RECORDS
     verify_weights: bool = True
@@ -71,9 +74,12 @@ class ScoreJob:
         return out
 
     def scoring_config(self) -> dict[str, Any]:
-        """The `Scorer.open` settings of this job."""
+        """The `Scorer.open` settings of this job (no shared-context shapes to compile when
+        the records have no context field)."""
         settings = self.settings()
-        return {name: settings[name] for name in _SCORING}
+        config = {name: settings[name] for name in _SCORING}
+        config["share_contexts"] = self.share_contexts and self.context_field is not None
+        return config
 
     @property
     def model_dir(self) -> pathlib.Path:
@@ -95,7 +101,8 @@ class JobReport:
     seconds: float
     process_id: int = 0
     num_processes: int = 1
-    fill: float = 1.0  # the share of the scoring calls' input positions that were real tokens
+    # how full this process's scoring calls were
+    occupancy: Occupancy = dataclasses.field(default_factory=Occupancy)
 
 
 def job_file(output: str | os.PathLike) -> pathlib.Path:
@@ -118,10 +125,10 @@ def chunk_ranges(total: int, chunk_records: int) -> list[range]:
 
 def write_chunks(job: ScoreJob, scorer, path: str | os.PathLike, flag: str,
                  chunks: Sequence[range], done: int, *, progress: bool = True
-                 ) -> tuple[int, int, int, float]:
+                 ) -> tuple[int, int, int, Occupancy]:
     """Appends the results of `chunks` (in order) to `path`, which already holds the first
     `done` of their records as complete lines; returns (records written, error lines, tokens,
-    the calls' fill: see `Occupancy`).
+    how full the scoring calls were).
     The chunk holding the first missing record is scored whole and only its missing records
     written, so the file is what an uninterrupted run writes. `flag` names `path` in errors."""
     from tqdm import tqdm
@@ -146,16 +153,9 @@ def write_chunks(job: ScoreJob, scorer, path: str | os.PathLike, flag: str,
             errors += sum("error" in a for a in new)
             tokens += n
             bar.update(len(new))
-            fill = _fill(before, scorer.core.occupancy)
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}",
-                            fill=f"{fill:.0%}", errors=errors)
-    return written, errors, tokens, _fill(before, scorer.core.occupancy)
-
-
-def _fill(before, after) -> float:
-    """The fill of the calls made between two `Occupancy` readings."""
-    slots = after.slots - before.slots
-    return (after.tokens - before.tokens) / slots if slots else 1.0
+                            fill=f"{(scorer.core.occupancy - before).fill:.0%}", errors=errors)
+    return written, errors, tokens, scorer.core.occupancy - before
 
 
 def _chunk_lines(input_path: str, chunks: Sequence[range]

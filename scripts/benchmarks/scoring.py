@@ -22,13 +22,15 @@ turn (ours, ours_plain, transformers, ...), with the load average around each. R
 task: each side's rate (median [min-max]), the per-round ratios, the share of our calls' input
 positions that were real tokens (fill), and agreement: ours against transformers and against
 ours_plain (max log-prob error relative to the largest |log-prob|, greedy flags that agree).
-`lm_eval_choice` (below) is the lm-evaluation-harness check of the same sharing.
+`lm_eval_choice` (below) is the lm-evaluation-harness check of the same sharing and
+`cli_short` times `ninfer score` processes on the short records (the batch job's view).
 
 Settings (environment): BENCH_SCORING_CONFIGS=demo,medium  BENCH_SCORING_TASKS (default: every
 task on demo and tiny, rolling on medium)  BENCH_SCORING_WINDOWS (16, 4 on medium)
 BENCH_SCORING_WINDOW=256  BENCH_SCORING_CONTEXTS (48, 4 on medium)  BENCH_SCORING_RECORDS
 (10000, 48 on medium)  BENCH_SCORING_HF_ROWS=16  BENCH_SCORING_REPS=3  BENCH_SCORING_WARMUP=1
-BENCH_SCORING_LM_EVAL=1 (0: skip the lm-eval check)  BENCH_TIMEOUT_S=1800
+BENCH_SCORING_LM_EVAL=1 (0: skip the lm-eval check)  BENCH_SCORING_CLI=1 (0: skip the
+`ninfer score` turns)  BENCH_TIMEOUT_S=1800
 BENCH_TORCH_OMP_WAIT_POLICY (see `_env.py`).
 """
 
@@ -75,6 +77,7 @@ class Settings:
     reps: int = 3
     warmup: int = 1
     lm_eval: bool = True
+    cli: bool = True
     timeout_s: int = 1800
     torch_env: dict = dataclasses.field(default_factory=dict)  # the transformers worker's
 
@@ -92,6 +95,7 @@ class Settings:
                    reps=env_int("BENCH_SCORING_REPS", d.reps),
                    warmup=env_int("BENCH_SCORING_WARMUP", d.warmup, minimum=0),
                    lm_eval=bool(env_int("BENCH_SCORING_LM_EVAL", 1, minimum=0, maximum=1)),
+                   cli=bool(env_int("BENCH_SCORING_CLI", 1, minimum=0, maximum=1)),
                    timeout_s=env_int("BENCH_TIMEOUT_S", d.timeout_s),
                    torch_env=torch_worker_env())
 
@@ -177,9 +181,9 @@ def lm_eval_choice(workdir: pathlib.Path, docs: int = 100, reps: int = 3) -> dic
     import json
 
     import lm_eval
+    from lm_eval.tasks import TaskManager
 
     import ninfer_jax.gateway.lm_eval_adapter  # noqa: F401 - registers the `ninfer` model
-    from lm_eval.tasks import TaskManager
 
     stories = _stories(docs + 3)
     rng = np.random.default_rng(0)
@@ -237,6 +241,57 @@ metric_list:
     return {"docs": docs, "acc": acc, "measurement": strip_outputs(r)}
 
 
+def cli_short(workdir: pathlib.Path, records: int = 10000, reps: int = 3) -> dict:
+    """What a batch job's user sees: `ninfer score` on the demo model over `records` short
+    records (token ids, 20-80 tokens), each turn a fresh process timed from its start to its
+    exit, in turns: the defaults against the path before packing and shared contexts
+    (`--pack=false --share_contexts=false --chunk_records=64`, the old default chunk). Records/s
+    per turn, the job's own closing line, and the largest difference between the two outputs'
+    sums."""
+    import json
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(0)
+    src = workdir / "short.jsonl"
+    src.write_text("".join(json.dumps({"text": rng.integers(0, 4096, int(n)).tolist()}) + "\n"
+                           for n in rng.integers(20, 81, records)))
+    cli = [sys.executable, "-c", "from ninfer_jax.gateway.cli import run; run()", "score",
+           f"--input={src}", "--max_len=512"]
+
+    class Job:
+        def __init__(self, name: str, flags: list[str]):
+            self.name, self.flags, self.out, self.log = name, flags, workdir / f"{name}.jsonl", ""
+
+        def prepare(self, name, args):
+            return None
+
+        def rep(self, name):
+            for path in workdir.glob(f"{self.name}.jsonl*"):
+                path.unlink()
+            start = time.perf_counter()
+            done = subprocess.run([*cli, f"--output={self.out}", *self.flags],
+                                  capture_output=True, text=True, timeout=3600, check=False)
+            seconds = time.perf_counter() - start
+            if done.returncode:
+                raise RuntimeError(f"{self.name}: {done.stderr[-2000:]}")
+            self.log = [x for x in done.stderr.splitlines() if x.startswith("[ninfer]")][-1]
+            sums = [json.loads(x)["sum_logprob"] for x in self.out.read_text().splitlines()]
+            return {"seconds": seconds, "work": records,
+                    "outputs": {"sums": sums, "log": self.log}}
+
+        def finish(self, name):
+            return None
+
+    sides = [Job("ours", []), Job("ours_plain", ["--pack=false", "--share_contexts=false",
+                                                 "--chunk_records=64"])]
+    r = alternate(sides, "cli_short", {}, reps=reps, warmup=1)
+    a, b = (np.array(r["sides"][n]["outputs"][-1]["sums"]) for n in ("ours", "ours_plain"))
+    return {"records": records, "max_sum_rel_err": float(np.abs(a - b).max() / np.abs(b).max()),
+            "logs": {n: r["sides"][n]["outputs"][-1]["log"] for n in r["sides"]},
+            "measurement": strip_outputs(r)}
+
+
 def _stories(n: int) -> list[str]:
     data = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "data" / \
         "tinystories" / "valid_head_cased.txt"
@@ -244,20 +299,20 @@ def _stories(n: int) -> list[str]:
     return lines[:n]
 
 
-def format_table(results: list[dict], lm: dict | None = None) -> str:
-    lines = [f"{'config':<8}{'task':<9}{'work':>14}{'ours':>22}{'ours_plain':>22}"
-             f"{'transformers':>22}{'ours/plain':>18}{'ours/hf':>18}{'fill':>12}"
-             f"{'err hf':>9}{'err plain':>10}{'load 1-min':>12}"]
+def format_table(results: list[dict], lm: dict | None = None, cli: dict | None = None) -> str:
+    lines = [(f"{'config':<8}{'task':<9}{'work':>14}  {'ours':>30}  {'ours_plain':>30}  "
+              f"{'transformers':>30}{'ours/plain':>18}{'ours/hf':>18}{'fill':>10}"
+              f"{'err hf':>9}{'err plain':>10}{'load 1-min':>12}")]
     for r in results:
         for task, t in r["tasks"].items():
             m = t["measurement"]
             sides, ratios, load = m["sides"], m["ratios"], m["load_1min"]
             unit = UNITS[task][1]
 
-            def rate(n):
+            def rate(n, sides=sides, unit=unit):
                 return f"{fmt_spread(sides[n]['rate'])} {unit}" if n in sides else "-"
 
-            def ratio(n):
+            def ratio(n, ratios=ratios):
                 key = f"ours/{n}"
                 return fmt_spread(ratios[key], 2) if key in ratios else "-"
 
@@ -267,8 +322,8 @@ def format_table(results: list[dict], lm: dict | None = None) -> str:
             plain_err = f"{t['vs_plain']['logprob_rel_err']:.1e}" if "vs_plain" in t else "-"
             lines.append(
                 f"{r['config']:<8}{task:<9}{t['sequences']:>6} x {t['targets'] // t['sequences']:<5}"
-                f"{rate('ours'):>22}{rate('ours_plain'):>22}{rate('transformers'):>22}"
-                f"{ratio('ours_plain'):>18}{ratio('transformers'):>18}{fills:>12}"
+                f"  {rate('ours'):>30}  {rate('ours_plain'):>30}  {rate('transformers'):>30}"
+                f"{ratio('ours_plain'):>18}{ratio('transformers'):>18}{fills:>10}"
                 f"{t['vs_transformers']['logprob_rel_err']:>9.1e}{plain_err:>10}"
                 f"{load['min']:>6.1f}-{load['max']:<5.1f}")
     for r in results:
@@ -284,6 +339,15 @@ def format_table(results: list[dict], lm: dict | None = None) -> str:
                      f"{fmt_spread(m['sides']['ours_plain']['seconds'], 2)} s, ours/plain "
                      f"{fmt_spread(m['ratios']['ours/ours_plain'], 2)} (docs/s), acc "
                      f"{lm['acc']['ours']:.3f} vs {lm['acc']['ours_plain']:.3f}")
+    if cli:
+        m = cli["measurement"]
+        lines.append(f"ninfer score, {cli['records']} short records on demo, fresh process per "
+                     f"turn: ours {fmt_spread(m['sides']['ours']['rate'])} rec/s, ours_plain "
+                     f"(old defaults) {fmt_spread(m['sides']['ours_plain']['rate'])} rec/s, "
+                     f"ours/plain {fmt_spread(m['ratios']['ours/ours_plain'], 2)}, sums rel err "
+                     f"{cli['max_sum_rel_err']:.1e}")
+        for name, log in cli["logs"].items():
+            lines.append(f"  {name}: {log}")
     lines.append("rates: median [min-max] over the repetitions; ratios per round; fill: real "
                  "tokens per input position of our calls (ours/ours_plain); err: max log-prob "
                  "error relative to the largest |log-prob|")
@@ -297,11 +361,14 @@ def run(out_dir: str) -> dict:
     progress(f"settings {s}")
     with tempfile.TemporaryDirectory(prefix="ninfer_bench_scoring_") as tmp:
         results = [measure(name, s, pathlib.Path(tmp)) for name in s.configs]
-        lm = None
+        lm = cli = None
         if s.lm_eval:
             progress("demo: lm-eval simple_evaluate, shared and plain")
             lm = lm_eval_choice(pathlib.Path(tmp), reps=s.reps)
-    table = format_table(results, lm)
+        if s.cli:
+            progress("demo: ninfer score on short records, default and plain")
+            cli = cli_short(pathlib.Path(tmp), s.records or 10000, reps=s.reps)
+    table = format_table(results, lm, cli)
     print(table)
-    return {"settings": dataclasses.asdict(s), "results": results, "lm_eval": lm,
+    return {"settings": dataclasses.asdict(s), "results": results, "lm_eval": lm, "cli": cli,
             "cpu_count": os.cpu_count(), "wall_s": time.perf_counter() - start, "table": table}

@@ -1,6 +1,7 @@
 """`ninfer score --num_processes=2`: two local processes joined by jax.distributed score one job
-on the demo model; the output is byte-identical to a one-process run's, also after one process
-is SIGKILLed and both are restarted; bad process flags are usage errors.
+on the demo model (short texts packed, shared contexts scored once); the output is
+byte-identical to a one-process run's, also after one process is SIGKILLed and both are
+restarted; bad process flags are usage errors.
 
 Every subprocess runs under a timeout, so a hang fails the test. Processes other than 0 compile
 their window executable on every start (jax keys the CPU cache by device and writes it from
@@ -21,23 +22,31 @@ import time
 import pytest
 
 CLI = [sys.executable, "-c", "from ninfer_jax.gateway.cli import run; run()", "score"]
-FLAGS = ["--max_len=64", "--max_batch_tokens=256", "--chunk_records=4"]
+FLAGS = ["--max_len=64", "--max_batch_tokens=256", "--chunk_records=4", "--context_field=ctx"]
 NUM_RECORDS = 48
 TIMEOUT_S = 150
 
 
 @pytest.fixture(scope="module")
 def job(shared_data, tmp_path_factory):
-    """(input, the one-process output's bytes): 48 short TinyStories sentences."""
+    """(input, the one-process output's bytes): 48 short TinyStories sentences, three of every
+    four after a context they share (a longer sentence): every chunk packs short texts and
+    scores a shared context once."""
     text = (shared_data / "tinystories" / "valid_head_cased.txt").read_text(encoding="utf-8")
-    sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+", text) if 10 < len(s.strip()) < 100]
+    split = [s.strip() for s in re.split(r"(?<=[.!?])\s+", text)]
+    sentences = [s for s in split if 10 < len(s) < 100]
+    contexts = [s for s in split if 120 < len(s) < 150]
     directory = tmp_path_factory.mktemp("score_processes")
     src = directory / "in.jsonl"
-    src.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences[:NUM_RECORDS]))
+    records = [{"text": s} if i % 4 == 3 else {"text": " " + s, "ctx": contexts[i // 4]}
+               for i, s in enumerate(sentences[:NUM_RECORDS])]
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
     out = directory / "one.jsonl"
     done = subprocess.run([*CLI, *FLAGS, f"--input={src}", f"--output={out}"], check=False,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"window fill \d+%, \d+ continuations of \d+ shared contexts",
+                     done.stderr), done.stderr[-2000:]
     assert out.read_bytes().count(b"\n") == NUM_RECORDS
     return src, out.read_bytes()
 

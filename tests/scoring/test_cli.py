@@ -52,8 +52,8 @@ def records(n: int, seed: int = 0) -> list[bytes]:
         else:
             words = " ".join(rng.choice(["the", "cat", "sat", "on", "a", "mat"], int(rng.integers(1, 8))))
             rec = {"text": words, "id": i}
-            if kind == 2:
-                rec["ctx"] = "Once upon a time, "
+            if kind in (0, 2):  # one context, shared in a chunk when both pairs fit a window
+                rec["ctx"] = "Once upon a time there, "
             lines.append(json.dumps(rec).encode())
     return lines
 

@@ -86,8 +86,8 @@ def test_choices_of_shared_contexts_score_as_each_pair_alone(name, monkeypatch):
 
 @pytest.mark.parametrize("name", ["dense", "moe"])
 def test_short_texts_packed_in_a_row_score_as_each_alone(name, monkeypatch):
-    """Texts of 2..21 tokens (windows of 1..20, at most half a row; many share their first
-    token, a context too short to share) share rows as segments; every score equals the plain
+    """Texts of 2..21 tokens (windows of 1..20; many share their first token, a context too
+    short to share) share rows as segments; every score equals the plain
     core's and the rows are as few as the tokens need."""
     rng = np.random.default_rng(1)
     lengths = rng.integers(2, 22, 30)
@@ -109,7 +109,7 @@ def test_short_texts_packed_in_a_row_score_as_each_alone(name, monkeypatch):
     assert delta.slots - before.slots == len(calls) * ROWS * WIDTH
 
 
-def test_a_window_longer_than_half_a_row_runs_alone_and_sharing_can_be_off():
+def test_windows_that_do_not_fit_together_keep_a_row_each_and_sharing_can_be_off():
     """Windows of more than half the pack length keep a row each; with pack and
     share_contexts off the core compiles only its window shapes."""
     rng = np.random.default_rng(2)
@@ -134,7 +134,7 @@ def test_the_tail_of_packed_rows_runs_in_quarter_calls():
     assert [(n, len(b)) for n, b in _calls(rows[:29], [16, 4])] == [(16, 16), (16, 13)]
     assert [(n, len(b)) for n, b in _calls(rows[:5], [16])] == [(16, 5)]
     cfg = dataclasses.replace(loaded("dense").config, max_position_embeddings=4096)
-    assert ScoringConfig().window_keys(cfg)[-1] == WindowKey(4, 256)
+    assert ScoringConfig().window_keys(cfg)[-1] == WindowKey(8, 128)
     assert ScoringConfig(pack=False).window_keys(cfg)[-1] == WindowKey(2, 2048)
     assert ScoringConfig(max_len=WIDTH, max_batch_tokens=ROWS * WIDTH).window_keys(cfg) == [
         WindowKey(ROWS, WIDTH)]  # fewer than four rows a call: no tail call
