@@ -266,7 +266,7 @@ class CausalScoreCore:
                 self.occupancy += Occupancy(1, per_call * length, int(inputs.num_valid.sum()))
                 dispatched.append(
                     (places, self.program.score_windows(WindowKey(per_call, length), inputs)))
-        for key, contexts in self._shared_calls(requests, groups):
+        for key, contexts in self._shared_calls(groups):
             inputs, places = _shared_inputs(ids, requests, key, contexts)
             self.occupancy += Occupancy(
                 1, key.contexts * key.context_len + key.rows * key.length,
@@ -306,8 +306,7 @@ class CausalScoreCore:
         length = next((n for n in self.lengths if n >= context_len), None)
         return self._shared.get(length)
 
-    def _shared_calls(self, requests: Sequence[ScoreRequest],
-                      groups: dict[tuple[int, bytes], list[int]]
+    def _shared_calls(self, groups: dict[tuple[int, bytes], list[int]]
                       ) -> list[tuple[SharedKey, list[list[int]]]]:
         """The shared calls: per key, its contexts (each a list of the requests it serves),
         `contexts` slots and `rows` continuation rows a call; a group larger than the rows left

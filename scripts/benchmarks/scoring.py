@@ -26,7 +26,7 @@ ours_plain (max log-prob error relative to the largest |log-prob|, greedy flags 
 `cli_short` times `ninfer score` processes on the short records (the batch job's view).
 
 Settings (environment): BENCH_SCORING_CONFIGS=demo,medium  BENCH_SCORING_TASKS (default: every
-task on demo and tiny, rolling on medium)  BENCH_SCORING_WINDOWS (16, 4 on medium)
+task on demo and tiny, rolling on medium)  BENCH_SCORING_WINDOWS=16
 BENCH_SCORING_WINDOW=256  BENCH_SCORING_CONTEXTS (48, 4 on medium)  BENCH_SCORING_RECORDS
 (10000, 48 on medium)  BENCH_SCORING_HF_ROWS=16  BENCH_SCORING_REPS=3  BENCH_SCORING_WARMUP=1
 BENCH_SCORING_LM_EVAL=1 (0: skip the lm-eval check)  BENCH_SCORING_CLI=1 (0: skip the
@@ -69,7 +69,7 @@ SMALL = {"medium"}  # configs whose defaults are sized for minutes, not hours, o
 class Settings:
     configs: tuple[str, ...] = ("demo", "medium")
     tasks: tuple[str, ...] | None = None  # None: every task, rolling only on medium
-    windows: int | None = None  # None: 16, 4 on medium
+    windows: int | None = None  # None: 16
     window: int = 256
     contexts: int | None = None  # None: 48, 4 on medium
     records: int | None = None  # None: 10000, 48 on medium
@@ -110,8 +110,8 @@ def task_requests(task: str, s: Settings, config: str, vocab: int, seed: int = 0
     """(sequences, index of each one's first scored token) of one task."""
     rng = np.random.default_rng(seed)
     small = config in SMALL
-    if task == "rolling":
-        n = s.windows or (4 if small else 16)
+    if task == "rolling":  # one full call of our default shape: 16 rows of 256
+        n = s.windows or 16
         return rng.integers(0, vocab, (n, s.window + 1)).tolist(), [1] * n
     seqs, firsts = [], []
     if task == "choice":

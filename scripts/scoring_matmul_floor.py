@@ -1,0 +1,51 @@
+"""The matmul floor of scoring a model on this machine: every weight matrix of the decoder
+stack and the (tied) head applied to TOKENS tokens in one jitted chain of XLA dots, nothing
+else. Scoring tokens/s can at most reach it; `scripts/bench.py --suite=scoring` measures the
+real path.
+
+    python -m scripts.scoring_matmul_floor [medium|tiny] [TOKENS]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ninfer_jax.models.qwen3_6.weights import init_params
+from scripts.benchmarks._checkpoint import model_config
+
+
+def main() -> None:
+    name = sys.argv[1] if len(sys.argv) > 1 else "medium"
+    tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
+    cfg = model_config(name)
+    params = init_params(cfg, jax.random.key(0))
+    weights = [leaf[i] for part in ("linear", "attention") for leaf in jax.tree.leaves(params[part])
+               if leaf.ndim == 3 and min(leaf.shape[1:]) >= 64 for i in range(leaf.shape[0])]
+    head = params.get("lm_head", params["embed"])
+
+    @jax.jit
+    def chain(weights, head):
+        total = jnp.sum(jnp.ones((tokens, head.shape[1])) @ head.T)
+        for w in weights:
+            total = total + jnp.sum(jnp.ones((tokens, w.shape[0])) @ w)
+        return total
+
+    chain(weights, head).block_until_ready()
+    seconds = []
+    for _ in range(3):
+        start = time.perf_counter()
+        chain(weights, head).block_until_ready()
+        seconds.append(time.perf_counter() - start)
+    macs = sum(w.size for w in weights) + head.size
+    s = float(np.median(seconds))
+    print(f"{name}: {macs / 1e6:.0f}M MACs a token; {tokens} tokens in {s:.2f} s (median of 3) "
+          f"-> {tokens / s:.0f} tok/s, {2 * macs * tokens / s / 1e9:.0f} GFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
