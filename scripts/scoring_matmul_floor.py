@@ -3,7 +3,7 @@ stack and the (tied) head applied to TOKENS tokens in one jitted chain of XLA do
 else. Scoring tokens/s can at most reach it; `scripts/bench.py --suite=scoring` measures the
 real path.
 
-    python -m scripts.scoring_matmul_floor [medium|tiny] [TOKENS]
+    python -m scripts.scoring_matmul_floor [medium|tiny|demo] [TOKENS]
 """
 
 from __future__ import annotations
@@ -22,8 +22,12 @@ from scripts.benchmarks._checkpoint import model_config
 def main() -> None:
     name = sys.argv[1] if len(sys.argv) > 1 else "medium"
     tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
-    cfg = model_config(name)
-    params = init_params(cfg, jax.random.key(0))
+    if name == "demo":  # the embedded model
+        from ninfer_jax.loader import load_model
+
+        params = load_model(None, dtype="float32").params
+    else:
+        params = init_params(model_config(name), jax.random.key(0))
     weights = [leaf[i] for part in ("linear", "attention") for leaf in jax.tree.leaves(params[part])
                if leaf.ndim == 3 and min(leaf.shape[1:]) >= 64 for i in range(leaf.shape[0])]
     head = params.get("lm_head", params["embed"])
