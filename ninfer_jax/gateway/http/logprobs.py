@@ -76,8 +76,9 @@ class PromptScorer:
     def _open(self) -> Any:
         if self._scorer is None:
             from ninfer_jax.scoring import Scorer
+            # one prompt a call, scored from its first token: no context to share
             self._scorer = Scorer.open(self._path, max_len=self._max_len,
-                                       top_logprobs=MAX_LOGPROBS)
+                                       top_logprobs=MAX_LOGPROBS, share_contexts=False)
         return self._scorer
 
     def score(self, token_ids: Sequence[int], n: int) -> tuple[list[float | None], list]:
