@@ -1,7 +1,7 @@
 """Run by `test_cuda_compile.py` with the python of a venv that has jax's CUDA plugin: compiles
 for sm_90 (compile-only H200 devices) and prints one JSON object.
 
-    python tests/program/cuda_compile_worker.py programs | kernels
+    python tests/program/cuda_compile_worker.py programs | kernels | scoring
 """
 
 from __future__ import annotations
@@ -118,5 +118,41 @@ def kernels() -> dict:
     return out
 
 
+def scoring() -> dict:
+    """The CausalScoring executables (a packed window call and a shared-context call) of the
+    tiny dense and MoE models in fp32 and bf16: compiled for sm_90, with the temporary bytes and
+    any expert-by-token tensor in the compiled HLO."""
+    from ninfer_jax.models.qwen3_6.weights import init_params
+    from ninfer_jax.program.executables import bind
+    from ninfer_jax.program.scoring import SharedKey, WindowKey, _example
+    from ninfer_jax.program.scoring_steps import score_shared_step, score_window_step
+
+    device = SingleDeviceSharding(gpu_devices("h200")[0])
+    out = {}
+    for (name, cfg), dtype in itertools.product((("dense", tiny_dense()), ("moe", tiny_moe())),
+                                                ("float32", "bfloat16")):
+        shapes = jax.eval_shape(lambda cfg=cfg: init_params(cfg, jax.random.key(0)))
+        params = jax.tree.map(lambda a, dtype=dtype: jax.ShapeDtypeStruct(
+            a.shape, dtype if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype,
+            sharding=device), shapes)
+        for key, step in ((WindowKey(8, 128), score_window_step),
+                          (SharedKey(4, 128, 16, 32), score_shared_step)):
+            inputs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                 sharding=device), _example(key))
+            case = f"{name} {dtype} {type(key).__name__}"
+            try:
+                compiled = jax.jit(bind(step, cfg=cfg, top_n=2)).trace(params, inputs).lower(
+                    lowering_platforms=("cuda",)).compile()
+                module = hlo.parse(compiled.as_text())
+                found = hlo.expert_by_token(module, cfg.num_experts or 0,
+                                            {8 * 128, 16 * 32, 4 * 128}) if cfg.num_experts else []
+                out[case] = {"ok": True, "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+                             "expert_by_token": found}
+            except Exception as e:  # noqa: BLE001 - the failure is the result
+                out[case] = {"ok": False, "error": str(e).splitlines()[0][:300]}
+    return out
+
+
 if __name__ == "__main__":
-    print(json.dumps({"programs": programs, "kernels": kernels}[sys.argv[1]]()))
+    print(json.dumps({"programs": programs, "kernels": kernels,
+                      "scoring": scoring}[sys.argv[1]]()))

@@ -1,6 +1,6 @@
 """The GPU build compiled for sm_90 (an H200 target, no GPU): a tiny dense and a tiny MoE
-Program, every executable, and the kernels across the dtypes, head dims, GQA groups and page
-sizes users run. Dev tier: it needs a venv with jax's CUDA plugin, whose python is
+Program, every executable, the kernels across the dtypes, head dims, GQA groups and page
+sizes users run, and the scoring executables. Dev tier: it needs a venv with jax's CUDA plugin, whose python is
 $NINFER_CUDA_PYTHON (`scripts/test_slow.sh` makes one); without it the tests are skipped."""
 
 from __future__ import annotations
@@ -48,3 +48,12 @@ def test_kernels_fit_the_sm_at_every_dtype_head_dim_group_and_page_size():
     failed = {case: why for case, why in results.items() if why != "ok"}
     assert not failed, failed
     assert len(results) == 2 * 24 + 2 + 8
+
+
+def test_scoring_windows_and_shared_contexts_compile_for_sm90():
+    """Packed windows (segments) and shared contexts, dense and MoE, fp32 and bf16."""
+    results = _run("scoring")
+    assert len(results) == 8
+    failed = {case: r for case, r in results.items() if not r["ok"]}
+    assert not failed, failed
+    assert all(r["expert_by_token"] == [] for r in results.values()), results
