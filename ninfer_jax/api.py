@@ -75,7 +75,8 @@ class Engine:
 
         purpose="causal_scoring": an Engine that scores texts (`score`, `rolling`,
         `perplexity`, the same results as `Scorer`); its settings are ScoringConfig's
-        (window, stride, max_len, min_len, max_batch_tokens, dtype) and its scoring windows
+        (window, stride, max_len, min_len, max_batch_tokens, dtype, pack, share_contexts,
+        max_continuation) and its scoring windows
         compile before this returns (progress: a bar over them; None = in a notebook only).
 
         purpose="generation" (default): compiles the prefill step before returning; the other

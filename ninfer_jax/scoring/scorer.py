@@ -98,7 +98,8 @@ class Scorer:
              **config: Any) -> Scorer:
         """Loads `model` (artifact or HF checkpoint directory; None = the embedded demo model)
         and compiles its scoring windows. Settings: window, stride, max_len, min_len,
-        max_batch_tokens, dtype (see `ScoringConfig`); verify_weights (see `load_model`'s
+        max_batch_tokens, dtype, top_logprobs, pack, share_contexts, max_continuation (see
+        `ScoringConfig`); verify_weights (see `load_model`'s
         `verify`); progress (a bar over the compiles; None: in a notebook only); quantize
         (see `Engine.open`). Texts need
         the model's tokenizer; a directory without one scores token ids only."""
