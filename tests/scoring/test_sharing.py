@@ -138,3 +138,17 @@ def test_the_tail_of_packed_rows_runs_in_quarter_calls():
     assert ScoringConfig(pack=False).window_keys(cfg)[-1] == WindowKey(2, 2048)
     assert ScoringConfig(max_len=WIDTH, max_batch_tokens=ROWS * WIDTH).window_keys(cfg) == [
         WindowKey(ROWS, WIDTH)]  # fewer than four rows a call: no tail call
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("pack", "yes", "pack must be true or false"),
+    ("share_contexts", 1, "share_contexts must be true or false"),
+    ("max_continuation", 0, "max_continuation must be an integer >= 1"),
+    ("max_batch_tokens", True, "max_batch_tokens must be an integer >= 1"),
+])
+def test_bad_scoring_settings_name_the_field(field, value, match):
+    from ninfer_jax.errors import ConfigError
+    from ninfer_jax.scoring import ScoringConfig
+
+    with pytest.raises(ConfigError, match=match):
+        ScoringConfig(**{field: value})
