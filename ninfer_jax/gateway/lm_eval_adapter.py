@@ -9,7 +9,8 @@ fills). Needs the `eval` extra; lm-eval is imported only here.
 
 Owns translating lm-eval requests into the CausalScoring purpose (`Scorer`) and, for
 `generate_until`, the Generation purpose (`Engine`, opened on first use): the two purposes are
-separate start-ups of the same model package. Tokenization and the context/continuation split are
+separate start-ups of the same model package. `local_choice_task` writes a local
+multiple-choice task (the tests' and the scoring benchmark's). Tokenization and the context/continuation split are
 lm-eval's own (`TemplateLM`); windows follow `scoring/windows.py` (lm-eval's rolling windows with
 `context_len = window - stride + 1`); the choices of one question share their context's
 scoring (`ScoringConfig.share_contexts`). Model arguments: model, window, stride, max_len,
@@ -19,6 +20,8 @@ max_seq_len.
 
 from __future__ import annotations
 
+import os
+import pathlib
 import sys
 from typing import Any
 
@@ -120,6 +123,33 @@ class NinferLM(TemplateLM):
             self.cache_hook.add_partial("generate_until", req.args, text)
             answers.append(text)
         return answers
+
+
+def local_choice_task(directory: str | os.PathLike, name: str, docs: list[dict]):
+    """Writes a local multiple-choice task `name` over `docs` ({"q": question, "choices": [...],
+    "gold": index}, accuracy as its metric) into `directory`; returns the lm-eval TaskManager
+    that finds it (pass it to `simple_evaluate(task_manager=...)`)."""
+    import json
+
+    from lm_eval.tasks import TaskManager
+
+    directory = pathlib.Path(directory)
+    (directory / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (directory / f"{name}.yaml").write_text(f"""
+task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {directory / f'{name}.jsonl'}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{q}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: gold
+metric_list:
+  - metric: acc
+""")
+    return TaskManager(include_path=str(directory))
 
 
 def main() -> None:

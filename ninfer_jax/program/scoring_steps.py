@@ -121,7 +121,7 @@ def score_window_step(params: dict, inputs: WindowInputs, *, cfg: ModelConfig,
                       top_n: int = 0) -> WindowScores:
     """Scores B rows of L positions, each window (segment) from empty state; with top_n, also
     each position's top_n most likely next tokens."""
-    b, _ = inputs.token_ids.shape
+    b = inputs.token_ids.shape[0]
     h = params["embed"][inputs.token_ids]
     gdn = GDNState.zeros(cfg, b, params["embed"].dtype)
     segments = inputs.segment_ids

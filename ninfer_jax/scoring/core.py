@@ -212,12 +212,12 @@ class CausalScoreCore:
         self.stride = scfg.stride if scfg.window is not None else None
         self.lengths = scfg.window_lens(cfg)
         self.pack_len = scfg.pack_len(cfg)
+        window_keys = scfg.window_keys(cfg)
         self._rows = {}  # length -> rows of its calls, most first (a full call, a tail call)
-        for k in scfg.window_keys(cfg):
+        for k in window_keys:
             self._rows.setdefault(k.length, []).append(k.rows)
         self._shared = {k.context_len: k for k in scfg.shared_keys(cfg)}
-        self.program = ScoringProgram(cfg, params,
-                                      [*scfg.window_keys(cfg), *self._shared.values()],
+        self.program = ScoringProgram(cfg, params, [*window_keys, *self._shared.values()],
                                       dtype=scfg.dtype, top_n=scfg.top_logprobs,
                                       progress=progress)
         self.occupancy = Occupancy()  # summed over every call so far
@@ -343,7 +343,7 @@ class CausalScoreCore:
             else:
                 rows[next(n for n in self.lengths if n >= item[2].length)].append([item])
         if packable:
-            rows[self.pack_len].extend(_first_fit(packable, self.pack_len))
+            rows[self.pack_len].extend(_best_fit(packable, self.pack_len))
         return rows
 
 
@@ -363,7 +363,7 @@ def _calls(rows: list, sizes: list[int]) -> list[tuple[int, list]]:
     return calls
 
 
-def _first_fit(items: list[tuple[int, int, Window]], capacity: int
+def _best_fit(items: list[tuple[int, int, Window]], capacity: int
                ) -> list[list[tuple[int, int, Window]]]:
     """Items packed into rows of `capacity` tokens, longest first, each into the fullest row
     that still holds it (best fit decreasing)."""

@@ -178,12 +178,9 @@ def lm_eval_choice(workdir: pathlib.Path, docs: int = 100, reps: int = 3) -> dic
     demo model (TinyStories: a story's opening, its next words against three other stories'),
     through the adapter with shared contexts and packing and without, in turns in this process
     (both sides ours). Wall seconds per evaluation and the accuracy of each."""
-    import json
-
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
-    import ninfer_jax.gateway.lm_eval_adapter  # noqa: F401 - registers the `ninfer` model
+    from ninfer_jax.gateway.lm_eval_adapter import local_choice_task
 
     stories = _stories(docs + 3)
     rng = np.random.default_rng(0)
@@ -198,22 +195,7 @@ def lm_eval_choice(workdir: pathlib.Path, docs: int = 100, reps: int = 3) -> dic
         order = rng.permutation(4)
         rows.append({"q": " ".join(words[:cut]), "choices": [choices[k] for k in order],
                      "gold": int(np.argmax(order == 0))})
-    (workdir / "stories_mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (workdir / "stories_mc.yaml").write_text(f"""
-task: stories_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {workdir / 'stories_mc.jsonl'}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{q}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: gold
-metric_list:
-  - metric: acc
-""")
-    manager = TaskManager(include_path=str(workdir))
+    manager = local_choice_task(workdir, "stories_mc", rows)
 
     class Evaluation:
         def __init__(self, **settings):

@@ -19,12 +19,11 @@ from lm_eval.models.openai_completions import LocalCompletionsAPI
 from ninfer_jax.api import Engine
 from ninfer_jax.engine import EngineCore, EngineCoreConfig
 from ninfer_jax.frontend import Frontend
-from ninfer_jax.gateway.lm_eval_adapter import NinferLM
+from ninfer_jax.gateway.lm_eval_adapter import NinferLM, local_choice_task
 from ninfer_jax.program.host import ProgramLimits
 from ninfer_jax.testing.fake_program import FakeProgram
 from tests.gateway.conftest import MODEL, PAGE_SIZE, served
 from tests.scoring.conftest import model_dir  # noqa: F401  (the fixture)
-from tests.scoring.conftest import write_mc_task
 
 MAX_LEN = 64  # the server's context (its scorer's window) and the adapter's
 DOCS = [{"q": f"Q{i}: the cat", "choices": [" sat.", " ran away.", " slept."], "gold": i % 3}
@@ -75,7 +74,7 @@ def test_local_completions_loglikelihoods_equal_the_adapter(adapter, url, batch_
 def test_a_local_multiple_choice_task_through_the_server(adapter, url, tmp_path):
     from lm_eval import simple_evaluate
 
-    manager = write_mc_task(tmp_path, "ninfer_server_local", DOCS)
+    manager = local_choice_task(tmp_path, "ninfer_server_local", DOCS)
     client = LocalCompletionsAPI(base_url=f"{url}/v1/completions", model=MODEL, batch_size=3,
                                  max_length=MAX_LEN)
     runs = [simple_evaluate(model=m, tasks=["ninfer_server_local"], task_manager=manager,

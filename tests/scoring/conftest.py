@@ -92,28 +92,3 @@ def model_dir(tmp_path_factory) -> pathlib.Path:
     tok.add_special_tokens(["<|endoftext|>"] + [f"<|x{i}|>" for i in range(257, vocab_size)])
     tok.save(str(path / "tokenizer.json"))
     return path
-
-
-def write_mc_task(directory, name: str, docs: list[dict]):
-    """A local lm-eval multiple-choice task `name` over `docs` ({q, choices, gold}) in
-    `directory`; returns the TaskManager that finds it."""
-    import json
-
-    from lm_eval.tasks import TaskManager
-
-    (directory / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (directory / f"{name}.yaml").write_text(f"""
-task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {directory / f'{name}.jsonl'}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{q}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: gold
-metric_list:
-  - metric: acc
-""")
-    return TaskManager(include_path=str(directory))

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from lm_eval.api.instance import Instance
 
-from ninfer_jax.gateway.lm_eval_adapter import NinferLM
+from ninfer_jax.gateway.lm_eval_adapter import NinferLM, local_choice_task
 from tests.program.conftest import reference_greedy
-from tests.scoring.conftest import WIDTH, scorer, write_mc_task
+from tests.scoring.conftest import WIDTH, scorer
 
 SHAPE = {"max_batch_tokens": 3 * WIDTH}  # the scoring tests' window executable
 
@@ -71,7 +71,7 @@ def test_a_local_multiple_choice_task_runs_through_the_harness(lm, tmp_path):
 
     docs = [{"q": f"Q{i}: the cat", "choices": [" sat.", " ran.", " slept."], "gold": i % 3}
             for i in range(6)]
-    manager = write_mc_task(tmp_path, "ninfer_local", docs)
+    manager = local_choice_task(tmp_path, "ninfer_local", docs)
     out = simple_evaluate(model=lm, tasks=["ninfer_local"], task_manager=manager)
     acc = out["results"]["ninfer_local"]["acc,none"]
     sc = scorer("dense")
