@@ -34,7 +34,7 @@ from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError
 
 _PROGRAM_KEYS = ("page_size", "num_pages", "max_seq_len", "prefill_chunk", "attention_impl",
                  "gdn_impl", "dtype", "kv_dtype", "num_checkpoint_slots", "speculative",
-                 "num_speculative_tokens", "draft_head", "max_vision_patches", "tensor_parallel",
+                 "num_speculative_tokens", "draft_head", "draft_policy", "max_vision_patches", "tensor_parallel",
                  "moe_sharding")
 DEFAULT_SPECULATIVE_TOKENS = 1  # drafts per round with speculative="mtp" (see WORKSPACE.md)
 _CORE_KEYS = ("max_queue", "queue_timeout_s", "prefix_reuse", "overlap")
@@ -93,7 +93,9 @@ class Engine:
         it; "dflash": a DFlash block drafter proposes them in one pass, default 8, 1..15; the
         drafter is `drafter` (a DFlash checkpoint directory), else the model's `drafter/`
         directory, else for the embedded model the shipped demo drafter; draft_head "full",
-        the default, or "selector": what turns its block into drafts) (Program);
+        the default, or "selector": what turns its block into drafts; draft_policy
+        "adaptive", the default: each round's K (0 included) is chosen from measured step
+        times and acceptance, `engine/spec_policy.py`, or "fixed": always K) (Program);
         max_queue, queue_timeout_s, prefix_reuse (Engine; on by default), overlap (Engine:
         dispatch a decode round before the last one's output is processed; on by default);
         verify_weights (check digests and finiteness while loading, see `load_model`'s

@@ -15,6 +15,7 @@ LAYER_LOOPS = ("auto", "unrolled", "scan")
 SPECULATIVE = ("off", "mtp", "dflash")
 MAX_SPECULATIVE_TOKENS = {"mtp": 5, "dflash": 15}  # K per backend
 DRAFT_HEADS = ("full", "selector")  # a DFlash drafter's proposal heads
+DRAFT_POLICIES = ("adaptive", "fixed")
 MOE_SHARDINGS = ("intermediate", "expert")  # tensor_parallel's split of MoE experts
 MIN_VISION_BUCKET = 64  # the smallest padded patch count the vision encoder compiles for
 
@@ -103,6 +104,11 @@ class ProgramConfig:
     # over the proposal's top-k, one position after another. On the embedded model "full"
     # decodes faster at every K (WORKSPACE.md, "Speculative decoding (DFlash)").
     draft_head: str = "full"
+    # "adaptive": decode rounds are compiled for several draft counts (`round_drafts`, 0 and
+    # num_speculative_tokens among them) and the Engine picks one per round from the step
+    # times and acceptance it measures (`engine/spec_policy.py`); "fixed": every round drafts
+    # num_speculative_tokens.
+    draft_policy: str = "adaptive"
     # The most patches of one prompt's images and videos together (a model with a vision
     # tower): the vision encoder compiles for every power of two from 64 up to it (a prompt's
     # patches run in the smallest that holds them, so padding wastes under half); 0: no
@@ -150,6 +156,7 @@ class ProgramConfig:
                 else 1 <= v <= MAX_SPECULATIVE_TOKENS.get(self.speculative, 0)),
             "draft_head": lambda v: v in DRAFT_HEADS and (
                 v == "full" or self.speculative == "dflash"),
+            "draft_policy": lambda v: v in DRAFT_POLICIES,
             "max_vision_patches": lambda v: is_int(v) and (
                 v == 0 or (v >= MIN_VISION_BUCKET and v & (v - 1) == 0)),
             "tensor_parallel": lambda v: is_int(v) and 1 <= v <= 512,
@@ -169,6 +176,7 @@ class ProgramConfig:
             else f"an integer in 1..{MAX_SPECULATIVE_TOKENS.get(self.speculative)} when "
                  f"speculative is {self.speculative!r}",
             "draft_head": f"one of {DRAFT_HEADS} ('selector' only with speculative='dflash')",
+            "draft_policy": f"one of {DRAFT_POLICIES}",
             "max_vision_patches": f"0 or a power of two >= {MIN_VISION_BUCKET}",
             "tensor_parallel": "an integer in 1..512 (devices)",
             "moe_sharding": f"one of {MOE_SHARDINGS}",
@@ -194,6 +202,19 @@ class ProgramConfig:
     def verify_width(self) -> int:
         """Tokens a decode round proposes per row: the drafts and the target's next token."""
         return self.num_speculative_tokens + 1
+
+    @property
+    def round_drafts(self) -> tuple[int, ...]:
+        """The draft counts K a decode round is compiled for, ascending, the last
+        num_speculative_tokens: every K up to it with MTP, 0 and 2**i - 1 up to half of it
+        with DFlash (a drafter's block costs little more at 15 than at 8; the verify does);
+        (0,) without speculation, (K,) with draft_policy "fixed"."""
+        k = self.num_speculative_tokens
+        if self.speculative == "off" or self.draft_policy == "fixed":
+            return (k,)
+        if self.speculative == "mtp":
+            return tuple(range(k + 1))
+        return tuple(sorted({0, k, *(2**i - 1 for i in range(1, 5) if 2**i - 1 <= k // 2)}))
 
     @property
     def max_pages_per_seq(self) -> int:

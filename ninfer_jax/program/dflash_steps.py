@@ -36,21 +36,24 @@ from ninfer_jax.program.steps import (
     StepOutputs,
     commit_step,
     gdn_state,
+    widen,
     write_provisional,
 )
 
 
 def dflash_verify_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelConfig,
-                       pcfg: ProgramConfig, drafter: DFlashConfig
+                       pcfg: ProgramConfig, drafter: DFlashConfig, drafts: int | None = None
                        ) -> tuple[Pools, StepOutputs]:
     """A DFlash speculative round for B rows (module docstring): the block drafter's K drafts
     from each row's context window, the model over the last token and the drafts, the
-    acceptance rule, then the drafter's context K/V of the T positions into the rings. Row b
+    acceptance rule, then the drafter's context K/V of the T positions into the rings (K:
+    `drafts`, default num_speculative_tokens). Row b
     proposes at most limit[b] tokens; its ring entries past them are rewritten before they are
     read."""
     pools = commit_step(pools, inputs.commit)
     slots, pos, limit = inputs.slots, inputs.positions, inputs.limit
-    b, k = slots.shape[0], pcfg.num_speculative_tokens
+    b = slots.shape[0]
+    k = pcfg.num_speculative_tokens if drafts is None else drafts
     t = k + 1
     counts, masks = pools.output_counts[slots], pools.prompt_mask[slots]
     ring, kept = context_ring(drafter, pcfg)
@@ -88,7 +91,7 @@ def dflash_verify_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg:
     pools = write_drafter_context(params, drafter, pools, slots, out.features, block_pos,
                                   valid, ring)
     pools = write_provisional(pools, out.kv.layers, out.gdn, out.hidden)
-    return pools, StepOutputs(tokens=verified.tokens, num=verified.num,
+    return pools, StepOutputs(tokens=widen(verified.tokens, pcfg.verify_width), num=verified.num,
                               logprobs=verified.logprobs, top_ids=verified.top_ids,
                               top_logprobs=verified.top_logprobs)
 

@@ -3,7 +3,7 @@
 Owns the list of (key, step function, example arguments) a Program of (ModelConfig,
 ProgramConfig) compiles, in the order of first need (the prefill chunk alone in the foreground,
 then the commit, the capture, decode B = 1, the vision buckets, the restore, the checkpoint
-images, decode B = 2..max_concurrency). The Program feeds it to its `ExecutableTable`;
+images, decode B = 2..max_concurrency, then the rounds of fewer drafts for every B, `round_key`). The Program feeds it to its `ExecutableTable`;
 `lower_all` and `aot.compile_all` feed it abstract params and pools (`jax.ShapeDtypeStruct`s), so
 a GPU build can be lowered or compiled on a host that could not hold the weights. Example
 arguments only carry shapes and dtypes: no value here shapes an executable.
@@ -101,18 +101,21 @@ def program_executables(cfg: ModelConfig, pcfg: ProgramConfig, params: dict, poo
     def sampling(b: int):
         return sampling_arrays([GREEDY] * b, mask_words=words)
 
-    round_step = {"mtp": bind(verify_step, cfg=cfg, pcfg=pcfg),
-                  "dflash": bind(dflash_verify_step, cfg=cfg, pcfg=pcfg, drafter=drafter),
-                  "off": bind(decode_step, cfg=cfg, pcfg=pcfg)}[pcfg.speculative]
+    def round_step(k: int) -> Callable:
+        if k == 0:  # in a speculative Program it keeps the drafter's inputs current
+            return bind(decode_step, cfg=cfg, pcfg=pcfg, drafter=drafter)
+        if pcfg.speculative == "mtp":
+            return bind(verify_step, cfg=cfg, pcfg=pcfg, drafts=k)
+        return bind(dflash_verify_step, cfg=cfg, pcfg=pcfg, drafter=drafter, drafts=k)
 
-    def decode(b: int) -> ExecutableSpec:
+    def decode(b: int, k: int = pcfg.num_speculative_tokens) -> ExecutableSpec:
         example = DecodeInputs(
             commit=no_commit(pcfg, b), token_ids=np.zeros(b, np.int32),
             positions=np.zeros(b, np.int32), slots=np.arange(b, dtype=np.int32),
             page_tables=np.zeros((b, w), np.int32), sampling=sampling(b),
             step_index=np.zeros(b, np.int32), limit=np.ones(b, np.int32),
             rope_delta=np.zeros(b, np.int32) if vision else None)
-        return ExecutableSpec(StepKey(StepKind.DECODE, b), round_step, (params, pools, example),
+        return ExecutableSpec(round_key(pcfg, b, k), round_step(k), (params, pools, example),
                               background=True)
 
     vision_rows = {}
@@ -162,7 +165,17 @@ def program_executables(cfg: ModelConfig, pcfg: ProgramConfig, params: dict, poo
             background=True))
         specs += _image_executables(pcfg, pools)
     specs += [decode(b) for b in range(2, bmax + 1)]
+    specs += [decode(b, k) for b in range(1, bmax + 1) for k in pcfg.round_drafts[:-1]]
     return specs
+
+
+def round_key(pcfg: ProgramConfig, batch: int, drafts: int) -> StepKey:
+    """The decode round of `batch` rows and `drafts` drafts a row: StepKey(DECODE, B) for the
+    Program's num_speculative_tokens, StepKey(DECODE, B, extra=(K,)) for the other
+    `round_drafts`."""
+    if drafts == pcfg.num_speculative_tokens:
+        return StepKey(StepKind.DECODE, batch)
+    return StepKey(StepKind.DECODE, batch, extra=(drafts,))
 
 
 def _image_executables(pcfg: ProgramConfig, pools: Pools) -> list[ExecutableSpec]:

@@ -129,6 +129,17 @@ class ProgramLimits:
     # holding them (a copy), never a shared one.
     rewrites_below_frontier: int = 0
     speculative: str = "off"  # what drafts a round's extra tokens: "mtp", "dflash" (or "off")
+    # The draft counts a decode round may have (ascending; the last is verify_width - 1): a
+    # round of K proposes up to K + 1 tokens a row (`decode(drafts=K)`). None: only the last.
+    round_drafts: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        drafts = self.round_drafts or (self.verify_width - 1,)
+        if list(drafts) != sorted(set(drafts)) or drafts[0] < 0 \
+                or drafts[-1] != self.verify_width - 1:
+            raise ValueError(f"round_drafts must ascend from >= 0 to verify_width - 1 = "
+                             f"{self.verify_width - 1}, got {self.round_drafts}")
+        object.__setattr__(self, "round_drafts", tuple(drafts))
 
     @property
     def mask_words(self) -> int:
@@ -215,8 +226,9 @@ class HostProgram(abc.ABC):
 
     @abc.abstractmethod
     def _run_decode(self, seqs: list[SeqRecord], limits: np.ndarray,
-                    last: Any = None) -> tuple:
-        """Starts a round: row b proposes 1..limits[b] tokens (limits <= verify_width). Returns
+                    last: Any = None, drafts: int | None = None) -> tuple:
+        """Starts a round of `drafts` drafts a row (one of `limits.round_drafts`; None: the
+        most): row b proposes 1..limits[b] tokens (limits <= drafts + 1). Returns
         (tokens [B, verify_width], produced [B], log-probs or None: see PendingBatch), and
         optionally a 4th, the round's tokens as [B] (PendingBatch.last: the next round of the
         same rows may then be dispatched before this one's tokens are read); any may be
@@ -604,9 +616,11 @@ class HostProgram(abc.ABC):
 
     def decode(self, handles: Sequence[SequenceHandle],
                caps: Sequence[int | None] | None = None,
-               masks: Sequence[np.ndarray | None] | None = None) -> PendingBatch:
+               masks: Sequence[np.ndarray | None] | None = None,
+               drafts: int | None = None) -> PendingBatch:
         """A round for each of the B decode-ready sequences (exact B, no padding): one token
-        per row, or with speculation up to verify_width (never past a row's max_new_tokens, nor
+        per row, or with speculation up to drafts + 1 (`drafts`: one of limits.round_drafts,
+        None: the most; never past a row's max_new_tokens, nor
         past caps[b] when given: the Engine's limit before the row's next forced control).
         `masks[b]`: the tokens row b's next token may be (a [mask_words] uint32 bitmask, or
         None: any); a masked row proposes exactly one token (drafting is off for it)."""
@@ -617,6 +631,10 @@ class HostProgram(abc.ABC):
         if masks is not None and len(masks) != len(seqs):
             raise PendingBatchError(f"decode of {len(seqs)} rows got {len(masks)} masks")
         checked = [self._check_mask(m) for m in (masks or [None] * len(seqs))]
+        drafts = self.limits.round_drafts[-1] if drafts is None else drafts
+        if drafts not in self.limits.round_drafts:
+            raise PendingBatchError(f"drafts must be one of the compiled round_drafts "
+                                    f"{self.limits.round_drafts}, got {drafts!r}")
         if not seqs or len({s.handle.seq_id for s in seqs}) != len(seqs):
             raise PendingBatchError(f"decode needs distinct sequences, got {list(handles)}")
         if len(seqs) > self.limits.max_concurrency:
@@ -628,7 +646,7 @@ class HostProgram(abc.ABC):
                 raise ResourceError(f"{s.handle} is not decode-ready")
             if s.generated >= s.max_new_tokens:
                 raise ResourceError(f"{s.handle} already generated its {s.max_new_tokens} tokens")
-            limits[i] = min(self.limits.verify_width, s.max_new_tokens - s.generated)
+            limits[i] = min(drafts + 1, s.max_new_tokens - s.generated)
             cap = None if caps is None else caps[i]
             if cap is not None:
                 if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 1:
@@ -645,7 +663,7 @@ class HostProgram(abc.ABC):
             s.mask = checked[i]
             self._grow(s, s.frontier + int(limits[i]))
         # The step runs on the device after this returns; reading batch.tokens waits for it.
-        tokens, produced, logprobs, *ids = self._run_decode(seqs, limits, last)
+        tokens, produced, logprobs, *ids = self._run_decode(seqs, limits, last, drafts)
         self._pending = PendingBatch(BatchKind.DECODE, tuple(handles), tokens,
                                      next(self._batch_ids), produced, logprobs,
                                      last=ids[0] if ids else None)
@@ -694,7 +712,7 @@ class HostProgram(abc.ABC):
         self._resolve()
         seqs = [self._seq(h) for h in batch.handles]
         if (batch.last is not None and not batch.tokens_read
-                and self.limits.verify_width == 1 and bool((acc == 1).all())):
+                and bool((acc == 1).all())):
             # Every row takes its one token: commit without waiting for the step; the tokens
             # stay where it left them until read (`_resolve`) or taken by the next round.
             self._run_commit(seqs, acc.astype(np.int32), batch.raw_tokens, count=True)

@@ -33,6 +33,7 @@ from ninfer_jax.program.executable_specs import (
     no_commit,
     page_parts,
     program_executables,
+    round_key,
     vision_on,
 )
 from ninfer_jax.program.executables import ExecutableTable, StepKey, StepKind
@@ -94,7 +95,7 @@ class Program(HostProgram):
             // max(pcfg.num_checkpoint_slots, 1),
             verify_width=pcfg.verify_width,
             rewrites_below_frontier=int(pcfg.speculative == "mtp"),
-            speculative=pcfg.speculative))
+            speculative=pcfg.speculative, round_drafts=pcfg.round_drafts))
         self.cfg, self.pcfg = cfg, pcfg
         # The vision path: a tower whose special tokens are in the vocabulary, and buckets.
         self.vision_on = vision_on(cfg, pcfg, params)
@@ -183,9 +184,10 @@ class Program(HostProgram):
                    "max_vision_patches is 0" if not self.pcfg.vision_buckets else
                    "its vision tokens are not in its vocabulary")
             raise InfeasibleError(f"this Program takes no images or videos: {why}")
-        if self.pcfg.speculative != "off":
-            raise InfeasibleError(f"images and videos are not supported with speculative="
-                                  f"{self.pcfg.speculative!r} yet (use speculative='off')")
+        if self.pcfg.speculative == "dflash":
+            raise InfeasibleError("images and videos are not supported with speculative="
+                                  "'dflash' (its drafter reads text positions only; use 'mtp' "
+                                  "or 'off')")
         v = self.cfg.vision
         for i, m in enumerate(media):
             if m.kind not in ("image", "video") or m.patches.ndim != 2 \
@@ -279,7 +281,9 @@ class Program(HostProgram):
                                             self._pools, inputs)
         return int(np.asarray(out.tokens)[0, 0]), _logprobs([seq], out)
 
-    def _run_decode(self, seqs: list[SeqRecord], limits: np.ndarray, last=None) -> tuple:
+    def _run_decode(self, seqs: list[SeqRecord], limits: np.ndarray, last=None,
+                    drafts: int | None = None) -> tuple:
+        drafts = self.pcfg.num_speculative_tokens if drafts is None else drafts
         inputs = DecodeInputs(
             commit=self._take_commit(len(seqs)),
             token_ids=np.array([s.tokens[-1] for s in seqs], np.int32) if last is None
@@ -291,11 +295,11 @@ class Program(HostProgram):
             step_index=np.array([s.frontier + 1 for s in seqs], np.int32), limit=limits,
             rope_delta=np.array([0 if s.rope is None else s.rope.delta for s in seqs],
                                 np.int32) if self.vision_on else None)
-        self._pools, out = self.executables(StepKey(StepKind.DECODE, len(seqs)), self.params,
-                                            self._pools, inputs)
-        # On the device; the PendingBatch reads them when asked. Without speculation every row
-        # proposes one token: nothing to read back for that.
-        produced = 1 if self.limits.verify_width == 1 else out.num
+        self._pools, out = self.executables(round_key(self.pcfg, len(seqs), drafts),
+                                            self.params, self._pools, inputs)
+        # On the device; the PendingBatch reads them when asked. A round of no drafts
+        # proposes one token a row: nothing to read back for that.
+        produced = 1 if drafts == 0 else out.num
         return out.tokens, produced, _logprobs(seqs, out), out.last
 
     def _run_commit(self, seqs: list[SeqRecord], accepted: np.ndarray, tokens: np.ndarray,

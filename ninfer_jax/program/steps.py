@@ -322,31 +322,59 @@ def _prefill_mtp(params: dict, cfg: ModelConfig, pools: Pools, hidden: jax.Array
 
 
 def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelConfig,
-                pcfg: ProgramConfig) -> tuple[Pools, StepOutputs]:
-    """One token for each of B rows, each at its own position with its own pages and slot."""
+                pcfg: ProgramConfig, drafter: DFlashConfig | None = None
+                ) -> tuple[Pools, StepOutputs]:
+    """One token for each of B rows, each at its own position with its own pages and slot.
+
+    In a speculative Program it is the round of 0 drafts and keeps what the next verify round
+    reads current, as a verify round would: the MTP head's K/V at the frontier's last position
+    and the new one (`verify_step`), or the drafter's context K/V of the new position. Its
+    tokens then come back [B, verify_width], the sampled one repeated (the commit's width)."""
     pools = commit_step(pools, inputs.commit)
-    slots = inputs.slots
+    slots, pos = inputs.slots, inputs.positions
     b = slots.shape[0]
     kv = PagedKV(layers=pools.kv, page_tables=inputs.page_tables,
-                 lengths=inputs.positions, num_valid=jnp.ones((b,), jnp.int32),
+                 lengths=pos, num_valid=jnp.ones((b,), jnp.int32),
                  impl=pcfg.attention_impl, pages_per_layer=pcfg.num_pages + 1)
-    rope = None if inputs.rope_delta is None else (inputs.positions + inputs.rope_delta)[:, None]
-    out = step(params, cfg, inputs.token_ids[:, None], inputs.positions,
+    rope = None if inputs.rope_delta is None else (pos + inputs.rope_delta)[:, None]
+    ctx = pools.ctx[slots][:, None]  # the hidden state at frontier - 1, before this step's
+    out = step(params, cfg, inputs.token_ids[:, None], pos,
                gdn_state(pools, slots, pcfg), kv, rope_positions=rope,
-               moe_sharding=pcfg.moe_sharding)
-    return _finish(pools, out, out.logits[:, 0], pools.output_counts[slots],
-                   pools.prompt_mask[slots], inputs, out.hidden[:, 0])
+               feature_layers=_feature_layers(drafter), moe_sharding=pcfg.moe_sharding)
+    pools, outputs = _finish(pools, out, out.logits[:, 0], pools.output_counts[slots],
+                             pools.prompt_mask[slots], inputs, out.hidden[:, 0])
+    if pcfg.speculative == "mtp":  # positions pos - 1 and pos: (hidden there, token after)
+        hidden = jnp.concatenate([ctx.astype(out.hidden.dtype), out.hidden], axis=1)
+        after = jnp.stack([inputs.token_ids, outputs.last], axis=1)
+        _, mkv = mtp_hidden(params, cfg, hidden, after, pos - 1,
+                            _mtp_kv(kv.with_layers(pools.kv), cfg, pos - 1,
+                                    jnp.full((b,), 2, jnp.int32)), pcfg.moe_sharding)
+        pools = pools.with_kv(mkv.layers)
+    if drafter is not None:
+        ring, _ = context_ring(drafter, pcfg)
+        pools = write_drafter_context(params, drafter, pools, slots, out.features, pos[:, None],
+                                      jnp.ones((b, 1), bool), ring)
+    return pools, dataclasses.replace(outputs, tokens=widen(outputs.tokens, pcfg.verify_width))
+
+
+def round_rope(inputs: DecodeInputs, t: int) -> jax.Array | None:
+    """A round's MRoPE positions [B, T] (positions + 0..T-1 + each row's delta), or None for a
+    model without a vision tower."""
+    if inputs.rope_delta is None:
+        return None
+    return (inputs.positions + inputs.rope_delta)[:, None] + jnp.arange(t, dtype=jnp.int32)
 
 
 def verify_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelConfig,
-                pcfg: ProgramConfig) -> tuple[Pools, StepOutputs]:
-    """A speculative round for B rows (module docstring): K MTP drafts, the model over the
-    last token and the drafts, the acceptance rule, then the head's K/V from the model's
-    hidden states. Row b proposes at most limit[b] tokens; positions past it write nothing
-    that is ever read."""
+                pcfg: ProgramConfig, drafts: int | None = None) -> tuple[Pools, StepOutputs]:
+    """A speculative round for B rows (module docstring): K MTP drafts (`drafts`, default
+    num_speculative_tokens), the model over the last token and the drafts, the acceptance
+    rule, then the head's K/V from the model's hidden states. Row b proposes at most limit[b]
+    tokens; positions past it write nothing that is ever read."""
     pools = commit_step(pools, inputs.commit)
     slots, pos, limit = inputs.slots, inputs.positions, inputs.limit
-    b, k = slots.shape[0], pcfg.num_speculative_tokens
+    b = slots.shape[0]
+    k = pcfg.num_speculative_tokens if drafts is None else drafts
     counts, masks = pools.output_counts[slots], pools.prompt_mask[slots]
     kv = PagedKV(layers=pools.kv, page_tables=inputs.page_tables, lengths=pos,
                  num_valid=limit, impl=pcfg.attention_impl, pages_per_layer=pcfg.num_pages + 1)
@@ -354,7 +382,7 @@ def verify_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
     # output at the previous position and draft j - 1, up to the row's limit.
     hidden = pools.ctx[slots][:, None]
     token = inputs.token_ids
-    drafts, probs = [], []
+    proposed, probs = [], []
     layers = kv.layers
     for j in range(k):
         at = pos - 1 + j
@@ -366,21 +394,31 @@ def verify_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
         token, q = draft_token(lm_head(params, cfg, hidden[:, 0]), inputs.sampling, counts,
                                masks, inputs.step_index + j)
         counts = count_tokens(counts, token, jnp.ones((b,), bool))
-        drafts.append(token)
+        proposed.append(token)
         probs.append(q)
-    drafts = jnp.stack(drafts, axis=1)  # [B, K]
-    ids = jnp.concatenate([inputs.token_ids[:, None], drafts], axis=1)  # [B, T]
+    drafted = jnp.stack(proposed, axis=1)  # [B, K]
+    ids = jnp.concatenate([inputs.token_ids[:, None], drafted], axis=1)  # [B, T]
     out = step(params, cfg, ids, pos, gdn_state(pools, slots, pcfg), kv.with_layers(layers), limit,
-               keep_states=True, moe_sharding=pcfg.moe_sharding)
-    verified = accept(out.logits, drafts, jnp.stack(probs, axis=1), inputs.sampling,
+               keep_states=True, rope_positions=round_rope(inputs, k + 1),
+               moe_sharding=pcfg.moe_sharding)
+    verified = accept(out.logits, drafted, jnp.stack(probs, axis=1), inputs.sampling,
                       pools.output_counts[slots], masks, inputs.step_index, limit)
     tokens, num = verified.tokens, verified.num
     # The head's K/V at positions pos..: (the model's hidden state there, the token after it).
     _, mkv = mtp_hidden(params, cfg, out.hidden, tokens, pos,
                         _mtp_kv(out.kv, cfg, pos, limit), pcfg.moe_sharding)
     pools = write_provisional(pools, mkv.layers, out.gdn, out.hidden)
+    tokens = widen(tokens, pcfg.verify_width)
     return pools, StepOutputs(tokens=tokens, num=num, logprobs=verified.logprobs,
                               top_ids=verified.top_ids, top_logprobs=verified.top_logprobs)
+
+
+def widen(tokens: jax.Array, width: int) -> jax.Array:
+    """A round's tokens [B, T] -> [B, width], the last repeated (a round of fewer drafts than
+    the Program's most commits with the same width)."""
+    t = tokens.shape[1]
+    return tokens if t == width else jnp.concatenate(
+        [tokens, jnp.repeat(tokens[:, -1:], width - t, axis=1)], axis=1)
 
 
 def capture_step(pools: Pools, inputs: CaptureInputs, *, pcfg: ProgramConfig,

@@ -273,15 +273,17 @@ class FakeProgram(HostProgram):
         return token, _logprob_arrays(np.array([[token]]), self.limits.vocab_size) if wanted \
             else None
 
-    def _run_decode(self, seqs: list[SeqRecord], limits: np.ndarray, last=None) -> tuple:
+    def _run_decode(self, seqs: list[SeqRecord], limits: np.ndarray, last=None,
+                    drafts: int | None = None) -> tuple:
         self._step()
         width = self.limits.verify_width
+        drafts = width - 1 if drafts is None else drafts
         tokens = np.zeros((len(seqs), width), np.int32)
         produced = np.zeros(len(seqs), np.int32)
         self._provisional = []
         for row, (s, limit) in enumerate(zip(seqs, limits)):
             state, token, states = self._committed[s.slot], s.tokens[-1], []
-            n = 1 + mix(state, 0xC0FFEE) % int(limit) if width > 1 else 1
+            n = 1 + mix(state, 0xC0FFEE) % int(limit) if drafts else 1
             for i in range(n):
                 state = mix(state, token)
                 states.append(state)

@@ -54,14 +54,16 @@ def _drafter(name: str):
 
 @functools.cache
 def dflash_program(name: str, k: int, max_concurrency: int = 4,
-                   head: str | None = None) -> Program:
+                   head: str | None = None, policy: str = "fixed") -> Program:
     """The MTP tests' settings; the baseline is their Program without speculation. The
     trained drafter drafts with the default head (the full proposal) unless `head` says; the
-    random one with its candidate selector."""
+    random one with its candidate selector. `policy`: ProgramConfig.draft_policy ("fixed":
+    only rounds of k drafts compile)."""
     m = load_model()
     head = head or ("full" if name == "trained" else "selector")
     pcfg = ProgramConfig(**{**PCFG, "max_concurrency": max_concurrency, "draft_head": head,
-                            "speculative": "dflash", "num_speculative_tokens": k})
+                            "speculative": "dflash", "num_speculative_tokens": k,
+                            "draft_policy": policy})
     dcfg, dparams = _drafter(name)
     prog = Program(m.config, {**m.params, "dflash": dparams}, pcfg, drafter=dcfg)
     prog.wait_compiled()
@@ -127,20 +129,18 @@ def _expected_context(prog: Program, tokens: list[int], frontier: int):
                       jnp.arange(frontier, dtype=jnp.int32)[None])
 
 
-@pytest.mark.slow  # ~50-70 s each; the Engine's DFlash greedy test (reuse on, off) stays
-@pytest.mark.parametrize("name,k", [("random", 3), ("trained", 4)])
-def test_the_ring_holds_the_targets_context_for_every_held_position(name, k):
-    """After prefill chunks and speculative rounds (rejected positions written too), every
-    entry the ring holds at the frontier equals the context K/V a full forward gives, and the
-    ring holds every position the next block can see."""
-    prog = dflash_program(name, k, 4 if name == "trained" else 2)
+def _check_ring(prog: Program, name: str, drafts) -> list[int]:
+    """Decodes one row, round r with drafts[r] drafts, and checks its ring against a full
+    forward; returns its tokens."""
     prompt = _prompts(1, prog.cfg.vocab_size, seed=7)[0]
     h = prog.materialize(prog.plan_admission(len(prompt), 48), prompt, GREEDY)
     while (b := prog.prefill(h)) is None:
         pass
     prog.commit(b, [1])
-    for _ in range(10):
-        b = prog.decode([h])
+    for k in drafts:
+        if prog.num_generated(h) == 48:
+            break
+        b = prog.decode([h], drafts=k)
         prog.commit(b, b.produced.tolist())
     seq = prog._seq(h)
     frontier, tokens = seq.frontier, prog.tokens(h)
@@ -155,6 +155,29 @@ def test_the_ring_holds_the_targets_context_for_every_held_position(name, k):
         np.testing.assert_allclose(got_k[i], want_k[pos[i]], atol=2e-5)
         np.testing.assert_allclose(got_v[i], want_v[pos[i]], atol=2e-5)
     prog.release(h)
+    return tokens
+
+
+@pytest.mark.slow  # ~50-70 s each; the Engine's DFlash greedy test (reuse on, off) stays
+@pytest.mark.parametrize("name,k", [("random", 3), ("trained", 4)])
+def test_the_ring_holds_the_targets_context_for_every_held_position(name, k):
+    """After prefill chunks and speculative rounds (rejected positions written too), every
+    entry the ring holds at the frontier equals the context K/V a full forward gives, and the
+    ring holds every position the next block can see."""
+    _check_ring(dflash_program(name, k, 4 if name == "trained" else 2), name, [None] * 10)
+
+
+def test_rounds_of_any_draft_count_keep_greedy_output_and_the_ring():
+    """An adaptive Program (rounds of 0, 1, 3 and 7 drafts) switching K every round: the
+    greedy tokens of no speculation, and a ring that holds the target's context (a round of
+    0 drafts writes its position as a verify round does)."""
+    prog = dflash_program("trained", 7, 1, policy="adaptive")
+    assert prog.pcfg.round_drafts == (0, 1, 3, 7)
+    ks = [0, 7, 0, 0, 3, 1, 0, 7, 3, 0, 0, 0, 7, 7, 1, 0, 3, 0]
+    prompt = _prompts(1, prog.cfg.vocab_size, seed=7)[0]
+    generated = _check_ring(prog, "trained", ks)[len(prompt):]
+    assert len(generated) > 20
+    assert generated == generate(spec_program("demo", 0), [prompt], budget=len(generated))[0][0]
 
 
 @pytest.mark.slow  # ~60 s; the Engine's DFlash test with reuse on stays in the default run

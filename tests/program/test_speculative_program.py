@@ -34,13 +34,14 @@ def _model(name: str):
 
 
 @functools.lru_cache(maxsize=None)
-def spec_program(name: str, k: int, max_concurrency: int = 4) -> Program:
+def spec_program(name: str, k: int, max_concurrency: int = 4, policy: str = "fixed") -> Program:
     """Every exact B of 1..max_concurrency is compiled, which dominates these tests' time: the
     default tier runs B = 1..4 at K = 2, the slow tier B = 1..8 at K = 1, 2, 3."""
     cfg, params = _model(name)
     pcfg = ProgramConfig(**{**PCFG, "max_concurrency": max_concurrency,
                             "num_checkpoint_slots": 4 if name == "demo" else 0,
-                            "speculative": "mtp" if k else "off", "num_speculative_tokens": k})
+                            "speculative": "mtp" if k else "off", "num_speculative_tokens": k,
+                            "draft_policy": policy})
     prog = Program(cfg, params, pcfg)
     prog.wait_compiled()
     return prog
@@ -52,10 +53,11 @@ def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def generate(prog: Program, prompts, budget: int = BUDGET, order=None, accept=None,
-             sources=None):
+             sources=None, drafts=None):
     """Greedy continuations of `prompts`, decoded together; one row joins per round in `order`
     while fewer than max_concurrency decode.
     `accept(produced)` picks how many of a row's round tokens to commit (default: all);
+    `drafts(round)` the round's draft count (default: the most);
     `sources[i]` a checkpoint to start row i from. Returns (outputs, produced per row-round)."""
     order = list(range(len(prompts))) if order is None else list(order)
     live: dict[int, object] = {}
@@ -73,9 +75,11 @@ def generate(prog: Program, prompts, budget: int = BUDGET, order=None, accept=No
             live[i] = h
         rows = [i for i, h in live.items() if prog.num_generated(h) < budget]
         if rows:
-            b = prog.decode([live[i] for i in rows])
+            k = None if drafts is None else drafts(len(produced_log))
+            b = prog.decode([live[i] for i in rows], drafts=k)
             produced = b.produced.tolist()
-            assert all(1 <= n <= prog.pcfg.verify_width for n in produced)
+            assert all(1 <= n <= prog.pcfg.verify_width if k is None else k + 1
+                       for n in produced)
             produced_log.extend(produced)
             prog.commit(b, [accept(n) if accept else n for n in produced])
         for i in [i for i, h in live.items() if prog.num_generated(h) >= budget]:
@@ -114,6 +118,41 @@ def _check_greedy_equal(name: str, k: int, max_concurrency: int, n: int) -> list
 def test_greedy_equals_no_speculation_at_every_batch_and_arrival_order():
     produced = _check_greedy_equal("demo", 2, 4, 4)
     assert np.mean(produced) > 1.3  # the trained head's drafts are often right
+
+
+def test_rounds_of_any_draft_count_keep_greedy_output_and_the_heads_kv():
+    """An adaptive Program decodes each round with any compiled K (0 = the plain step): the
+    same greedy tokens as no speculation, and a round of 0 drafts leaves the MTP head's K/V at
+    every committed position as verify rounds do (what later drafts read)."""
+    prog = spec_program("demo", 2, 2, "adaptive")
+    assert prog.pcfg.round_drafts == (0, 1, 2)
+    prompts = _prompts(3, prog.cfg.vocab_size, seed=3)
+    want = generate(spec_program("demo", 0, 2), prompts)[0]
+    ks = np.random.default_rng(0).integers(0, 3, size=400).tolist()
+    got, produced = generate(prog, prompts, drafts=lambda r: ks[r % 400])
+    assert got == want
+    assert max(produced) == 3 and min(produced) == 1
+
+    def head_kv(k: int) -> np.ndarray:  # the head's K at every committed position of a row
+        plan = prog.plan_admission(len(prompts[0]), BUDGET, None)
+        h = prog.materialize(plan, prompts[0], GREEDY)
+        while (b := prog.prefill(h)) is None:
+            pass
+        prog.commit(b, [1])
+        while prog.num_generated(h) < 12:
+            b = prog.decode([h], drafts=k)
+            prog.commit(b, [min(n, 12 - prog.num_generated(h)) for n in b.produced.tolist()])
+        seq, per_layer = prog._seq(h), prog.pcfg.num_pages + 1
+        first = prog.cfg.num_attention_layers  # the head's layers follow the model's
+        k_pool = np.asarray(prog.pools.kv[0])
+        rows = [k_pool[(first + layer) * per_layer + p] for layer in
+                range(k_pool.shape[0] // per_layer - first) for p in seq.pages]
+        kv = np.concatenate(rows).reshape(-1, len(seq.pages) * prog.pcfg.page_size,
+                                          *k_pool.shape[2:])[:, : seq.frontier - 1]
+        prog.release(h)
+        return kv
+
+    np.testing.assert_allclose(head_kv(0), head_kv(2), atol=2e-4)
 
 
 @pytest.mark.slow  # ~50 s; the Engine's MTP greedy test (reuse on and off) stays by default
