@@ -113,6 +113,10 @@ def stats_html(s: Any) -> str:
         rows.append(("speculative", f"{sp.method} K={sp.num_speculative_tokens}: "
                                     f"{sp.mean_accepted_tokens:.2f} tokens per row-round, "
                                     f"acceptance by position [{by_pos}]"))
+        if sp.policy == "adaptive":
+            chosen = ", ".join(f"K={k}: {n}" for k, n in sp.rounds_by_drafts)
+            rows.append(("draft policy", f"adaptive, rounds {chosen or 'none yet'}, estimated "
+                                         f"gain {sp.estimated_gain:.2f}x"))
     t = s.tiers
     if t.tiers:
         hits = ", ".join(f"{k} {v}" for k, v in t.hits_by_tier) or "none"

@@ -87,6 +87,9 @@ class SamplingParams:
     # the end of the block and the answer goes on in the content channel (None: no budget;
     # for no thinking at all, render the prompt with enable_thinking=False).
     max_thinking_tokens: int | None = None
+    # "off": this request's rounds draft nothing, even in an Engine opened with speculation
+    # ("on", the default: the Engine's draft policy chooses, `engine/spec_policy.py`).
+    speculative: str = "on"
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -131,6 +134,9 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(f"{name} must be a bool, got "
                                           f"{getattr(self, name)!r:.40}")
+        if self.speculative not in ("on", "off"):
+            raise SamplingParamsError(f"speculative must be 'on' or 'off', got "
+                                      f"{self.speculative!r:.40}")
         n = self.logprobs
         if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer))
                               or not 0 <= n <= MAX_LOGPROBS):
@@ -188,7 +194,7 @@ _ALLOWED = {
     "max_thinking_tokens": "None or an integer >= 1 (no thinking: enable_thinking=False)",
 }
 _CHECKED_APART = frozenset({"stop", "stop_token_ids", "min_tokens", "ignore_eos",
-                            "skip_special_tokens", "logprobs", "structured"})
+                            "skip_special_tokens", "logprobs", "structured", "speculative"})
 _NONE_ALLOWED = frozenset({"seed", "max_thinking_tokens"})
 _FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 

@@ -35,7 +35,8 @@ from ninfer_jax.engine.handle import AsyncRequestHandle, CapacityToken, EventSin
 from ninfer_jax.engine.request import InvariantError, RequestRecord, RequestState
 from ninfer_jax.engine.resources import LaneState, ResourceManager
 from ninfer_jax.engine.scheduler import ControlUnit, DecodeUnit, PrefillUnit, Scheduler
-from ninfer_jax.engine.spec_stats import SpeculativeCounter, SpeculativeStats
+from ninfer_jax.engine.spec_policy import DraftPolicy, RowAcceptance, RowOutlook
+from ninfer_jax.engine.spec_stats import SpeculativeStats
 from ninfer_jax.engine.tiers import ContextTiers, TierStats
 from ninfer_jax.engine.transactions import TransactionStats, Transition
 from ninfer_jax.errors import ConfigError
@@ -157,8 +158,11 @@ class EngineCore:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._generated = 0
-        self._speculative = SpeculativeCounter(self.limits.verify_width - 1,
-                                               self.limits.speculative)
+        # Each decode round's K and what it measured (`spec_policy`); the rows' limits of the
+        # rounds in flight by batch id.
+        self._drafts = DraftPolicy(self.limits.round_drafts, self.limits.speculative,
+                                   adaptive=True)
+        self._round_limits: dict[int, tuple[int, list[int]]] = {}
         self._finished = 0
         self._backfilled = 0
         # Committed round output (record, Frontend preview) not yet published: it goes out
@@ -760,37 +764,63 @@ class EngineCore:
             records = list(unit.records)
             if self._ahead is not None:
                 if self._ahead[1] == records and self._chainable(records, ahead=True):
-                    self._chain(records)
-                    return
+                    plan = self._plan_round(records)
+                    if plan[0] == 0:  # the next round drafts nothing either
+                        self._chain(records, plan[1])
+                        return
                 self._land()  # the round ahead first; the next iteration plans afresh
                 return
-            # A row may not run past the point where its Frontend will force control (counting
-            # the previous round, committed but not yet published to its session).
-            unpublished = {r.request_id: p for r, p, _ in self._unpublished}
-            caps = [r.session.tokens_before_control(unpublished.get(r.request_id))
-                    for r in records]
-            # Grammar rows: the mask of each row's next token (its matcher is at the committed
-            # output; the Program drafts nothing for them).
-            masks = [_mask(r) for r in records]
+            k, outlooks, caps, masks = self._plan_round(records)
             batch = self.program.decode([r.seq for r in records],
                                         None if all(c is None for c in caps) else caps,
-                                        None if all(m is None for m in masks) else masks)
-            self._count_round(len(records))
+                                        None if all(m is None for m in masks) else masks,
+                                        drafts=k)
+            self._dispatched(batch, k, outlooks)
             # The round runs on the device now: publish the previous round's committed output
             # meanwhile (its Program commit is done; reading batch.tokens waits for this one).
             self._publish_committed()
-            if self._chainable(records, ahead=False):
+            if k == 0 and self._chainable(records, ahead=False):
                 self._ahead = (batch, records)  # the next iteration dispatches the next round
                 return
         self._commit_and_publish(batch, records)
 
+    def _plan_round(self, records: list[RequestRecord]) -> tuple:
+        """The next decode round of these rows: (its K, the rows' RowOutlooks, caps, masks).
+        A row may not run past the point where its Frontend will force control (counting the
+        previous round, committed but not yet published to its session); grammar rows get the
+        mask of their next token (the matcher is at the committed output) and, like rows of
+        requests with speculative="off", draft nothing."""
+        unpublished = {r.request_id: p for r, p, _ in self._unpublished}
+        caps = [r.session.tokens_before_control(unpublished.get(r.request_id))
+                for r in records]
+        masks = [_mask(r) for r in records]
+        outlooks = []
+        for r, cap, mask in zip(records, caps, masks):
+            budget = r.sampling.max_new_tokens - r.completion_tokens
+            budget = budget if cap is None else min(budget, cap)
+            drafts = mask is None and r.sampling.speculative == "on"
+            if drafts and r.acceptance is None:
+                r.acceptance = RowAcceptance(self.limits.verify_width - 1)
+            outlooks.append(RowOutlook(r.acceptance if drafts else None, budget))
+        k = self._drafts.choose(outlooks, self.program.round_ready)
+        if k:  # rows that draft nothing propose one token
+            caps = [o.budget if o.acceptance is not None else 1 for o in outlooks]
+        return k, outlooks, caps, masks
+
+    def _dispatched(self, batch: Any, k: int, outlooks: list[RowOutlook]) -> None:
+        self._drafts.dispatched(k, outlooks)
+        self._round_limits[batch.batch_id] = (
+            k, [1 if o.acceptance is None else max(1, min(k + 1, o.budget)) for o in outlooks])
+        self._count_round(len(outlooks))
+
     # Rounds ahead (EngineCoreConfig.overlap) -------------------------------------------------
     def _chainable(self, records: list[RequestRecord], ahead: bool) -> bool:
         """Whether the next round of these rows may be dispatched before this one's output is
-        processed: plain decode rows (no speculation, grammar or thinking budget: nothing the
-        next round needs from this one's text), none cancelled or past its deadline, and
-        budget for a token after this round's (`ahead`: this round's is not counted yet)."""
-        if not self.config.overlap or self.limits.verify_width != 1:
+        processed: plain decode rows (a round of no drafts; no grammar or thinking budget:
+        nothing the next round needs from this one's text), none cancelled or past its
+        deadline, and budget for a token after this round's (`ahead`: this round's is not
+        counted yet)."""
+        if not self.config.overlap:
             return False
         now = time.monotonic()
         spent = 2 if ahead else 1
@@ -809,7 +839,7 @@ class EngineCore:
                 and (self.tiers is None or not self.tiers.reads_in_flight)
                 and self._chainable(rows, ahead=True))
 
-    def _chain(self, records: list[RequestRecord]) -> None:
+    def _chain(self, records: list[RequestRecord], outlooks: list[RowOutlook]) -> None:
         """Publishes the round before, commits the round ahead in the Program (one token a
         row, not yet read), dispatches the next round of the same rows (it takes those tokens
         on the device), then turns the committed round into events while the next computes.
@@ -818,8 +848,8 @@ class EngineCore:
         _check_membership(batch, records)
         self._publish_committed()
         self.program.commit(batch, [1] * len(records))  # DESIGN §6: commit before publish
-        self._ahead = (self.program.decode([r.seq for r in records]), records)
-        self._count_round(len(records))
+        self._ahead = (self.program.decode([r.seq for r in records], drafts=0), records)
+        self._dispatched(self._ahead[0], 0, outlooks)
         self._commit_and_publish(batch, records, committed=True)
         if any(r.state is not S.DECODE_READY for r in records):
             self._drop_ahead()
@@ -834,6 +864,7 @@ class EngineCore:
         seed and position)."""
         batch, _ = self._ahead
         self._ahead = None
+        self._round_limits.pop(batch.batch_id, None)
         self.program.abort_pending(batch)
 
     def _land(self) -> None:
@@ -855,7 +886,13 @@ class EngineCore:
         _check_membership(batch, records)
         start = time.monotonic()
         batch.tokens  # noqa: B018 - waits for the round's step: counted apart from host work
-        self._rounds[3] += time.monotonic() - start
+        now = time.monotonic()
+        self._rounds[3] += now - start
+        k, limits = self._round_limits.pop(batch.batch_id, (0, [1] * len(records)))
+        if batch.kind is BatchKind.DECODE:
+            self._drafts.round_done(k, len(records), now)
+        else:
+            self._drafts.interrupt()
         previews, accepted = [], []
         for row, r in enumerate(records):
             if not committed and r.cancel_requested.is_set():
@@ -885,9 +922,8 @@ class EngineCore:
             if preview is None:
                 self._terminal(r, FinishReason.CANCELLED)
                 continue
-            if batch.kind is BatchKind.DECODE and self._speculative.k:
-                self._speculative.add_row(int(batch.produced[row]), n,
-                                          r.sampling.max_new_tokens - r.completion_tokens)
+            if batch.kind is BatchKind.DECODE and k:
+                self._drafts.add_row(r.acceptance, k, limits[row], int(batch.produced[row]), n)
             n = preview.num_accepted  # the forced tokens too: they are output
             r.completion_tokens += n
             self._generated += n
@@ -981,6 +1017,7 @@ class EngineCore:
             self._available = False
             self._failure = message
         self._ahead = None
+        self._round_limits.clear()
         pending = self.program.pending
         if pending is not None and not pending.consumed:
             _best_effort(self.program.abort_pending, pending)
@@ -1027,7 +1064,7 @@ class EngineCore:
             total_slots=ps.total_slots, generated_tokens=self._generated,
             finished_requests=self._finished, backfilled=self._backfilled,
             prefix=self.catalog.stats(*self.program.checkpoint_footprint()),
-            speculative=self._speculative.snapshot(),
+            speculative=self._drafts.stats(),
             transactions=self.resources.transactions.stats(),
             tiers=self.tiers.stats() if self.tiers is not None else TierStats(()),
             rounds=RoundStats(*self._rounds))

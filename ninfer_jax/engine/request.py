@@ -74,6 +74,7 @@ class RequestRecord:
     grammar: Any = None  # the Frontend's GrammarMatcher of a structured request, advanced
     #   with exactly the tokens committed to the Program
     cancel_requested: threading.Event = dataclasses.field(default_factory=threading.Event)
+    acceptance: Any = None  # its drafts' RowAcceptance (`spec_policy`), from its first round
 
     def move(self, new: RequestState) -> None:
         if new not in TRANSITIONS[self.state]:

@@ -76,6 +76,10 @@ flags.DEFINE_enum("draft_head", None, ["full", "selector"],
                   "generate, chat, serve: with --speculative=dflash, what turns a block into "
                   "drafts: the full lm-head proposal (default) or the drafter's candidate "
                   "selector")
+flags.DEFINE_enum("draft_policy", None, ["adaptive", "fixed"],
+                  "generate, chat, serve: with --speculative, how a round's draft count is "
+                  "chosen: adaptive (default: 0..K by measured step times and acceptance) or "
+                  "fixed (always K)")
 flags.DEFINE_string("drafter", None, "generate, chat, serve: the DFlash drafter with "
                     "--speculative=dflash (a checkpoint directory; default: the model's "
                     "drafter/ directory, or the embedded model's shipped drafter); convert: a "
@@ -131,8 +135,9 @@ def speculative_settings() -> dict:
         if getattr(FLAGS, name) is not None and FLAGS.speculative != "dflash":
             raise app.UsageError(f"--{name} needs --speculative=dflash")
     if FLAGS.speculative == "off":
-        if FLAGS.num_speculative_tokens is not None:
-            raise app.UsageError("--num_speculative_tokens needs --speculative=mtp or dflash")
+        for name in ("num_speculative_tokens", "draft_policy"):
+            if getattr(FLAGS, name) is not None:
+                raise app.UsageError(f"--{name} needs --speculative=mtp or dflash")
         return {}
     settings = {"speculative": FLAGS.speculative}
     if FLAGS.num_speculative_tokens is not None:
@@ -145,6 +150,8 @@ def speculative_settings() -> dict:
         settings["drafter"] = FLAGS.drafter
     if FLAGS.draft_head is not None:
         settings["draft_head"] = FLAGS.draft_head
+    if FLAGS.draft_policy is not None:
+        settings["draft_policy"] = FLAGS.draft_policy
     return settings
 
 
@@ -282,6 +289,9 @@ def stats_line(stats: Any) -> str:
                  f"{spec.verify_rows} verify rows,"
                  f" mean accepted tokens {spec.mean_accepted_tokens:.2f}, acceptance by "
                  f"position [{by_position}]")
+        if spec.policy == "adaptive":
+            chosen = ", ".join(f"{k}: {n}" for k, n in spec.rounds_by_drafts)
+            line += f", rounds by K {{{chosen}}}, estimated gain {spec.estimated_gain:.2f}x"
     else:
         line += "; speculative off"
     t = stats.tiers

@@ -206,6 +206,15 @@ class ExecutableTable:
             if on_ready is not None:
                 on_ready(key)
 
+    def is_ready(self, key: StepKey) -> bool:
+        """Whether calling `key` would not wait for a compile (a failed one counts as not)."""
+        if key in self._table:
+            return True
+        with self._lock:
+            future = self._pending.get(key)
+        return future is not None and future.done() and not future.cancelled() \
+            and future.exception() is None
+
     @property
     def ready(self) -> bool:
         with self._lock:

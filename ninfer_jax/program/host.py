@@ -669,6 +669,11 @@ class HostProgram(abc.ABC):
                                      last=ids[0] if ids else None)
         return self._pending
 
+    def round_ready(self, drafts: int, batch: int) -> bool:
+        """Whether a decode round of `drafts` drafts and `batch` rows runs without waiting for
+        its compile (any thread)."""
+        return True
+
     def control(self, handle: SequenceHandle, forced: Sequence[int],
                 mask: np.ndarray | None = None) -> PendingBatch:
         """Forced control (DESIGN §3 ControlReady): runs `forced` (the Frontend's tokens, never

@@ -129,6 +129,9 @@ class Program(HostProgram):
             b.update(len(keys) - len(self.executables.pending()))
             self.executables.wait(on_ready=lambda key: b.update(1))
 
+    def round_ready(self, drafts: int, batch: int) -> bool:
+        return self.executables.is_ready(round_key(self.pcfg, batch, drafts))
+
     def hold_compiles(self, held: bool) -> None:
         self.executables.hold(held)
 

@@ -207,8 +207,9 @@ class FakeProgram(HostProgram):
 
     def decode(self, handles: Sequence[SequenceHandle],
                caps: Sequence[int | None] | None = None,
-               masks: Sequence[np.ndarray | None] | None = None) -> PendingBatch:
-        batch = super().decode(handles, caps, masks)
+               masks: Sequence[np.ndarray | None] | None = None,
+               drafts: int | None = None) -> PendingBatch:
+        batch = super().decode(handles, caps, masks, drafts)
         self._at("after_decode", [self._seq(h) for h in handles])
         return batch
 

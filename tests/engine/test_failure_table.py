@@ -47,8 +47,8 @@ def test_a_pending_batch_whose_rows_are_not_the_rounds_fails_the_engine():
         handles = _start_two(core, program)
         decode = type(program).decode
 
-        def swapped(handles, *args):  # the Program answers for the rows in another order
-            return decode(program, list(reversed(handles)), *args)
+        def swapped(handles, *args, **kw):  # the Program answers for the rows in another order
+            return decode(program, list(reversed(handles)), *args, **kw)
 
         program.decode = swapped
         _assert_failed_cleanly(core, program, handles, "membership")
@@ -61,11 +61,11 @@ def test_a_sequence_released_behind_the_engine_fails_it():
         decode = type(program).decode
         done = []
 
-        def stale(handles, *args):  # on the worker thread, before the next round
+        def stale(handles, *args, **kw):  # on the worker thread, before the next round
             if not done:
                 done.append(handles[0])
                 program.release(handles[0])  # as if another owner had taken it back
-            return decode(program, handles, *args)
+            return decode(program, handles, *args, **kw)
 
         program.decode = stale
         _assert_failed_cleanly(core, program, handles, "stale sequence handle")

@@ -45,10 +45,11 @@ MAX_CONCURRENCY = 4
 @functools.cache
 def _opened(k: int, method: str = "mtp", settings: tuple = tuple(SETTINGS.items())):
     """(Program, Frontend, model path) of `Engine.open` on the demo model, K = k (0: off) with
-    `method`'s drafts, compiled. The Engines below run on it one at a time, each with its own
+    `method`'s drafts, every round of K unless `settings` names another draft_policy, compiled. The Engines below run on it one at a time, each with its own
     EngineCore (prefix reuse is the EngineCore's setting)."""
-    spec = {"speculative": method, "num_speculative_tokens": k} if k else {}
-    opened = Engine.open(**{"max_concurrency": MAX_CONCURRENCY, **dict(settings)}, **spec)
+    spec = {"speculative": method, "num_speculative_tokens": k,
+            "draft_policy": "fixed"} if k else {}
+    opened = Engine.open(**{"max_concurrency": MAX_CONCURRENCY, **spec, **dict(settings)})
     opened.core.program.wait_compiled()
     opened.close()  # stops its worker; the Program stays usable
     return opened.core.program, opened.frontend, opened.model_path
@@ -246,6 +247,37 @@ def test_seeded_sampling_is_reproducible_alone_or_in_any_company():
             got = _run(e, everyone, order, arrival)
             assert {i: got[i].token_ids for i in range(3)} == alone, arrival
     assert len({alone[i] for i in range(3)}) == 3
+
+
+def test_the_adaptive_policy_keeps_greedy_output_and_per_request_off_drafts_nothing():
+    """draft_policy="adaptive" (the default): each round's K is chosen among 0..K from what
+    the Engine measured (its first rounds at a B try every K), rows of requests with
+    speculative="off" propose one token a round, and every output is the greedy one of
+    speculation off whatever K its rounds had."""
+    opened = _opened(K, "mtp", tuple({**SETTINGS, "draft_policy": "adaptive"}.items()))
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    off = dataclasses.replace(greedy, speculative="off")
+    texts = ["Once upon a time", "The dog ran to the", "Tom and Sue", "One day, a little"]
+    with engine(0) as (e, _):
+        want = [e.submit(prompt=t, sampling=greedy).result(120).token_ids for t in texts]
+    with engine(K, opened=opened) as (e, rows):
+        alone = e.submit(prompt=texts[0], sampling=greedy).result(120)  # B = 1: explores
+        spec = e.stats().speculative
+        assert spec.policy == "adaptive"
+        assert {k for k, n in spec.rounds_by_drafts} == {0, 1, 2}
+        assert {(k, b) for k, b, _ in spec.round_ms} == {(0, 1), (1, 1), (2, 1)}
+        rows.clear()
+        handles = [e.submit(prompt=t, sampling=off if i % 2 else greedy)
+                   for i, t in enumerate(texts)]
+        got = [h.result(120).token_ids for h in handles]
+    assert [alone.token_ids, *got[1:]] == want and got[0] == want[0]
+    for i, t in enumerate(texts):
+        ids = list(opened[1].prepare(prompt=t).token_ids)
+        others = [list(opened[1].prepare(prompt=o).token_ids) for o in texts if o != t]
+        produced = [r.produced for r in rows if r.kind is BatchKind.DECODE
+                    and list(r.tokens[:len(ids)]) == ids
+                    and not any(list(r.tokens[:len(o)]) == o for o in others if len(o) > len(ids))]
+        assert produced and (max(produced) == 1 if i % 2 else True), (t, produced)
 
 
 def test_speculative_stats_add_up():

@@ -42,16 +42,17 @@ class ThinkingFakeProgram(FakeProgram):
 
 def make_engine(max_concurrency: int = 4, *, max_queue: int = 64, max_seq_len: int = 512,
                 step_seconds: float = 0.0, eos: bool = True, checkpoints: int = 8,
-                verify_width: int = 1, frontend: Frontend = FRONTEND, **program_kw) -> Engine:
+                verify_width: int = 1, round_drafts: tuple[int, ...] | None = None,
+                frontend: Frontend = FRONTEND, **program_kw) -> Engine:
     """An Engine over the (thinking) FakeProgram with prefix reuse (`checkpoints` slots);
     `eos=False`: answers run to their budget; `verify_width` > 1: speculative rounds of up to
-    that many tokens."""
+    that many tokens (`round_drafts`: the draft counts the draft policy may choose)."""
     limits = ProgramLimits(
         max_seq_len=max_seq_len, page_size=PAGE_SIZE,
         total_pages=max_concurrency * (max_seq_len // PAGE_SIZE), total_slots=max_concurrency,
         max_concurrency=max_concurrency, prefill_chunk=64, vocab_size=TOKENIZER.vocab_size,
         total_checkpoint_slots=checkpoints, verify_width=verify_width,
-        rewrites_below_frontier=int(verify_width > 1))
+        rewrites_below_frontier=int(verify_width > 1), round_drafts=round_drafts)
     program = ThinkingFakeProgram(limits, eos_id=EOS if eos else None, step_seconds=step_seconds, **program_kw)
     core = EngineCore(program, frontend, EngineCoreConfig(max_queue=max_queue, idle_wait_s=0.01))
     return Engine(core, frontend, None)

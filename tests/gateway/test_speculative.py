@@ -99,14 +99,24 @@ def _metrics(url: str) -> dict[str, float]:
 
 
 def test_metrics_expose_the_speculative_statistics():
-    with served(make_engine(verify_width=3, eos=False)) as server:
+    """An Engine whose rounds may draft 0, 1 or 2 tokens (the adaptive policy); one request
+    asks for no speculation with the `speculative` extension field."""
+    with served(make_engine(verify_width=3, eos=False, round_drafts=(0, 1, 2))) as server:
         for i in range(4):
             r = httpx.post(f"{server.url}/v1/completions", timeout=30, json={
-                "model": MODEL, "prompt": f"story {i}", "max_tokens": 12, "temperature": 0})
+                "model": MODEL, "prompt": f"story {i}", "max_tokens": 24, "temperature": 0,
+                **({"speculative": False} if i == 3 else {})})
             assert r.status_code == 200, r.text
+        r = httpx.post(f"{server.url}/v1/completions", timeout=30, json={
+            "model": MODEL, "prompt": "x", "speculative": "no"})
+        assert r.status_code == 400 and "speculative" in r.text, r.text
         spec = wait_idle(server.server.config.app.state.server.engine).speculative
         assert spec.verify_rows > 0 and spec.mean_accepted_tokens > 1
-        assert _metrics(server.url) == {
+        assert spec.policy == "adaptive" and len(spec.rounds_by_drafts) >= 2
+        rounds = {f'ninfer_speculative_rounds_total{{drafts="{k}"}}': float(n)
+                  for k, n in spec.rounds_by_drafts}
+        assert _metrics(server.url) == {**rounds,
+            "ninfer_speculative_estimated_gain": spec.estimated_gain,
             f'ninfer_speculative_method{{method="{spec.method}"}}': 1.0,
             "ninfer_speculative_tokens": 2.0,
             "ninfer_speculative_verify_rows_total": spec.verify_rows,
@@ -118,6 +128,7 @@ def test_metrics_expose_the_speculative_statistics():
 
 def test_metrics_without_speculation(server):
     assert _metrics(server.url) == {'ninfer_speculative_method{method="off"}': 1.0,
+                                    "ninfer_speculative_estimated_gain": 0.0,
                                     "ninfer_speculative_tokens": 0.0,
                                     "ninfer_speculative_verify_rows_total": 0.0,
                                     "ninfer_speculative_mean_accepted_tokens": 0.0}

@@ -104,6 +104,16 @@ class _EngineCollector:
         for i, rate in enumerate(spec.acceptance_by_position):
             by_position.add_metric([str(i)], rate)
         yield by_position
+        rounds = CounterMetricFamily("ninfer_speculative_rounds",
+                                     "decode rounds by their draft count K (the draft policy's "
+                                     "choice)", labels=["drafts"])
+        for k, n in spec.rounds_by_drafts:
+            rounds.add_metric([str(k)], n)
+        yield rounds
+        yield GaugeMetricFamily("ninfer_speculative_estimated_gain",
+                                "chosen rounds' expected tokens/s over rounds of no drafts, "
+                                "as the adaptive policy estimates them (0: not measured)",
+                                value=spec.estimated_gain)
         yield from _tier_metrics(s.tiers)
 
 

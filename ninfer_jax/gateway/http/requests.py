@@ -34,7 +34,8 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency
 # `user`/`metadata` (a session key and bookkeeping), `store` false, `service_tier`.
 _SHARED = ("model", "stream", "cache_salt", "allow_control_tokens")
 _OPENAI_SAMPLING = (*_FLOAT_FIELDS, "top_k", "seed", "stop", "min_tokens", "ignore_eos",
-                    "stop_token_ids", "skip_special_tokens", "max_thinking_tokens")
+                    "stop_token_ids", "skip_special_tokens", "max_thinking_tokens",
+                    "speculative")
 CHAT_FIELDS = frozenset({
     *_SHARED, *_OPENAI_SAMPLING, "messages", "max_tokens", "max_completion_tokens", "n",
     "stream_options", "user", "metadata", "store", "service_tier", "logprobs", "top_logprobs",
@@ -202,6 +203,9 @@ def _openai_sampling(body: Fields) -> dict[str, Any]:
         sampling["top_k"] = 0  # -1 = off, as vLLM
     sampling["stop"] = body.stop("stop")
     copy_fields(body, sampling, Fields.boolean, ("ignore_eos", "skip_special_tokens"))
+    speculative = body.boolean("speculative")  # an extension: false = this request drafts nothing
+    if speculative is not None:
+        sampling["speculative"] = "on" if speculative else "off"
     ids = body.array("stop_token_ids")
     if ids is not None:
         for i, t in enumerate(ids):

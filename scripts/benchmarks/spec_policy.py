@@ -1,0 +1,189 @@
+"""The draft policy against fixed K and no speculation, through the Engine, on the embedded model.
+
+    python scripts/bench.py --suite=spec_policy --out=DIR
+    BENCH_SPECPOL_METHOD=dflash python scripts/bench.py --suite=spec_policy --out=DIR
+
+One method per run (each group's Programs stay mapped together; both methods in one process
+would pass vm.max_map_count, see `spec.py`'s REPEAT). The sides are Engines over Programs of the
+demo model (max_concurrency 4, every executable compiled before the first turn), all ours, so
+they share this process (`_abab.LocalSide`) and take turns: "off" (no speculation), "K=k"
+(`draft_policy="fixed"`: every round drafts k) for each k of BENCH_SPECPOL_KS, and "policy"
+(`draft_policy="adaptive"`, K = the largest of them: each round's K, 0 included, chosen from
+what that Engine measured). A turn submits the first B story prompts of
+`_engine_vs_program.py` together, greedy, `ignore_eos`, NEW_TOKENS each, and times from submit
+to the last result: the user's tok/s (B * NEW_TOKENS / seconds; the short prompts' prefill is
+in it, the same on every side). Each Engine lives through all turns, as a server does: the
+policy's measurements carry from one request to the next (its first requests, the warm-up
+turns, explore every K).
+
+Reported per B: each side's tok/s (median [min-max] over turns), its ratio to "off" per turn
+pair, "policy" over the best fixed K per turn pair, whether every side's tokens equal "off"'s,
+the policy's rounds by K, and the 1-minute load average. Targets ([spec-policy]): policy >=
+0.97x off and >= 0.9x the best fixed K at every B.
+
+Settings (environment): BENCH_SPECPOL_METHOD=mtp (or dflash)  BENCH_SPECPOL_KS (mtp: 1,2,3;
+dflash: 4,8,15)  BENCH_SPECPOL_BATCHES=1,4  BENCH_SPECPOL_NEW_TOKENS=128  BENCH_SPECPOL_REPS=5
+BENCH_SPECPOL_WARMUP=2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+from scripts.benchmarks._abab import LocalSide, alternate, fmt_spread, progress, spread
+from scripts.benchmarks._engine_vs_program import PROMPTS
+from scripts.benchmarks._env import SettingError, env_int, env_ints
+
+TARGET_OVER_OFF = 0.97
+TARGET_OVER_BEST = 0.9
+DEFAULT_KS = {"mtp": (1, 2, 3), "dflash": (4, 8, 15)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    method: str = "mtp"
+    ks: tuple[int, ...] = (1, 2, 3)
+    batches: tuple[int, ...] = (1, 4)
+    new_tokens: int = 128
+    reps: int = 5
+    warmup: int = 2
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        from ninfer_jax.program.config import MAX_SPECULATIVE_TOKENS
+
+        method = os.environ.get("BENCH_SPECPOL_METHOD", "mtp")
+        if method not in DEFAULT_KS:
+            raise SettingError(f"BENCH_SPECPOL_METHOD must be one of {list(DEFAULT_KS)}, got "
+                               f"{method!r:.40}")
+        d = cls()
+        return cls(method=method,
+                   ks=env_ints("BENCH_SPECPOL_KS", DEFAULT_KS[method], minimum=1,
+                               maximum=MAX_SPECULATIVE_TOKENS[method]),
+                   batches=env_ints("BENCH_SPECPOL_BATCHES", d.batches, maximum=4),
+                   new_tokens=env_int("BENCH_SPECPOL_NEW_TOKENS", d.new_tokens, minimum=2,
+                                      maximum=1024),
+                   reps=env_int("BENCH_SPECPOL_REPS", d.reps),
+                   warmup=env_int("BENCH_SPECPOL_WARMUP", d.warmup, minimum=0))
+
+
+class EngineSide:
+    """B greedy requests submitted together to one long-lived Engine; a turn's work is their
+    tokens."""
+
+    def __init__(self, engine, new_tokens: int):
+        from ninfer_jax.sampling_params import SamplingParams
+
+        self.engine = engine
+        self.sampling = SamplingParams(temperature=0.0, max_new_tokens=new_tokens,
+                                       ignore_eos=True)
+
+    def prepare(self, name: str, args: dict) -> None:
+        self.prompts = args["prompts"]
+
+    def rep(self, name: str) -> dict:
+        start = time.perf_counter()
+        handles = [self.engine.submit(prompt=p, sampling=self.sampling) for p in self.prompts]
+        results = [h.result(600) for h in handles]
+        seconds = time.perf_counter() - start
+        return {"seconds": seconds, "work": sum(len(r.token_ids) for r in results),
+                "outputs": {"tokens": [list(r.token_ids) for r in results]}}
+
+    def finish(self, name: str) -> None:
+        pass
+
+
+def _open(s: Settings, k: int, policy: str):
+    from ninfer_jax.api import Engine
+
+    spec = {} if k == 0 else {"speculative": s.method, "num_speculative_tokens": k,
+                              "draft_policy": policy}
+    start = time.perf_counter()
+    engine = Engine.open(max_concurrency=max(s.batches), prefix_reuse=False, **spec)
+    engine.wait_compiled()
+    return engine, time.perf_counter() - start
+
+
+def measure(s: Settings) -> dict:
+    sides = [("off", 0, "fixed"), *((f"K={k}", k, "fixed") for k in s.ks),
+             ("policy", max(s.ks), "adaptive")]
+    engines, out = {}, {"compile_s": {}, "batches": {}}
+    for name, k, policy in sides:
+        progress(f"opening {name} ({s.method}, compiling every executable)")
+        engines[name], out["compile_s"][name] = _open(s, k, policy)
+    local = [LocalSide(name, EngineSide(engines[name], s.new_tokens)) for name, _, _ in sides]
+    fixed = [f"K={k}" for k in s.ks]
+    try:
+        for b in s.batches:
+            progress(f"B={b}: {[n for n, _, _ in sides]} in turn")
+            r = alternate(local, f"b{b}", {"prompts": list(PROMPTS[:b])}, reps=s.reps,
+                          warmup=s.warmup)
+            off = r["sides"]["off"]
+            reference = off["outputs"][0]["tokens"]
+            row = {"order": r["order"], "load_1min": r["load_1min"], "sides": {}}
+            for name in r["sides"]:
+                side = r["sides"][name]
+                row["sides"][name] = {
+                    "tok_s": side["rate"], "rates": side["rates"],
+                    "over_off": spread([x / y for x, y in zip(side["rates"], off["rates"])]),
+                    "same_tokens_as_off": all(o["tokens"] == reference for o in
+                                              side["warmup_outputs"] + side["outputs"])}
+            best = max(fixed, key=lambda n: row["sides"][n]["tok_s"]["median"])
+            pol = r["sides"]["policy"]["rates"]
+            over_best = spread([x / y for x, y in zip(pol, r["sides"][best]["rates"])])
+            over_off = row["sides"]["policy"]["over_off"]
+            row["policy"] = {
+                "best_fixed": best, "over_best_fixed": over_best,
+                "met": over_off["median"] >= TARGET_OVER_OFF
+                and over_best["median"] >= TARGET_OVER_BEST}
+            out["batches"][b] = row
+        stats = engines["policy"].stats().speculative
+        out["policy_stats"] = {"rounds_by_drafts": stats.rounds_by_drafts,
+                               "round_ms": stats.round_ms,
+                               "acceptance_by_position": stats.acceptance_by_position,
+                               "estimated_gain": stats.estimated_gain}
+    finally:
+        for e in engines.values():
+            e.close()
+    return out
+
+
+def format_table(result: dict) -> str:
+    s, m = result["settings"], result["measure"]
+    lines = [(f"{s['method']} on the embedded model, through the Engine: {s['new_tokens']} "
+              f"greedy tokens per request, B requests together, {s['warmup']} warm-up + "
+              f"{s['reps']} turns per side in turn"),
+             f"{'B':>3}{'side':>8}{'tok/s':>24}{'/off per pair':>20}{'same as off':>13}"]
+    for b, row in m["batches"].items():
+        for name, v in row["sides"].items():
+            lines.append(f"{b:>3}{name:>8}{fmt_spread(v['tok_s']):>24}"
+                         f"{fmt_spread(v['over_off'], 2):>20}"
+                         f"{'yes' if v['same_tokens_as_off'] else 'NO':>13}")
+        p, load = row["policy"], row["load_1min"]
+        lines.append(f"    policy / best fixed ({p['best_fixed']}) per pair: "
+                     f"{fmt_spread(p['over_best_fixed'], 2)}; target >= {TARGET_OVER_OFF}x off "
+                     f"and >= {TARGET_OVER_BEST}x best fixed: {'met' if p['met'] else 'NOT met'}"
+                     f"; load 1-min {load}")
+    st = m["policy_stats"]
+    lines.append(f"policy rounds by K {dict(st['rounds_by_drafts'])}; acceptance by position "
+                 f"{[round(a, 2) for a in st['acceptance_by_position']]}; median round ms "
+                 f"(K, B, ms) {list(st['round_ms'])}")
+    return "\n".join(lines)
+
+
+def run(out_dir: str) -> dict:
+    del out_dir  # bench.py writes the JSON; the table is printed
+    import jax
+
+    s = Settings.from_env()
+    start, load_start = time.perf_counter(), os.getloadavg()
+    progress(f"settings {s}")
+    result = {"settings": dataclasses.asdict(s), "date": time.strftime("%Y-%m-%d %H:%M"),
+              "jax": jax.__version__, "cpu_count": os.cpu_count(), "measure": measure(s)}
+    result.update(load_average_start=load_start, load_average_end=os.getloadavg(),
+                  wall_s=time.perf_counter() - start)
+    result["table"] = format_table(result)
+    print(result["table"])
+    return result

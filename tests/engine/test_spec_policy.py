@@ -1,0 +1,115 @@
+"""The draft policy on simulated rounds: a clock, a round time per (K, B) and rows whose drafts
+are right with a known chance. Over a long run its tokens per second come within a few percent
+of the best fixed K's (0 included) wherever that is, it explores every compiled K first, it
+probes larger K while a smaller one wins (so a text that becomes predictable is noticed), and
+it never picks a K whose executable is not ready or drafts for rows that asked for none."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ninfer_jax.engine.spec_policy import (
+    PROBE_BUDGET,
+    DraftPolicy,
+    RowAcceptance,
+    RowOutlook,
+)
+
+KS = (0, 1, 2, 3)
+
+
+def _simulate(policy: DraftPolicy | int, cost, accept: float, rounds: int, b: int = 1,
+              seed: int = 0, accept_after: float | None = None) -> tuple[float, list[int]]:
+    """Tokens per simulated second over `rounds` rounds of B rows (each row's draft i right
+    with chance `accept` given the ones before; `accept_after` from the middle on);
+    `policy` a DraftPolicy or a fixed K. cost(k, b): a round's seconds."""
+    rng = np.random.default_rng(seed)
+    now, tokens, chosen = 0.0, 0, []
+    rows = [RowAcceptance(max(KS)) for _ in range(b)]
+    for i in range(rounds):
+        p = accept if accept_after is None or i < rounds // 2 else accept_after
+        outlook = [RowOutlook(a, 10**6) for a in rows]
+        k = policy if isinstance(policy, int) else policy.choose(outlook, lambda k, b: True)
+        if not isinstance(policy, int):
+            policy.dispatched(k, outlook)
+        now += cost(k, b)
+        for a in rows:
+            produced = 1
+            while produced <= k and rng.random() < p:
+                produced += 1
+            tokens += produced
+            if not isinstance(policy, int):
+                policy.add_row(a, k, k + 1, produced, produced)
+        if not isinstance(policy, int):
+            policy.round_done(k, b, now)
+        chosen.append(k)
+    return tokens / now, chosen
+
+
+def _cost(base: float, per_draft: float):
+    return lambda k, b: b * (base + (k > 0) * per_draft * (1 + k))
+
+
+@settings(max_examples=25, deadline=None)
+@given(per_draft=st.sampled_from([0.1, 0.4, 1.0, 2.5]),
+       accept=st.sampled_from([0.1, 0.5, 0.8, 0.95]),
+       b=st.sampled_from([1, 4]))
+def test_the_policy_comes_near_the_best_fixed_k(per_draft, accept, b):
+    cost = _cost(1.0, per_draft)
+    best = max(_simulate(k, cost, accept, 2000, b)[0] for k in KS)
+    got, _ = _simulate(DraftPolicy(KS, "mtp", adaptive=True), cost, accept, 2000, b)
+    assert got >= 0.93 * best, (got, best)
+
+
+def test_it_explores_every_k_then_settles_and_probes_larger_ones():
+    policy = DraftPolicy(KS, "mtp", adaptive=True)
+    _, chosen = _simulate(policy, _cost(1.0, 2.0), 0.2, 800)  # drafts lose: K = 0 wins
+    assert set(chosen[:16]) == set(KS) and chosen[0] == 3  # the largest first
+    tail = chosen[100:]
+    assert tail.count(0) > 0.9 * len(tail)
+    probes = [i for i, k in enumerate(tail) if k == 3]  # a K = 3 round costs 9 of K = 0
+    assert probes and all(b - a >= 8 / PROBE_BUDGET for a, b in zip(probes, probes[1:]))
+    stats = policy.stats()
+    assert dict(stats.rounds_by_drafts)[0] == chosen.count(0)
+    assert {k for k, _, _ in stats.round_ms} == set(KS)
+    assert stats.estimated_gain == pytest.approx(1.0, abs=0.05)  # K = 0 chosen: no gain
+
+
+def test_a_text_that_becomes_predictable_is_noticed():
+    """Drafts are wrong for the first half (K = 0 wins), then almost always right: the
+    probes find it and the policy climbs to the largest K."""
+    policy = DraftPolicy(KS, "mtp", adaptive=True)
+    _, chosen = _simulate(policy, _cost(1.0, 0.3), 0.05, 1600, accept_after=0.97)
+    assert chosen[700:800].count(0) > 80
+    assert chosen[-200:].count(3) > 180
+
+
+def test_rows_that_draft_nothing_and_unready_executables():
+    policy = DraftPolicy(KS, "mtp", adaptive=True)
+    off = [RowOutlook(None, 50), RowOutlook(RowAcceptance(3), 1)]
+    assert policy.choose(off, lambda k, b: True) == 0  # nothing to draft: the cheapest round
+    assert policy.choose(off, lambda k, b: k == 3) == 3  # only the largest is compiled
+    on = [RowOutlook(RowAcceptance(3), 50)]
+    for _ in range(50):
+        k = policy.choose(on, lambda k, b: k in (2, 3))
+        assert k in (2, 3)
+        policy.dispatched(k, on)
+        policy.round_done(k, 1, 0.0)
+    fixed = DraftPolicy(KS, "mtp", adaptive=False)
+    assert fixed.choose(on, lambda k, b: True) == 3 and fixed.stats().policy == "fixed"
+
+
+def test_acceptance_counts_only_reached_positions():
+    policy, own = DraftPolicy(KS, "mtp", adaptive=True), RowAcceptance(3)
+    policy.add_row(own, 3, 4, 2, 2)  # draft 0 right, draft 1 wrong, draft 2 never reached
+    policy.add_row(own, 3, 2, 2, 2)  # its limit let it draft one, which was right
+    assert (own.attempted, own.accepted) == ([2, 1, 0], [2, 0, 0])
+    stats = policy.stats()
+    assert (stats.verify_rows, stats.committed_tokens) == (2, 4)
+    assert stats.acceptance_by_position == (1.0, 0.0, 0.0)  # unconditional: drafts 0..i right
+    policy.add_row(None, 3, 4, 1, 1)  # a row that drafted nothing is not a verify row
+    policy.add_row(own, 0, 1, 1, 1)  # nor is a row of a round of no drafts
+    assert policy.stats().verify_rows == 2
