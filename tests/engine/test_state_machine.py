@@ -45,11 +45,13 @@ class EngineMachine(RuleBasedStateMachine):
     max_concurrency = 3
     verify_width = 1  # > 1: speculative rounds of up to this many tokens
     rewrites_below_frontier = 0  # MTP: 1 (its head's K/V at frontier - 1); DFlash: 0
+    round_drafts = None  # the draft counts the Engine's policy picks each round among
 
     def __init__(self):
         super().__init__()
         lim = limits(self.max_concurrency, verify_width=self.verify_width,
-                     rewrites_below_frontier=self.rewrites_below_frontier)
+                     rewrites_below_frontier=self.rewrites_below_frontier,
+                     round_drafts=self.round_drafts)
         self.program = FakeProgram(lim, eos_id=EOS, step_seconds=0.0002)
         self.core = EngineCore(self.program, FRONTEND, EngineCoreConfig(max_queue=12,
                                                                         idle_wait_s=0.005))
@@ -60,10 +62,11 @@ class EngineMachine(RuleBasedStateMachine):
 
     @rule(text=WORDS, budget=st.integers(1, 24), seeded=st.booleans(), seed=st.integers(0, 99),
           deadline=st.sampled_from([None, None, None, 0.002, 0.05]),
-          stop=st.sampled_from([(), (), ("e",), ("a b", "q"), (" ",)]))
-    def submit(self, text, budget, seeded, seed, deadline, stop):
+          stop=st.sampled_from([(), (), ("e",), ("a b", "q"), (" ",)]),
+          speculative=st.sampled_from(["on", "on", "off"]))
+    def submit(self, text, budget, seeded, seed, deadline, stop, speculative):
         sp = SamplingParams(temperature=0.7 if seeded else 0.0, seed=seed, max_new_tokens=budget,
-                            stop=stop)
+                            stop=stop, speculative=speculative)
         p = FRONTEND.prepare(prompt=text)
         try:
             h = self.core.submit(p, sp, deadline_s=deadline)
@@ -226,11 +229,13 @@ class EightLanes(EngineMachine):
 
 
 class ThreeLanesSpeculative(EngineMachine):
-    """MTP's limits: rounds of up to K + 1 = 4 tokens, one K/V position rewritten below."""
+    """MTP's limits: rounds of up to K + 1 = 4 tokens, one K/V position rewritten below; the
+    draft policy picks each round's K among 0..3 (rounds of 0 chain ahead)."""
 
     max_concurrency = 3
     verify_width = 4
     rewrites_below_frontier = 1
+    round_drafts = (0, 1, 2, 3)
 
 
 class ThreeLanesDFlash(EngineMachine):
@@ -239,6 +244,7 @@ class ThreeLanesDFlash(EngineMachine):
 
     max_concurrency = 3
     verify_width = 16
+    round_drafts = (0, 1, 3, 7, 15)
 
 
 TestOneLane = OneLane.TestCase
