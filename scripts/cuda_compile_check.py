@@ -137,7 +137,8 @@ def inspector(cfg: ModelConfig, pcfg: ProgramConfig, expert_shapes: set[tuple[in
 
     def inspect(key: StepKey, text: str) -> Findings:
         module = hlo.parse(text)
-        rows = {StepKind.DECODE: key.batch * pcfg.verify_width,
+        width = key.extra[0] + 1 if key.extra else pcfg.verify_width  # a round of K drafts
+        rows = {StepKind.DECODE: key.batch * width,
                 StepKind.PREFILL: pcfg.prefill_chunk}.get(key.kind, 0)
         found = []
         if cfg.variant == "moe" and rows:

@@ -160,8 +160,7 @@ class EngineCore:
         self._generated = 0
         # Each decode round's K and what it measured (`spec_policy`); the rows' limits of the
         # rounds in flight by batch id.
-        self._drafts = DraftPolicy(self.limits.round_drafts, self.limits.speculative,
-                                   adaptive=True)
+        self._drafts = DraftPolicy(self.limits.round_drafts, self.limits.speculative)
         self._round_limits: dict[int, tuple[int, list[int]]] = {}
         self._finished = 0
         self._backfilled = 0
@@ -889,10 +888,6 @@ class EngineCore:
         now = time.monotonic()
         self._rounds[3] += now - start
         k, limits = self._round_limits.pop(batch.batch_id, (0, [1] * len(records)))
-        if batch.kind is BatchKind.DECODE:
-            self._drafts.round_done(k, len(records), now)
-        else:
-            self._drafts.interrupt()
         previews, accepted = [], []
         for row, r in enumerate(records):
             if not committed and r.cancel_requested.is_set():
@@ -909,6 +904,10 @@ class EngineCore:
                                      "token")
             previews.append(preview)
             accepted.append(preview.num_accepted - len(forced))
+        if batch.kind is BatchKind.DECODE:
+            self._drafts.round_done(k, len(records), now, sum(accepted))
+        else:
+            self._drafts.interrupt()
         if not committed:
             self.program.commit(batch, accepted)  # Program state first; a failure publishes none
         elif accepted != [1] * len(records):

@@ -201,6 +201,24 @@ class PagedKV:
         return dataclasses.replace(self, layers=layers)
 
     def attend(self, layers, layer, q, k, v):
+        (k_flat, v_flat, *scales), tables, k, v = self._store(layers, layer, k, v)
+        scale_args = [(s, 2) for s in scales]  # [N, page_size, Hkv]: heads on axis 2
+        if q.shape[1] == 1:
+            out = attention(paged_attention_decode, self.impl, (q[:, 0], 1), (k_flat, 2),
+                            (v_flat, 2), tables, self.lengths + self.num_valid,
+                            *scale_args)[:, None]
+        else:
+            out = attention(paged_attention_prefill, self.impl, (q, 2), (k_flat, 2), (v_flat, 2),
+                            tables, self.lengths, (k, 2), (v, 2), self.num_valid, *scale_args)
+        return out.astype(q.dtype), (k_flat, v_flat, *scales)
+
+    def store(self, layers, layer, k, v):
+        """Writes the new tokens' K/V [B, T, Hkv, D] of attention layer `layer` without
+        attending (a layer whose output nobody reads); returns the updated layers."""
+        return self._store(layers, layer, k, v)[0]
+
+    def _store(self, layers, layer, k, v):
+        """(updated layers, this layer's page tables, and k, v as the pages hold them)."""
         k_flat, v_flat, *scales = layers
         page_size = k_flat.shape[1]
         # Layer l's page p is l * (P + 1) + p; the last page of each layer is a sink that
@@ -209,7 +227,7 @@ class PagedKV:
         per_layer = self.pages_per_layer
         layer = layer + self.first_layer
         tables = self.page_tables + layer * per_layer
-        t = q.shape[1]
+        t = k.shape[1]
         positions = self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         valid = jnp.arange(t)[None, :] < self.num_valid[:, None]
         page = jnp.take_along_axis(tables, positions // page_size, axis=1, mode="clip")
@@ -219,18 +237,10 @@ class PagedKV:
         if scales:  # INT8 pages: store int8 and scales; the chunk attends to what they read
             (stored_k, k_s), (stored_v, v_s) = quantize(k), quantize(v)
             scales = [_write(scales[0], page, offset, k_s), _write(scales[1], page, offset, v_s)]
-            k, v = dequantize(stored_k, k_s, q.dtype), dequantize(stored_v, v_s, q.dtype)
+            k, v = dequantize(stored_k, k_s, k.dtype), dequantize(stored_v, v_s, v.dtype)
         k_flat = _write(k_flat, page, offset, stored_k)
         v_flat = _write(v_flat, page, offset, stored_v)
-        scale_args = [(s, 2) for s in scales]  # [N, page_size, Hkv]: heads on axis 2
-        if t == 1:
-            out = attention(paged_attention_decode, self.impl, (q[:, 0], 1), (k_flat, 2),
-                            (v_flat, 2), tables, self.lengths + self.num_valid,
-                            *scale_args)[:, None]
-        else:
-            out = attention(paged_attention_prefill, self.impl, (q, 2), (k_flat, 2), (v_flat, 2),
-                            tables, self.lengths, (k, 2), (v, 2), self.num_valid, *scale_args)
-        return out.astype(q.dtype), (k_flat, v_flat, *scales)
+        return (k_flat, v_flat, *scales), tables, k, v
 
 
 def attention(kernel, impl: str, *args):

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from ninfer_jax.models.dflash import DFlashConfig
 from ninfer_jax.models.qwen3_6 import GDNState, ModelConfig, step
 from ninfer_jax.models.qwen3_6.model import lm_head
-from ninfer_jax.models.qwen3_6.mtp import mtp_hidden
+from ninfer_jax.models.qwen3_6.mtp import mtp_hidden, mtp_store
 from ninfer_jax.models.qwen3_6.vision import encode
 from ninfer_jax.program.config import ProgramConfig
 from ninfer_jax.program.drafter_context import write_drafter_context
@@ -346,9 +346,9 @@ def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
     if pcfg.speculative == "mtp":  # positions pos - 1 and pos: (hidden there, token after)
         hidden = jnp.concatenate([ctx.astype(out.hidden.dtype), out.hidden], axis=1)
         after = jnp.stack([inputs.token_ids, outputs.last], axis=1)
-        _, mkv = mtp_hidden(params, cfg, hidden, after, pos - 1,
-                            _mtp_kv(kv.with_layers(pools.kv), cfg, pos - 1,
-                                    jnp.full((b,), 2, jnp.int32)), pcfg.moe_sharding)
+        mkv = mtp_store(params, cfg, hidden, after, pos - 1,
+                        _mtp_kv(kv.with_layers(pools.kv), cfg, pos - 1,
+                                jnp.full((b,), 2, jnp.int32)), pcfg.moe_sharding)
         pools = pools.with_kv(mkv.layers)
     if drafter is not None:
         ring, _ = context_ring(drafter, pcfg)

@@ -18,7 +18,9 @@ turns, explore every K).
 
 Reported per B: each side's tok/s (median [min-max] over turns), its ratio to "off" per turn
 pair, "policy" over the best fixed K per turn pair, whether every side's tokens equal "off"'s,
-the policy's rounds by K, and the 1-minute load average. Targets ([spec-policy]): policy >=
+the policy's rounds by K, and the 1-minute load average. Then the upkeep: the same Programs
+driven directly (`UpkeepSide`, after the Engines' turns), ms per round of 0 drafts of the
+policy's Program (plain decode plus the drafter's upkeep) against "off"'s plain decode, in turn. Targets ([spec-policy]): policy >=
 0.97x off and >= 0.9x the best fixed K at every B.
 
 Settings (environment): BENCH_SPECPOL_METHOD=mtp (or dflash)  BENCH_SPECPOL_KS (mtp: 1,2,3;
@@ -95,6 +97,59 @@ class EngineSide:
         pass
 
 
+class UpkeepSide:
+    """Rounds of 0 drafts on one Program (`drafts=0`): B rows prefilled once, a turn times
+    ROUNDS decode + commit rounds (chained on the device as the Engine's are); work: rounds."""
+
+    ROUNDS = 200
+
+    def __init__(self, program):
+        self.program = program
+
+    def prepare(self, name: str, args: dict) -> None:
+        prog = self.program
+        self.handles = []
+        for p in args["prompts"]:
+            h = prog.materialize(prog.plan_admission(len(p), args["budget"]), p)
+            while (batch := prog.prefill(h)) is None:
+                pass
+            prog.commit(batch, [1])
+            self.handles.append(h)
+
+    def rep(self, name: str) -> dict:
+        prog = self.program
+        start = time.perf_counter()
+        for _ in range(self.ROUNDS):
+            batch = prog.decode(self.handles, drafts=0)
+            prog.commit(batch, [1] * len(self.handles))
+        tokens = [prog.tokens(h)[-8:] for h in self.handles]  # waits for the last round
+        return {"seconds": time.perf_counter() - start, "work": self.ROUNDS,
+                "outputs": {"tokens": tokens}}
+
+    def finish(self, name: str) -> None:
+        for h in self.handles:
+            self.program.release(h)
+
+
+def measure_upkeep(engines: dict, s: Settings) -> dict:
+    """ms per round of 0 drafts at the Program: "off"'s plain decode against the speculative
+    Program's (the drafter's upkeep), in turn, at each B."""
+    frontend = engines["off"].frontend
+    prompts = [list(frontend.prepare(prompt=p).token_ids) for p in PROMPTS]
+    sides = [LocalSide(name, UpkeepSide(engines[name].core.program)) for name in
+             ("off", "policy")]
+    budget = UpkeepSide.ROUNDS * (s.reps + s.warmup) + 2
+    out = {}
+    for b in s.batches:
+        progress(f"upkeep: B={b}, rounds of 0 drafts, off and {s.method} in turn")
+        r = alternate(sides, f"upkeep_b{b}", {"prompts": prompts[:b], "budget": budget},
+                      reps=s.reps, warmup=s.warmup)
+        ms = {n: spread([1000 / x for x in r["sides"][n]["rates"]]) for n in r["sides"]}
+        out[b] = {"round_ms": ms, "over_off": spread(
+            [x / y for x, y in zip(r["sides"]["off"]["rates"], r["sides"]["policy"]["rates"])])}
+    return out
+
+
 def _open(s: Settings, k: int, policy: str):
     from ninfer_jax.api import Engine
 
@@ -146,7 +201,8 @@ def measure(s: Settings) -> dict:
                                "estimated_gain": stats.estimated_gain}
     finally:
         for e in engines.values():
-            e.close()
+            e.close()  # stops its worker; its Program stays usable for the upkeep turns
+    out["upkeep"] = measure_upkeep(engines, s)
     return out
 
 
@@ -166,6 +222,11 @@ def format_table(result: dict) -> str:
                      f"{fmt_spread(p['over_best_fixed'], 2)}; target >= {TARGET_OVER_OFF}x off "
                      f"and >= {TARGET_OVER_BEST}x best fixed: {'met' if p['met'] else 'NOT met'}"
                      f"; load 1-min {load}")
+    for b, u in m["upkeep"].items():
+        lines.append(f"upkeep at the Program, B={b}: a round of 0 drafts "
+                     f"{fmt_spread(u['round_ms']['policy'], 3)} ms ({s['method']}) against "
+                     f"{fmt_spread(u['round_ms']['off'], 3)} ms (off): "
+                     f"{fmt_spread(u['over_off'], 2)}x its time per pair")
     st = m["policy_stats"]
     lines.append(f"policy rounds by K {dict(st['rounds_by_drafts'])}; acceptance by position "
                  f"{[round(a, 2) for a in st['acceptance_by_position']]}; median round ms "

@@ -6,6 +6,8 @@ it never picks a K whose executable is not ready or drafts for rows that asked f
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -36,15 +38,17 @@ def _simulate(policy: DraftPolicy | int, cost, accept: float, rounds: int, b: in
         if not isinstance(policy, int):
             policy.dispatched(k, outlook)
         now += cost(k, b)
+        round_tokens = 0
         for a in rows:
             produced = 1
             while produced <= k and rng.random() < p:
                 produced += 1
             tokens += produced
+            round_tokens += produced
             if not isinstance(policy, int):
                 policy.add_row(a, k, k + 1, produced, produced)
         if not isinstance(policy, int):
-            policy.round_done(k, b, now)
+            policy.round_done(k, b, now, round_tokens)
         chosen.append(k)
     return tokens / now, chosen
 
@@ -59,19 +63,28 @@ def _cost(base: float, per_draft: float):
        b=st.sampled_from([1, 4]))
 def test_the_policy_comes_near_the_best_fixed_k(per_draft, accept, b):
     cost = _cost(1.0, per_draft)
-    best = max(_simulate(k, cost, accept, 2000, b)[0] for k in KS)
-    got, _ = _simulate(DraftPolicy(KS, "mtp", adaptive=True), cost, accept, 2000, b)
+    best = max(_simulate(k, cost, accept, 4000, b)[0] for k in KS)
+    got, _ = _simulate(DraftPolicy(KS, "mtp"), cost, accept, 4000, b)
     assert got >= 0.93 * best, (got, best)
 
 
-def test_it_explores_every_k_then_settles_and_probes_larger_ones():
-    policy = DraftPolicy(KS, "mtp", adaptive=True)
-    _, chosen = _simulate(policy, _cost(1.0, 2.0), 0.2, 800)  # drafts lose: K = 0 wins
-    assert set(chosen[:16]) == set(KS) and chosen[0] == 3  # the largest first
-    tail = chosen[100:]
-    assert tail.count(0) > 0.9 * len(tail)
-    probes = [i for i, k in enumerate(tail) if k == 3]  # a K = 3 round costs 9 of K = 0
-    assert probes and all(b - a >= 8 / PROBE_BUDGET for a, b in zip(probes, probes[1:]))
+def test_it_explores_every_k_then_settles_and_probes_in_pairs():
+    policy = DraftPolicy(KS, "mtp")
+    _, chosen = _simulate(policy, _cost(1.0, 1.0), 0.2, 2400)  # drafts lose: K = 0 wins
+    # the largest first; each K runs until it has MIN_SAMPLES steady rounds past its first
+    # (the change) and WARM_ROUNDS more
+    assert chosen[:24] == [3] * 6 + [2] * 6 + [1] * 6 + [0] * 6
+    tail = chosen[24:]
+    assert tail.count(0) > 0.97 * len(tail)
+    starts = [i for i in range(1, len(tail)) if tail[i] and not tail[i - 1]]
+    assert len(starts) >= 3
+    for i in starts:  # two rounds of one K (the second measures it), then back to 0
+        assert tail[i] == tail[i + 1] and tail[i + 2] == 0
+    # the largest, then the stalest, each after two rounds of it could cost 2% of the time
+    assert [tail[i] for i in starts[:4]] == [3, 2, 3, 1]
+    for a, b in itertools.pairwise(starts):
+        cost = {1: 2, 2: 3, 3: 5}[tail[b]]  # a round of K costs 1 + K + 1 rounds of 0
+        assert b - a >= (2 * (cost - 1) + 1) / PROBE_BUDGET
     stats = policy.stats()
     assert dict(stats.rounds_by_drafts)[0] == chosen.count(0)
     assert {k for k, _, _ in stats.round_ms} == set(KS)
@@ -81,14 +94,14 @@ def test_it_explores_every_k_then_settles_and_probes_larger_ones():
 def test_a_text_that_becomes_predictable_is_noticed():
     """Drafts are wrong for the first half (K = 0 wins), then almost always right: the
     probes find it and the policy climbs to the largest K."""
-    policy = DraftPolicy(KS, "mtp", adaptive=True)
+    policy = DraftPolicy(KS, "mtp")
     _, chosen = _simulate(policy, _cost(1.0, 0.3), 0.05, 1600, accept_after=0.97)
     assert chosen[700:800].count(0) > 80
     assert chosen[-200:].count(3) > 180
 
 
 def test_rows_that_draft_nothing_and_unready_executables():
-    policy = DraftPolicy(KS, "mtp", adaptive=True)
+    policy = DraftPolicy(KS, "mtp")
     off = [RowOutlook(None, 50), RowOutlook(RowAcceptance(3), 1)]
     assert policy.choose(off, lambda k, b: True) == 0  # nothing to draft: the cheapest round
     assert policy.choose(off, lambda k, b: k == 3) == 3  # only the largest is compiled
@@ -97,13 +110,13 @@ def test_rows_that_draft_nothing_and_unready_executables():
         k = policy.choose(on, lambda k, b: k in (2, 3))
         assert k in (2, 3)
         policy.dispatched(k, on)
-        policy.round_done(k, 1, 0.0)
-    fixed = DraftPolicy(KS, "mtp", adaptive=False)
+        policy.round_done(k, 1, 0.0, 1)
+    fixed = DraftPolicy((3,), "mtp")
     assert fixed.choose(on, lambda k, b: True) == 3 and fixed.stats().policy == "fixed"
 
 
 def test_acceptance_counts_only_reached_positions():
-    policy, own = DraftPolicy(KS, "mtp", adaptive=True), RowAcceptance(3)
+    policy, own = DraftPolicy(KS, "mtp"), RowAcceptance(3)
     policy.add_row(own, 3, 4, 2, 2)  # draft 0 right, draft 1 wrong, draft 2 never reached
     policy.add_row(own, 3, 2, 2, 2)  # its limit let it draft one, which was right
     assert (own.attempted, own.accepted) == ([2, 1, 0], [2, 0, 0])
@@ -113,3 +126,14 @@ def test_acceptance_counts_only_reached_positions():
     policy.add_row(None, 3, 4, 1, 1)  # a row that drafted nothing is not a verify row
     policy.add_row(own, 0, 1, 1, 1)  # nor is a row of a round of no drafts
     assert policy.stats().verify_rows == 2
+
+
+def test_a_new_batch_size_measures_its_cheapest_round_and_scales_the_rest():
+    """After B = 1 explored every K, B = 2 runs rounds of 0 until their time is known and
+    estimates the others from their ratio at B = 1: no run of the costliest K at B = 2."""
+    policy = DraftPolicy(KS, "mtp")
+    cost = _cost(1.0, 1.0)
+    _simulate(policy, cost, 0.2, 100, b=1)
+    _, chosen = _simulate(policy, cost, 0.2, 100, b=2)
+    assert set(chosen) == {0}
+    assert policy._time(3, 2) == pytest.approx(cost(3, 2), rel=1e-6)  # scaled from B = 1

@@ -25,7 +25,7 @@ PCFG = dict(max_concurrency=8, page_size=4, num_pages=200, max_seq_len=72, prefi
 BUDGET = 24
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model(name: str):
     """The embedded demo model (a trained MTP head), or the `dense_vl` fixture: an HF
     checkpoint with random `mtp.*` weights (drafts mostly rejected: the correction path)."""
@@ -33,7 +33,7 @@ def _model(name: str):
     return m.config, m.params
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def spec_program(name: str, k: int, max_concurrency: int = 4, policy: str = "fixed") -> Program:
     """Every exact B of 1..max_concurrency is compiled, which dominates these tests' time: the
     default tier runs B = 1..4 at K = 2, the slow tier B = 1..8 at K = 1, 2, 3."""
@@ -89,7 +89,7 @@ def generate(prog: Program, prompts, budget: int = BUDGET, order=None, accept=No
     return [outputs[i] for i in range(len(prompts))], produced_log
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def baseline(name: str, n: int, max_concurrency: int = 4) -> list[list[int]]:
     prog = spec_program(name, 0, max_concurrency)
     return generate(prog, _prompts(n, prog.cfg.vocab_size), order=_order(n, max_concurrency))[0]

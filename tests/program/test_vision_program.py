@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 
 import numpy as np
 import pytest
@@ -122,6 +123,46 @@ def test_a_checkpoint_is_reused_only_with_the_same_images():
         prog.materialize(plan, ids, media=other)
     prog.release_checkpoint(ckpt)
     assert not prog.handles()
+
+
+@functools.cache
+def mtp_program() -> Program:
+    """The fixture with a random one-layer MTP head (`mtp.*` weights), K = 2 and the adaptive
+    draft policy's rounds of 0, 1 and 2 drafts."""
+    import jax
+
+    from ninfer_jax.models.qwen3_6.weights import init_params
+
+    m = load_model(DIR)
+    mtp = init_params(m.config, jax.random.key(5), num_mtp_layers=1)["mtp"]
+    pcfg = ProgramConfig(max_concurrency=1, page_size=8, num_pages=48, max_seq_len=128,
+                         prefill_chunk=16, max_vision_patches=512, speculative="mtp",
+                         num_speculative_tokens=2)
+    prog = Program(m.config, {**m.params, "mtp": mtp}, pcfg)
+    prog.wait_compiled()
+    return prog
+
+
+@pytest.mark.parametrize("name", PROMPTS)
+def test_images_with_mtp_give_the_greedy_tokens_of_transformers(name):
+    """Verify rounds carry the row's MRoPE delta (its generated text's positions) like decode
+    steps: rounds of 2, 0 and 1 drafts in turn give transformers' greedy tokens, and nothing
+    compiles after start-up."""
+    from tests.program.test_program import COUNTER
+
+    prog, r = mtp_program(), ref()
+    h = _start(prog, name)
+    want, rounds = r[f"{name}/greedy"].tolist(), itertools.cycle([2, 0, 1, 2])
+    COUNTER.count, COUNTER.active = 0, True
+    try:
+        while prog.num_generated(h) < len(want):
+            batch = prog.decode([h], drafts=next(rounds))
+            prog.commit(batch, batch.produced.tolist())
+    finally:
+        COUNTER.active = False
+    assert COUNTER.count == 0
+    assert prog.tokens(h)[len(r[f"{name}/ids"]):] == want
+    prog.release(h)
 
 
 def test_encoder_buckets_and_refusals():

@@ -127,6 +127,16 @@ class ContiguousKV:
         return dataclasses.replace(self, lengths=self.lengths + num_new)
 
 
+def attention_kv(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                 cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """The K/V [B, T, Hkv, D] (normed, roped) a gated-attention layer stores for x [B, T, H]
+    (after input_layernorm)."""
+    b, t, _ = x.shape
+    hkv, d = cfg.num_kv_heads, cfg.head_dim
+    k = rms_norm(dense(x, p["k"]).reshape(b, t, hkv, d), p["k_norm"], cfg.rms_norm_eps)
+    return apply_rope(k, cos, sin), dense(x, p["v"]).reshape(b, t, hkv, d)
+
+
 def attention_mixer(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array,
                     kv: KVAccess, kv_layers: Any, layer: jax.Array, cfg: ModelConfig):
     """One gated-attention layer's mixer (after input_layernorm).
@@ -135,13 +145,11 @@ def attention_mixer(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array,
     layers. Returns (y [B, T, H], kv_layers with this layer's new K/V written).
     """
     b, t, _ = x.shape
-    hq, hkv, d = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
+    hq, d = cfg.num_q_heads, cfg.head_dim
     q_gate = dense(x, p["q"]).reshape(b, t, hq, 2 * d)
     q, gate = q_gate[..., :d], q_gate[..., d:].reshape(b, t, hq * d)
-    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm(dense(x, p["k"]).reshape(b, t, hkv, d), p["k_norm"], cfg.rms_norm_eps)
-    v = dense(x, p["v"]).reshape(b, t, hkv, d)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q = apply_rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), cos, sin)
+    k, v = attention_kv(p, x, cos, sin, cfg)
     out, kv_layers = kv.attend(kv_layers, layer, q, k, v)
     out = out.reshape(b, t, hq * d) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
     return dense(out, p["o"]), kv_layers

@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ninfer_jax.models.qwen3_6.attention import KVAccess, attention_mixer
+from ninfer_jax.models.qwen3_6.attention import KVAccess, attention_kv, attention_mixer
 from ninfer_jax.models.qwen3_6.config import ModelConfig
 from ninfer_jax.models.qwen3_6.layers import (
     dense,
@@ -57,10 +57,7 @@ def mtp_hidden(params: dict, cfg: ModelConfig, hidden: jax.Array, next_token_ids
     `moe_sharding`: as `model.step`'s."""
     p = params["mtp"]
     eps = cfg.rms_norm_eps
-    positions = start_pos[:, None] + jnp.arange(hidden.shape[1], dtype=jnp.int32)[None, :]
-    cos, sin = rope_cos_sin(positions, cfg)
-    emb = rms_norm(embed_rows(params["embed"], next_token_ids), p["embed_norm"], eps)
-    h = dense(jnp.concatenate([emb, rms_norm(hidden, p["hidden_norm"], eps)], axis=-1), p["fc"])
+    h, cos, sin = _head_input(params, cfg, hidden, next_token_ids, start_pos)
 
     def layer_fn(carry, layer):
         h, kv_layers = carry
@@ -75,3 +72,30 @@ def mtp_hidden(params: dict, cfg: ModelConfig, hidden: jax.Array, next_token_ids
     (h, kv_layers), _ = jax.lax.scan(layer_fn, (h, kv.layers),
                                      jnp.arange(num_layers, dtype=jnp.int32))
     return rms_norm(h, p["final_norm"], eps), kv.with_layers(kv_layers)
+
+
+def _head_input(params: dict, cfg: ModelConfig, hidden: jax.Array, next_token_ids: jax.Array,
+                start_pos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The first head layer's input [B, T, H] and the positions' rotary cos, sin."""
+    p, eps = params["mtp"], cfg.rms_norm_eps
+    positions = start_pos[:, None] + jnp.arange(hidden.shape[1], dtype=jnp.int32)[None, :]
+    cos, sin = rope_cos_sin(positions, cfg)
+    emb = rms_norm(embed_rows(params["embed"], next_token_ids), p["embed_norm"], eps)
+    h = dense(jnp.concatenate([emb, rms_norm(hidden, p["hidden_norm"], eps)], axis=-1), p["fc"])
+    return h, cos, sin
+
+
+def mtp_store(params: dict, cfg: ModelConfig, hidden: jax.Array, next_token_ids: jax.Array,
+              start_pos: jax.Array, kv: KVAccess, moe_sharding: str = "intermediate"
+              ) -> KVAccess:
+    """Writes the head's K/V of T positions (as `mtp_hidden` does) without its output: a round
+    that drafts nothing keeps the head's context current this way. With one head layer (the
+    Qwen3.5/3.6 head) only that layer's K/V projections run; a deeper head runs in full."""
+    p = params["mtp"]
+    if p["layers"]["input_norm"].shape[0] != 1:
+        return mtp_hidden(params, cfg, hidden, next_token_ids, start_pos, kv, moe_sharding)[1]
+    h, cos, sin = _head_input(params, cfg, hidden, next_token_ids, start_pos)
+    lp = layer_params(p["layers"], jnp.int32(0))
+    k, v = attention_kv(lp["mixer"], rms_norm(h, lp["input_norm"], cfg.rms_norm_eps), cos, sin,
+                        cfg)
+    return kv.with_layers(kv.store(kv.layers, jnp.int32(0), k, v))
