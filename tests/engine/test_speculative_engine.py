@@ -254,7 +254,8 @@ def test_the_adaptive_policy_keeps_greedy_output_and_per_request_off_drafts_noth
     the Engine measured (its first rounds at a B try every K), rows of requests with
     speculative="off" propose one token a round, and every output is the greedy one of
     speculation off whatever K its rounds had."""
-    opened = _opened(K, "mtp", tuple({**SETTINGS, "draft_policy": "adaptive"}.items()))
+    opened = _opened(K, "mtp", tuple({**SETTINGS, "draft_policy": "adaptive",
+                                      "max_concurrency": 2}.items()))
     greedy = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
     off = dataclasses.replace(greedy, speculative="off")
     texts = ["Once upon a time", "The dog ran to the", "Tom and Sue", "One day, a little"]
