@@ -130,6 +130,8 @@ class DraftPolicy:
         if not self.adaptive:
             return self.kmax
         ks = [k for k in self.ks if k == self.kmax or ready(k, b)]
+        if len(ks) == 1:  # the others still compiling
+            return ks[0]
         if all(r.acceptance is None or r.budget <= 1 for r in rows):
             return ks[0]  # nothing to draft: the cheapest round
         if self._plan.get(b) in ks:

@@ -105,6 +105,7 @@ def test_rows_that_draft_nothing_and_unready_executables():
     off = [RowOutlook(None, 50), RowOutlook(RowAcceptance(3), 1)]
     assert policy.choose(off, lambda k, b: True) == 0  # nothing to draft: the cheapest round
     assert policy.choose(off, lambda k, b: k == 3) == 3  # only the largest is compiled
+    assert policy.choose([RowOutlook(RowAcceptance(3), 50)], lambda k, b: k == 3) == 3
     on = [RowOutlook(RowAcceptance(3), 50)]
     for _ in range(50):
         k = policy.choose(on, lambda k, b: k in (2, 3))
