@@ -3,10 +3,10 @@
     python scripts/bench.py --suite=spec_policy --out=DIR
     BENCH_SPECPOL_METHOD=dflash python scripts/bench.py --suite=spec_policy --out=DIR
 
-One method per run (each group's Programs stay mapped together; both methods in one process
-would pass vm.max_map_count, see `spec.py`'s REPEAT). The sides are Engines over Programs of the
-demo model (max_concurrency 4, every executable compiled before the first turn), all ours, so
-they share this process (`_abab.LocalSide`) and take turns: "off" (no speculation), "K=k"
+One method per run. The sides are Engines over Programs of the demo model (max_concurrency 4,
+every executable compiled before the first turn), each in its own long-lived process
+(`workers/spec_engine.py`: in one process the Engines' idle workers and caches disturbed each
+other's rounds), taking turns: "off" (no speculation), "K=k"
 (`draft_policy="fixed"`: every round drafts k) for each k of BENCH_SPECPOL_KS, and "policy"
 (`draft_policy="adaptive"`, K = the largest of them: each round's K, 0 included, chosen from
 what that Engine measured). A turn submits the first B story prompts of
@@ -19,8 +19,8 @@ turns, explore every K).
 Reported per B: each side's tok/s (median [min-max] over turns), its ratio to "off" per turn
 pair, "policy" over the best fixed K per turn pair, whether every side's tokens equal "off"'s,
 the policy's rounds by K, and the 1-minute load average. Then the upkeep: the same Programs
-driven directly (`UpkeepSide`, after the Engines' turns), ms per round of 0 drafts of the
-policy's Program (plain decode plus the drafter's upkeep) against "off"'s plain decode, in turn. Targets ([spec-policy]): policy >=
+driven directly (their Engines stopped), ms per round of 0 drafts of the policy's Program
+(plain decode plus the drafter's upkeep) against "off"'s plain decode, in turn. Targets ([spec-policy]): policy >=
 0.97x off and >= 0.9x the best fixed K at every B.
 
 Settings (environment): BENCH_SPECPOL_METHOD=mtp (or dflash)  BENCH_SPECPOL_KS (mtp: 1,2,3;
@@ -30,11 +30,12 @@ BENCH_SPECPOL_WARMUP=2.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
 
-from scripts.benchmarks._abab import LocalSide, alternate, fmt_spread, progress, spread
+from scripts.benchmarks._abab import Worker, alternate, fmt_spread, progress, spread
 from scripts.benchmarks._engine_vs_program import PROMPTS
 from scripts.benchmarks._env import SettingError, env_int, env_ints
 
@@ -71,110 +72,33 @@ class Settings:
                    warmup=env_int("BENCH_SPECPOL_WARMUP", d.warmup, minimum=0))
 
 
-class EngineSide:
-    """B greedy requests submitted together to one long-lived Engine; a turn's work is their
-    tokens."""
-
-    def __init__(self, engine, new_tokens: int):
-        from ninfer_jax.sampling_params import SamplingParams
-
-        self.engine = engine
-        self.sampling = SamplingParams(temperature=0.0, max_new_tokens=new_tokens,
-                                       ignore_eos=True)
-
-    def prepare(self, name: str, args: dict) -> None:
-        self.prompts = args["prompts"]
-
-    def rep(self, name: str) -> dict:
-        start = time.perf_counter()
-        handles = [self.engine.submit(prompt=p, sampling=self.sampling) for p in self.prompts]
-        results = [h.result(600) for h in handles]
-        seconds = time.perf_counter() - start
-        return {"seconds": seconds, "work": sum(len(r.token_ids) for r in results),
-                "outputs": {"tokens": [list(r.token_ids) for r in results]}}
-
-    def finish(self, name: str) -> None:
-        pass
+UPKEEP_ROUNDS = 200  # rounds of 0 drafts per upkeep turn
 
 
-class UpkeepSide:
-    """Rounds of 0 drafts on one Program (`drafts=0`): B rows prefilled once, a turn times
-    ROUNDS decode + commit rounds (chained on the device as the Engine's are); work: rounds."""
-
-    ROUNDS = 200
-
-    def __init__(self, program):
-        self.program = program
-
-    def prepare(self, name: str, args: dict) -> None:
-        prog = self.program
-        self.handles = []
-        for p in args["prompts"]:
-            h = prog.materialize(prog.plan_admission(len(p), args["budget"]), p)
-            while (batch := prog.prefill(h)) is None:
-                pass
-            prog.commit(batch, [1])
-            self.handles.append(h)
-
-    def rep(self, name: str) -> dict:
-        prog = self.program
-        start = time.perf_counter()
-        for _ in range(self.ROUNDS):
-            batch = prog.decode(self.handles, drafts=0)
-            prog.commit(batch, [1] * len(self.handles))
-        tokens = [prog.tokens(h)[-8:] for h in self.handles]  # waits for the last round
-        return {"seconds": time.perf_counter() - start, "work": self.ROUNDS,
-                "outputs": {"tokens": tokens}}
-
-    def finish(self, name: str) -> None:
-        for h in self.handles:
-            self.program.release(h)
-
-
-def measure_upkeep(engines: dict, s: Settings) -> dict:
-    """ms per round of 0 drafts at the Program: "off"'s plain decode against the speculative
-    Program's (the drafter's upkeep), in turn, at each B."""
-    frontend = engines["off"].frontend
-    prompts = [list(frontend.prepare(prompt=p).token_ids) for p in PROMPTS]
-    sides = [LocalSide(name, UpkeepSide(engines[name].core.program)) for name in
-             ("off", "policy")]
-    budget = UpkeepSide.ROUNDS * (s.reps + s.warmup) + 2
-    out = {}
-    for b in s.batches:
-        progress(f"upkeep: B={b}, rounds of 0 drafts, off and {s.method} in turn")
-        r = alternate(sides, f"upkeep_b{b}", {"prompts": prompts[:b], "budget": budget},
-                      reps=s.reps, warmup=s.warmup)
-        ms = {n: spread([1000 / x for x in r["sides"][n]["rates"]]) for n in r["sides"]}
-        out[b] = {"round_ms": ms, "over_off": spread(
-            [x / y for x, y in zip(r["sides"]["off"]["rates"], r["sides"]["policy"]["rates"])])}
-    return out
-
-
-def _open(s: Settings, k: int, policy: str):
-    from ninfer_jax.api import Engine
-
+def _settings(s: Settings, k: int, policy: str) -> dict:
     spec = {} if k == 0 else {"speculative": s.method, "num_speculative_tokens": k,
                               "draft_policy": policy}
-    start = time.perf_counter()
-    engine = Engine.open(max_concurrency=max(s.batches), prefix_reuse=False, **spec)
-    engine.wait_compiled()
-    return engine, time.perf_counter() - start
+    return {"max_concurrency": max(s.batches), **spec}
 
 
 def measure(s: Settings) -> dict:
     sides = [("off", 0, "fixed"), *((f"K={k}", k, "fixed") for k in s.ks),
              ("policy", max(s.ks), "adaptive")]
-    engines, out = {}, {"compile_s": {}, "batches": {}}
-    for name, k, policy in sides:
-        progress(f"opening {name} ({s.method}, compiling every executable)")
-        engines[name], out["compile_s"][name] = _open(s, k, policy)
-    local = [LocalSide(name, EngineSide(engines[name], s.new_tokens)) for name, _, _ in sides]
+    out = {"setup": {}, "batches": {}, "upkeep": {}}
     fixed = [f"K={k}" for k in s.ks]
-    try:
+    with contextlib.ExitStack() as stack:
+        workers = {}
+        for name, k, policy in sides:
+            progress(f"starting {name} ({s.method}; compiling every executable)")
+            w = stack.enter_context(Worker(name, "scripts.benchmarks.workers.spec_engine"))
+            out["setup"][name] = w.setup({"settings": _settings(s, k, policy)})
+            workers[name] = w
+        ordered = [workers[name] for name, _, _ in sides]
         for b in s.batches:
             progress(f"B={b}: {[n for n, _, _ in sides]} in turn")
-            r = alternate(local, f"b{b}", {"prompts": list(PROMPTS[:b])}, reps=s.reps,
-                          warmup=s.warmup)
+            r = alternate(ordered, f"b{b}", {"prompts": list(PROMPTS[:b]),
+                                            "new_tokens": s.new_tokens},
+                          reps=s.reps, warmup=s.warmup)
             off = r["sides"]["off"]
             reference = off["outputs"][0]["tokens"]
             row = {"order": r["order"], "load_1min": r["load_1min"], "sides": {}}
@@ -194,15 +118,20 @@ def measure(s: Settings) -> dict:
                 "met": over_off["median"] >= TARGET_OVER_OFF
                 and over_best["median"] >= TARGET_OVER_BEST}
             out["batches"][b] = row
-        stats = engines["policy"].stats().speculative
-        out["policy_stats"] = {"rounds_by_drafts": stats.rounds_by_drafts,
-                               "round_ms": stats.round_ms,
-                               "acceptance_by_position": stats.acceptance_by_position,
-                               "estimated_gain": stats.estimated_gain}
-    finally:
-        for e in engines.values():
-            e.close()  # stops its worker; its Program stays usable for the upkeep turns
-    out["upkeep"] = measure_upkeep(engines, s)
+            out["policy_stats"] = r["sides"]["policy"]["outputs"][-1]["stats"]
+        # The upkeep: rounds of 0 drafts at the Program, off's plain decode and the policy's
+        # Program (plain decode plus the drafter's upkeep) in turn; the Engines stop first.
+        pair = [workers["off"], workers["policy"]]
+        budget = UPKEEP_ROUNDS * (s.reps + s.warmup) + 2
+        for b in s.batches:
+            progress(f"upkeep: B={b}, rounds of 0 drafts, off and {s.method} in turn")
+            r = alternate(pair, f"upkeep_b{b}", {"prompts": list(PROMPTS[:b]),
+                                                 "budget": budget, "rounds": UPKEEP_ROUNDS},
+                          reps=s.reps, warmup=s.warmup)
+            rates = {n: r["sides"][n]["rates"] for n in r["sides"]}
+            out["upkeep"][b] = {
+                "round_ms": {n: spread([1000 / x for x in v]) for n, v in rates.items()},
+                "over_off": spread([x / y for x, y in zip(rates["off"], rates["policy"])])}
     return out
 
 
