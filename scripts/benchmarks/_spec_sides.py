@@ -24,7 +24,7 @@ import numpy as np
 def program_config(k: int, max_concurrency: int, max_seq_len: int, prefill_chunk: int,
                    method: str = "mtp", draft_head: str = "full"):
     """The ProgramConfig of one side: speculation off for K = 0, `method` ("mtp" or "dflash",
-    the latter with `draft_head`) with K drafts otherwise; pools sized for max_concurrency
+    the latter with `draft_head`) with K drafts every round otherwise (draft_policy "fixed"); pools sized for max_concurrency
     sequences of max_seq_len, no checkpoints."""
     from ninfer_jax.program.config import ProgramConfig
 
@@ -33,7 +33,7 @@ def program_config(k: int, max_concurrency: int, max_seq_len: int, prefill_chunk
     return ProgramConfig(max_concurrency=max_concurrency, page_size=page_size, num_pages=pages,
                          max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
                          num_checkpoint_slots=0, speculative=method if k else "off",
-                         num_speculative_tokens=k,
+                         num_speculative_tokens=k, draft_policy="fixed",
                          draft_head=draft_head if k and method == "dflash" else "full")
 
 

@@ -1,0 +1,33 @@
+"""The `spec_policy` benchmark suite's settings (default tier; the suite itself runs Engines in
+worker processes for minutes: `python scripts/bench.py --suite=spec_policy`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.benchmarks import spec_policy
+from scripts.benchmarks._env import SettingError
+
+
+@pytest.mark.parametrize("var, value, message", [
+    ("BENCH_SPECPOL_METHOD", "eagle", "BENCH_SPECPOL_METHOD must be one of ['mtp', 'dflash']"),
+    ("BENCH_SPECPOL_KS", "1,6", "BENCH_SPECPOL_KS must be >= 1 and <= 5, got 6"),
+    ("BENCH_SPECPOL_BATCHES", "1,5", "BENCH_SPECPOL_BATCHES must be >= 1 and <= 4, got 5"),
+    ("BENCH_SPECPOL_NEW_TOKENS", "1", "BENCH_SPECPOL_NEW_TOKENS must be >= 2"),
+])
+def test_bad_settings_are_errors_naming_the_variable(monkeypatch, var, value, message):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(SettingError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        spec_policy.Settings.from_env()
+
+
+def test_settings_from_the_environment(monkeypatch):
+    monkeypatch.setenv("BENCH_SPECPOL_METHOD", "dflash")
+    s = spec_policy.Settings.from_env()
+    assert (s.method, s.ks, s.batches) == ("dflash", (4, 8, 15), (1, 4))
+    monkeypatch.setenv("BENCH_SPECPOL_KS", "3,15")
+    assert spec_policy.Settings.from_env().ks == (3, 15)
+    assert spec_policy._settings(s, 15, "adaptive") == {
+        "max_concurrency": 4, "speculative": "dflash", "num_speculative_tokens": 15,
+        "draft_policy": "adaptive"}
+    assert spec_policy._settings(s, 0, "fixed") == {"max_concurrency": 4}
