@@ -31,7 +31,8 @@ from ninfer_jax.testing import tiny_dense, tiny_moe
 
 
 def programs() -> dict:
-    """A tiny dense and a tiny MoE Program (MTP K = 2 on the dense one, INT8 pages on the MoE
+    """A tiny dense and a tiny MoE Program (MTP K = 2 on the dense one, its rounds of 0 and 1
+    drafts too (key "decode[B][K]"), INT8 pages on the MoE
     one; the MoE one with either layer loop: per-layer weights, the GPU's default, and a scan
     handing kernels their stacked weights), every executable compiled: ok, Triton kernels,
     expert-by-token tensors."""
@@ -52,7 +53,8 @@ def programs() -> dict:
             return {"kernels": hlo.triton_kernels(module), "expert_by_token": found}
 
         results = compile_all(cfg, pcfg, gpu_devices("h200"), inspect=inspect)
-        out[name] = [{"key": f"{r.key.kind.value}[{r.key.batch}]", "ok": r.ok,
+        out[name] = [{"key": f"{r.key.kind.value}[{r.key.batch}]"
+                      + "".join(f"[{x}]" for x in r.key.extra), "ok": r.ok,
                       "error": r.error[:300], "temp_bytes": r.temp_bytes,
                       **(r.findings or {})} for r in results]
     return out
