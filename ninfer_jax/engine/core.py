@@ -763,9 +763,9 @@ class EngineCore:
             records = list(unit.records)
             if self._ahead is not None:
                 if self._ahead[1] == records and self._chainable(records, ahead=True):
-                    plan = self._plan_round(records)
-                    if plan[0] == 0:  # the next round drafts nothing either
-                        self._chain(records, plan[1])
+                    outlooks = self._chain_outlooks(records)
+                    if outlooks is not None:  # the next round drafts nothing either
+                        self._chain(records, outlooks)
                         return
                 self._land()  # the round ahead first; the next iteration plans afresh
                 return
@@ -806,10 +806,23 @@ class EngineCore:
             caps = [o.budget if o.acceptance is not None else 1 for o in outlooks]
         return k, outlooks, caps, masks
 
+    def _chain_outlooks(self, records: list[RequestRecord]) -> list[RowOutlook] | None:
+        """The rows' outlooks when their next round, chained ahead, drafts nothing (None:
+        the policy would draft). Chainable rows have no control, grammar or thinking budget
+        ahead, so their budgets are their tokens left."""
+        outlooks = [RowOutlook(r.acceptance if r.sampling.speculative == "on" else None,
+                               r.sampling.max_new_tokens - r.completion_tokens)
+                    for r in records]
+        if self._drafts.adaptive and self._drafts.choose(outlooks, self.program.round_ready):
+            return None
+        return outlooks
+
     def _dispatched(self, batch: Any, k: int, outlooks: list[RowOutlook]) -> None:
         self._drafts.dispatched(k, outlooks)
-        self._round_limits[batch.batch_id] = (
-            k, [1 if o.acceptance is None else max(1, min(k + 1, o.budget)) for o in outlooks])
+        if k:  # a round of 0 proposes one token a row
+            self._round_limits[batch.batch_id] = (
+                k, [1 if o.acceptance is None else max(1, min(k + 1, o.budget))
+                    for o in outlooks])
         self._count_round(len(outlooks))
 
     # Rounds ahead (EngineCoreConfig.overlap) -------------------------------------------------
@@ -887,7 +900,7 @@ class EngineCore:
         batch.tokens  # noqa: B018 - waits for the round's step: counted apart from host work
         now = time.monotonic()
         self._rounds[3] += now - start
-        k, limits = self._round_limits.pop(batch.batch_id, (0, [1] * len(records)))
+        k, limits = self._round_limits.pop(batch.batch_id, (0, None))
         previews, accepted = [], []
         for row, r in enumerate(records):
             if not committed and r.cancel_requested.is_set():

@@ -106,6 +106,7 @@ class DraftPolicy:
         self._tokens_seen: dict[tuple[int, int], list[float]] = {}
         self._measured: dict[tuple[int, int], int] = {}  # (K, B) -> the round of its last
         self._warm: collections.Counter = collections.Counter()  # (K, B) -> steady rounds
+        self._ready: set[tuple[int, int]] = set()  # (K, B) whose executable is compiled
         self._attempted = [0.0] * self.kmax  # decayed, all requests
         self._accepted = [0.0] * self.kmax
         self._round = 0  # decode rounds dispatched
@@ -129,7 +130,7 @@ class DraftPolicy:
         b = len(rows)
         if not self.adaptive:
             return self.kmax
-        ks = [k for k in self.ks if k == self.kmax or ready(k, b)]
+        ks = [k for k in self.ks if (k, b) in self._ready or self._check_ready(k, b, ready)]
         if len(ks) == 1:  # the others still compiling
             return ks[0]
         if all(r.acceptance is None or r.budget <= 1 for r in rows):
@@ -144,6 +145,14 @@ class DraftPolicy:
                 return k
         made = self._choice_for(rows, ks)
         return made.probe if self._since_probe[b] >= made.wait else made.best
+
+    def _check_ready(self, k: int, b: int, ready: Callable[[int, int], bool]) -> bool:
+        """Whether a round of K at B may run now (the largest always: it is waited for);
+        remembered once true (an executable stays compiled)."""
+        if k == self.kmax or ready(k, b):
+            self._ready.add((k, b))
+            return True
+        return False
 
     def _choice_for(self, rows: Sequence[RowOutlook], ks: list[int]) -> _Choice:
         """The K of most expected tokens per second for these rows and the next probe

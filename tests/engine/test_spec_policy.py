@@ -103,15 +103,15 @@ def test_a_text_that_becomes_predictable_is_noticed():
 def test_rows_that_draft_nothing_and_unready_executables():
     policy = DraftPolicy(KS, "mtp")
     off = [RowOutlook(None, 50), RowOutlook(RowAcceptance(3), 1)]
-    assert policy.choose(off, lambda k, b: True) == 0  # nothing to draft: the cheapest round
     assert policy.choose(off, lambda k, b: k == 3) == 3  # only the largest is compiled
-    assert policy.choose([RowOutlook(RowAcceptance(3), 50)], lambda k, b: k == 3) == 3
     on = [RowOutlook(RowAcceptance(3), 50)]
+    assert policy.choose(on, lambda k, b: k == 3) == 3
     for _ in range(50):
         k = policy.choose(on, lambda k, b: k in (2, 3))
         assert k in (2, 3)
         policy.dispatched(k, on)
         policy.round_done(k, 1, 0.0, 1)
+    assert policy.choose(off, lambda k, b: True) == 0  # nothing to draft: the cheapest round
     fixed = DraftPolicy((3,), "mtp")
     assert fixed.choose(on, lambda k, b: True) == 3 and fixed.stats().policy == "fixed"
 
