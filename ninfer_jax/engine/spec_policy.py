@@ -1,32 +1,36 @@
 """How many drafts a speculative decode round makes: the K that commits the most tokens per
 second for the round's rows, from what this Engine measured.
 
-Owns, on the worker thread: the wall time of a decode round per (K, B) (the time from one
-decode round's output to the next one's, when both had that K and B and nothing else ran
-between them: what the user's stream sees, host work and overlap included), the acceptance of each draft position (global,
-decayed, and per request), the choice of K and the counts behind `SpeculativeStats`.
+Owns, on the worker thread: the wall time of a decode round per (K, B) (from one decode
+round's output to the next one's, when both had that K and B and nothing else ran between
+them: what the user's stream sees, host work and overlap included), the tokens rounds
+committed, the acceptance of each draft position (global, decayed, and per request), the choice
+of K and the counts behind `SpeculativeStats`.
 
     k = policy.choose(rows, ready)          # rows: one RowOutlook each
-    ... the Program runs the round of k drafts; its output is processed ...
-    policy.round_done(k, len(rows), now, tokens)  # or policy.interrupt() after other units
-    policy.add_row(acceptance, k, limit, produced)
+    policy.dispatched(k, rows)              # the Program runs the round of k drafts
+    policy.round_done(k, len(rows), now, tokens)  # its output read (interrupt(): other units)
+    policy.add_row(acceptance, k, limit, produced, committed)
 
 The choice: the K of most committed tokens per second at the round's B, tokens / t(K, B).
-t is the median time of the last measured rounds of that (K, B) (at a B where some K was
-measured and this one not: its time at the nearest B scaled by the ratio of a K measured at
-both). The tokens are the mean of the recent rounds of that (K, B) (decayed as the acceptance
-counts) on MODEL_WEIGHT rounds of a model: a row with acceptance a_i (the chance draft i is right when drafts 0..i-1 were) and a
-limit of L tokens expects E(K) = 1 + sum_{j=1..min(K, L-1)} prod_{i<j} a_i from a round of K.
-(The model alone mispredicted rounds of 3 drafts at B = 4 by about 1.5x on the demo model;
-the measured mean corrects it.) The Engine's first rounds explore every compiled
-K, largest first, until each has MIN_SAMPLES steady rounds; at each new B its cheapest K
-first. Then probes, two rounds each of the largest K (acceptance at every position) or of the K
-whose time is the oldest, keep the estimates current, spaced so they add at most PROBE_BUDGET
-of the time (a probe that costs 3 rounds of the chosen K waits about 250 rounds).
-A request's acceptance is its own counts with PRIOR_WEIGHT rounds of the global rate; a
-position's global rate starts from SHRINK rows of the one before it (0.5 at the first), and
-the choice reads it OPTIMISM standard errors up. Rows of requests with
-speculative="off" expect one token at every K; a round of only such rows is a round of 0.
+- t: the median time of the last steady rounds of that (K, B) (a change and an executable's
+  first runs are not samples); at a B where some K was measured and this one not, its time at
+  the nearest B scaled by the ratio of a K measured at both.
+- tokens: the mean of that (K, B)'s recent rounds (decayed as the acceptance counts) on
+  MODEL_WEIGHT rounds of a model: a row with acceptance a_i (the chance draft i is right when
+  drafts 0..i-1 were) and a limit of L tokens expects E(K) = 1 + sum_{j=1..min(K, L-1)}
+  prod_{i<j} a_i from a round of K. (The model alone mispredicted rounds of 3 drafts at B = 4
+  by about 1.5x on the demo model; the measured mean corrects it.) A request's acceptance is
+  its own counts on PRIOR_WEIGHT rounds of the global rate; a position's global rate starts
+  from SHRINK rows of the one before it (0.5 at the first) and is read OPTIMISM standard
+  errors up.
+- The first rounds explore every compiled K, largest first, until each has MIN_SAMPLES steady
+  rounds; a new B measures its cheapest K first. Then probes, two rounds each of the largest K
+  (acceptance at every position) or of the K whose time is the oldest, keep the estimates
+  current, spaced so they add at most PROBE_BUDGET of the time (a probe that costs 3 rounds of
+  the chosen K waits about 250 rounds).
+- Rows of requests with speculative="off" expect one token at every K; a round of only such
+  rows is a round of 0. Only compiled Ks are chosen.
 
 Does not own: which K values exist (`ProgramConfig.round_drafts`, compiled at start), the
 rows' limits (the Program clips them to K + 1), or exactness (every K gives the same greedy
