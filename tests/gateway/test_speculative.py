@@ -26,7 +26,8 @@ from tests.gateway.test_cli_generate import COMMON
 PROMPTS = ["--prompt=Once upon a time", "--prompt=Tom had a dog"]
 STATS = re.compile(r"^\[ninfer\] stats: generated (\d+) tokens, finished 2 requests, .*; "
                    r"speculative mtp K=2: (\d+) verify rows, mean accepted tokens ([\d.]+), "
-                   r"acceptance by position \[([\d.]+), ([\d.]+)\]; context store cache: \d+ "
+                   r"acceptance by position \[([\d.]+), ([\d.]+)\](?:, rounds by K \{[\d:, ]*\}, "
+                   r"estimated gain [\d.]+x)?; context store cache: \d+ "
                    r"checkpoints written \(\d+ bytes\), \d+ reloaded \[.*\]$", re.MULTILINE)
 
 
