@@ -13,7 +13,7 @@ import pathlib
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ninfer_jax import quant
 from ninfer_jax.engine import (
@@ -31,6 +31,10 @@ from ninfer_jax.engine import (
 from ninfer_jax.errors import CheckpointError, ConfigError
 from ninfer_jax.frontend import Frontend, PromptError
 from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError
+
+if TYPE_CHECKING:
+    from ninfer_jax.program.config import ProgramConfig
+    from ninfer_jax.scoring.scorer import Scorer
 
 _PROGRAM_KEYS = ("page_size", "num_pages", "max_seq_len", "prefill_chunk", "attention_impl",
                  "gdn_impl", "dtype", "kv_dtype", "num_checkpoint_slots", "speculative",
@@ -58,7 +62,7 @@ class Engine:
     or call `close()`."""
 
     def __init__(self, core: EngineCore | None, frontend: Frontend | None,
-                 model_path: pathlib.Path | None, *, scorer: Any = None):
+                 model_path: pathlib.Path | None, *, scorer: Scorer | None = None):
         self.core, self.frontend, self.model_path = core, frontend, model_path
         self.scorer = scorer  # the CausalScoring purpose's Scorer (None for Generation)
         self.purpose = "generation" if scorer is None else "causal_scoring"
@@ -238,7 +242,7 @@ class Engine:
         with self._score_lock:
             return scorer.perplexity(text, progress=progress)
 
-    def _scoring(self, call: str) -> Any:
+    def _scoring(self, call: str) -> Scorer:
         if self.scorer is None:
             raise ConfigError(f"{call}() needs an Engine opened with purpose='causal_scoring'; "
                               "this one is for generation")
@@ -378,7 +382,7 @@ class Engine:
         return not self._closed if self.core is None else self.core.available
 
     @property
-    def program_config(self) -> Any:
+    def program_config(self) -> ProgramConfig | None:
         """The Program's resolved ProgramConfig (dtype, attention_impl, pool sizes, ...); None
         for a Program without one (a test double)."""
         return getattr(self._generation("program_config").program, "pcfg", None)

@@ -4,7 +4,8 @@ Owns order, lifecycle and publication: the worker thread, FIFO and Scheduler, la
 records and their events. It drives any object with the HostProgram interface.
 """
 
-from ninfer_jax.engine.core import EngineCore, EngineCoreConfig, EngineStats, RoundStats
+from ninfer_jax.engine.config import EngineCoreConfig
+from ninfer_jax.engine.core import EngineCore
 from ninfer_jax.engine.events import (
     Channel,
     Delta,
@@ -19,10 +20,26 @@ from ninfer_jax.engine.events import (
     Usage,
 )
 from ninfer_jax.engine.handle import AsyncRequestHandle, AsyncTextStream, RequestHandle, TextStream
+from ninfer_jax.engine.stats import EngineStats, RoundStats
 
 __all__ = [
-    "AsyncRequestHandle", "AsyncTextStream", "Channel", "Delta", "EngineCore",
-    "EngineCoreConfig", "EngineError", "EngineFailedError", "EngineStats", "Finished",
-    "FinishReason", "GenerationResult", "GenerationStart", "RejectedError", "RequestHandle",
-    "RoundStats", "TextStream", "TokenLogprob", "Usage",
+    "AsyncRequestHandle",
+    "AsyncTextStream",
+    "Channel",
+    "Delta",
+    "EngineCore",
+    "EngineCoreConfig",
+    "EngineError",
+    "EngineFailedError",
+    "EngineStats",
+    "FinishReason",
+    "Finished",
+    "GenerationResult",
+    "GenerationStart",
+    "RejectedError",
+    "RequestHandle",
+    "RoundStats",
+    "TextStream",
+    "TokenLogprob",
+    "Usage",
 ]

@@ -114,5 +114,10 @@ class RejectedError(EngineError):
         self.field = field  # the request field at fault, when one is
 
 
+class InvariantError(RuntimeError):
+    """An Engine invariant broke: shared state can no longer be explained; the Engine fails
+    (its requests end with an "engine_failed" error; callers see EngineFailedError)."""
+
+
 class EngineFailedError(EngineError):
     """The Engine failed (an internal invariant broke); it accepts no more requests."""

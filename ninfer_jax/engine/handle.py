@@ -228,7 +228,7 @@ class AsyncRequestHandle(RequestHandle):
         self.cancel()
         try:
             return await asyncio.wait_for(self.aresult(), timeout)
-        except (asyncio.TimeoutError, asyncio.CancelledError):
+        except (TimeoutError, asyncio.CancelledError):
             return None
         finally:
             self.release()

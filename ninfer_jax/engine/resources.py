@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 
 from ninfer_jax.engine.catalog import CatalogEntry, CheckpointCatalog
-from ninfer_jax.engine.request import InvariantError
+from ninfer_jax.engine.events import InvariantError
 from ninfer_jax.engine.transactions import (
     ResourceResult,
     RunningTransaction,

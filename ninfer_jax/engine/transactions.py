@@ -21,7 +21,7 @@ import enum
 import itertools
 from typing import Any
 
-from ninfer_jax.engine.request import InvariantError
+from ninfer_jax.engine.events import InvariantError
 
 
 class Transition(enum.Enum):

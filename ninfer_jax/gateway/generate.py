@@ -15,7 +15,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, BinaryIO, TextIO
+from typing import TYPE_CHECKING, Any, BinaryIO, TextIO
 
 from absl import app, flags
 
@@ -32,6 +32,9 @@ from ninfer_jax.gateway.files import (
 )
 from ninfer_jax.program.config import MAX_SPECULATIVE_TOKENS
 from ninfer_jax.sampling_params import MAX_SEED, MAX_TOP_K, SamplingParams, SamplingParamsError
+
+if TYPE_CHECKING:
+    from ninfer_jax.api import Engine
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("prompt", [], "generate: a raw prompt, continued as given (no chat "
@@ -399,7 +402,7 @@ def run_chat(stdin: BinaryIO | None = None) -> int:
     return 0
 
 
-def _chat_turn(engine, history: list[dict[str, Any]], sampling: SamplingParams) -> bool:
+def _chat_turn(engine: Engine, history: list[dict[str, Any]], sampling: SamplingParams) -> bool:
     """Runs one turn, streaming the answer; appends it to `history`. False if it failed."""
     start = time.perf_counter()
     outcome = _submit(lambda msgs: engine.submit(messages=msgs, sampling=sampling,

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import uvicorn
 from starlette.applications import Starlette
@@ -57,6 +57,9 @@ from ninfer_jax.gateway.http.requests import (
     parse_messages,
 )
 from ninfer_jax.gateway.http.state import ServerState
+
+if TYPE_CHECKING:
+    from ninfer_jax.api import Engine
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 4 << 20
@@ -187,11 +190,11 @@ def _json_endpoint(state: ServerState, api: Api,
     return endpoint
 
 
-def create_app(engine: Any, *, model_name: str | None = None, api_key: str | Sequence[str] | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES,
+def create_app(engine: Engine, *, model_name: str | None = None,
+               api_key: str | Sequence[str] | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                body_timeout_s: float = BODY_TIMEOUT_S,
                allowed_origins: str | Sequence[str] | None = None,
-               prompt_scorer: Any = True) -> Starlette:
+               prompt_scorer: PromptScorer | bool | None = True) -> Starlette:
     """The ASGI app over a running `Engine`. `model_name` is the id clients send as `model`
     (default: the model directory's name, or "ninfer"). `allowed_origins`: browser origins
     allowed by CORS (off when None). Every response carries `x-request-id` (the client's own,
@@ -200,10 +203,10 @@ def create_app(engine: Any, *, model_name: str | None = None, api_key: str | Seq
     body_timeout_s = positive_seconds("body_timeout_s", body_timeout_s)
     origins = check_origins(allowed_origins)
     if model_name is None:
-        path = getattr(engine, "model_path", None)
+        path = engine.model_path
         model_name = path.name if path is not None else "ninfer"
     if prompt_scorer is True:
-        path = getattr(engine, "model_path", None)
+        path = engine.model_path
         prompt_scorer = None if path is None else PromptScorer(path, max_len=engine.max_seq_len)
     state = ServerState(engine, model_name, Metrics(engine), api_keys(api_key), max_body_bytes,
                         body_timeout_s, prompt_scorer)
@@ -335,7 +338,7 @@ class ServerThread:
         self._thread.join(self.start_timeout_s)
 
 
-def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000,
+def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | Sequence[str] | None = None, model_name: str | None = None,
           header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
           keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,

@@ -73,7 +73,8 @@ def test_the_turn_checkpoint_exists_before_the_last_delta_goes_out():
 
     with fake_engine(2, total_checkpoint_slots=8) as (core, program):
         log = []
-        capture, release, emit = program.capture, program.release, core._emit
+        publication = core.publication
+        capture, release, emit = program.capture, program.release, publication._emit
 
         def logged_capture(handle, **kw):
             log.append(("capture", program.num_generated(handle)))
@@ -88,8 +89,8 @@ def test_the_turn_checkpoint_exists_before_the_last_delta_goes_out():
                 log.append((type(event).__name__,))
             emit(r, event)
 
-        program.capture, program.release, core._emit = logged_capture, logged_release, \
-            logged_emit
+        program.capture, program.release = logged_capture, logged_release
+        publication._emit = logged_emit
         for max_new in (1, 6):  # finishing in the prefill's unit and in a decode round
             log.clear()
             text = long_prompt(max_new, f"t{max_new}")
@@ -118,7 +119,8 @@ def test_a_finishing_request_keeps_its_turn_in_the_slot_reserved_at_activation()
             core.submit(prompt(f"filler {i}"), greedy1).result(timeout=30)
         assert settle(core).prefix.checkpoints == 3
         log = []
-        capture, release_ckpt, emit = program.capture, program.release_checkpoint, core._emit
+        capture, release_ckpt = program.capture, program.release_checkpoint
+        emit = core.publication._emit
 
         def logged_capture(handle, **kw):
             log.append(("capture", kw.get("publication", False)))
@@ -134,7 +136,7 @@ def test_a_finishing_request_keeps_its_turn_in_the_slot_reserved_at_activation()
             emit(r, event)
 
         program.capture, program.release_checkpoint = logged_capture, logged_release
-        core._emit = logged_emit
+        core.publication._emit = logged_emit
         program.on("after_commit", lambda seqs: log.append(("commit",)))
         text = long_prompt(5, "turn")
         result = core.submit(prompt(text), SamplingParams(max_new_tokens=5, temperature=0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from ninfer_jax.engine.request import InvariantError
+from ninfer_jax.engine.events import InvariantError
 from ninfer_jax.engine.resources import LaneState, ResourceManager
 from ninfer_jax.engine.transactions import Transition
 from ninfer_jax.program.host import CheckpointId

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 from starlette.requests import Request
@@ -29,6 +29,10 @@ from ninfer_jax.gateway.http.metrics import Metrics
 from ninfer_jax.gateway.http.requests import GenerationRequest
 from ninfer_jax.gateway.http.state import ServerState
 from ninfer_jax.sampling_params import SamplingParams, SamplingParamsError, StructuredOutput
+
+if TYPE_CHECKING:
+    from ninfer_jax.api import Engine
+    from ninfer_jax.frontend.prompt import PreparedPrompt
 
 T = TypeVar("T")
 _FIELD = re.compile(r"^([A-Za-z_]\w*)([\w.\[\]]*?)(?::\s*|\s+)(.*)$", re.DOTALL)
@@ -101,7 +105,7 @@ class Generation:
         self.handle.release()
 
 
-def prepare(engine: Any, req: GenerationRequest) -> tuple[Any, SamplingParams]:
+def prepare(engine: Engine, req: GenerationRequest) -> tuple[PreparedPrompt, SamplingParams]:
     """(PreparedPrompt, SamplingParams) of a request: the prompt prepared (to learn its length
     for the default budget), the context checked. Bad input raises a 400 naming the field."""
     names = req.field_names
@@ -137,8 +141,8 @@ def prepare(engine: Any, req: GenerationRequest) -> tuple[Any, SamplingParams]:
     return prepared, sampling
 
 
-async def submit(engine: Any, req: GenerationRequest, prepared: Any, sampling: SamplingParams,
-                 metrics: Metrics, received_at: float) -> Generation:
+async def submit(engine: Engine, req: GenerationRequest, prepared: PreparedPrompt,
+                 sampling: SamplingParams, metrics: Metrics, received_at: float) -> Generation:
     """Submits a prepared request; a refusal maps to 400/429/503."""
     try:
         handle = await engine.asubmit(prepared=prepared, sampling=sampling,

@@ -12,10 +12,13 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from ninfer_jax.api import Engine
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0)
@@ -44,7 +47,7 @@ class TokenRate:
 class _EngineCollector:
     """Reads `engine.stats()` at each scrape."""
 
-    def __init__(self, engine: Any, rate: TokenRate):
+    def __init__(self, engine: Engine, rate: TokenRate):
         self._engine, self._rate = engine, rate
 
     def collect(self) -> Iterator[Metric]:
@@ -155,7 +158,7 @@ def _tier_metrics(t: Any) -> Iterator[Metric]:
 class Metrics:
     """The gateway's observations plus the Engine collector, in one registry."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Engine):
         r = self.registry = CollectorRegistry()
         self.ttft = Histogram("ninfer_time_to_first_token_seconds",
                               "from the request's arrival to its first output token",

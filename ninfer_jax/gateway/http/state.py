@@ -6,11 +6,15 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
 from ninfer_jax.gateway.http.metrics import Metrics
+
+if TYPE_CHECKING:
+    from ninfer_jax.api import Engine
+    from ninfer_jax.gateway.http.logprobs import PromptScorer
 
 T = TypeVar("T")
 # Requests are parsed, rendered and tokenized off the event loop in two lanes: bodies up to
@@ -24,13 +28,13 @@ SMALL_LANE = 2
 
 @dataclasses.dataclass(frozen=True)
 class ServerState:
-    engine: Any  # ninfer_jax.api.Engine (or anything with its frontend/core/asubmit/stats)
+    engine: Engine
     model_name: str
     metrics: Metrics
     api_keys: tuple[str, ...]  # accepted keys, each its own tenant; empty: auth off
     max_body_bytes: int
     body_timeout_s: float  # the whole body must arrive within this long of the head
-    prompt_scorer: Any = None  # logprobs.PromptScorer for `echo` with logprobs; None: refused
+    prompt_scorer: PromptScorer | None = None  # for `echo` with logprobs; None: refused
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     # the two lanes of request work run off the event loop (`off_loop`)
     small_work: anyio.CapacityLimiter = dataclasses.field(

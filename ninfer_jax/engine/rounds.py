@@ -1,0 +1,130 @@
+"""Rounds: what each decode round asks of the Program, and what the worker spent on rounds.
+
+Worker-owned. Plans a decode round's inputs from its rows (`plan`: the number of drafts K the
+draft policy chooses, each row's cap and grammar mask), remembers the rows' limits of every
+round in flight until its output is read (`landed`), feeds the draft policy what each round
+measured, and counts the rounds and the worker's host time behind `RoundStats`. Which rows run
+and when is the Scheduler's and the EngineCore's; the choice of K is `spec_policy.DraftPolicy`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ninfer_jax.engine.request import RequestRecord
+from ninfer_jax.engine.spec_policy import DraftPolicy, RowAcceptance, RowOutlook
+from ninfer_jax.engine.spec_stats import SpeculativeStats
+from ninfer_jax.engine.stats import RoundStats
+
+if TYPE_CHECKING:
+    from ninfer_jax.frontend.output_session import Preview
+    from ninfer_jax.program.host import ProgramLimits
+    from ninfer_jax.program.pending import PendingBatch
+
+Ready = Callable[[int, int], bool]  # (drafts, batch) -> that round's executable is compiled
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundPlan:
+    """One decode round's inputs for `HostProgram.decode`."""
+
+    drafts: int  # K
+    outlooks: list[RowOutlook]  # one a row, for the draft policy
+    caps: list[int] | None  # tokens each row may produce; None: no row has a cap
+    masks: list[np.ndarray | None] | None  # each row's allowed-token bitmask; None: none has one
+
+
+class Rounds:
+    def __init__(self, limits: ProgramLimits):
+        self.policy = DraftPolicy(limits.round_drafts, limits.speculative)
+        self._positions = limits.verify_width - 1  # draft positions a row's acceptance counts
+        self._in_flight: dict[int, tuple[int, list[int]]] = {}  # batch id -> (K, row limits)
+        self._rounds = self._rows = 0
+        self._host_s = self._wait_s = 0.0
+
+    def plan(self, records: Sequence[RequestRecord], queued: dict[int, Preview],
+             ready: Ready) -> RoundPlan:
+        """The next decode round of these rows. A row may not run past the point where its
+        Frontend will force control (counting `queued`: its committed round not yet published
+        to its session); grammar rows get the mask of their next token (the matcher is at the
+        committed output) and, like rows of requests with speculative="off", draft nothing."""
+        caps = [r.session.tokens_before_control(queued.get(r.request_id)) for r in records]
+        masks = [r.next_mask() for r in records]
+        outlooks = []
+        for r, cap, mask in zip(records, caps, masks):
+            budget = r.sampling.max_new_tokens - r.completion_tokens
+            budget = budget if cap is None else min(budget, cap)
+            drafts = mask is None and r.sampling.speculative == "on"
+            if drafts and r.acceptance is None:
+                r.acceptance = RowAcceptance(self._positions)
+            outlooks.append(RowOutlook(r.acceptance if drafts else None, budget))
+        k = self.policy.choose(outlooks, ready)
+        if k:  # rows that draft nothing propose one token
+            caps = [o.budget if o.acceptance is not None else 1 for o in outlooks]
+        return RoundPlan(k, outlooks, None if all(c is None for c in caps) else caps,
+                         None if all(m is None for m in masks) else masks)
+
+    def chain_outlooks(self, records: Sequence[RequestRecord],
+                       ready: Ready) -> list[RowOutlook] | None:
+        """The rows' outlooks when their next round, chained ahead, drafts nothing (None:
+        the policy would draft). Chainable rows have no control, grammar or thinking budget
+        ahead, so their budgets are their tokens left."""
+        outlooks = [RowOutlook(r.acceptance if r.sampling.speculative == "on" else None,
+                               r.sampling.max_new_tokens - r.completion_tokens)
+                    for r in records]
+        if self.policy.adaptive and self.policy.choose(outlooks, ready):
+            return None
+        return outlooks
+
+    def dispatched(self, batch: PendingBatch, k: int, outlooks: list[RowOutlook]) -> None:
+        self.policy.dispatched(k, outlooks)
+        if k:  # a round of 0 proposes one token a row
+            self._in_flight[batch.batch_id] = (
+                k, [1 if o.acceptance is None else max(1, min(k + 1, o.budget))
+                    for o in outlooks])
+        self._rounds += 1
+        self._rows += len(outlooks)
+
+    def landed(self, batch: PendingBatch) -> tuple[int, list[int] | None]:
+        """A round's K and its rows' limits (None for a round of 0), as its output is read."""
+        return self._in_flight.pop(batch.batch_id, (0, None))
+
+    def dropped(self, batch: PendingBatch) -> None:
+        self._in_flight.pop(batch.batch_id, None)
+
+    def clear(self) -> None:
+        self._in_flight.clear()
+
+    def counted(self, *, host_s: float = 0.0, wait_s: float = 0.0) -> None:
+        """Worker time of decode iterations: host work, and waiting for a round's tokens."""
+        self._host_s += host_s
+        self._wait_s += wait_s
+
+    @property
+    def wait_s(self) -> float:
+        return self._wait_s
+
+    def stats(self) -> RoundStats:
+        return RoundStats(self._rounds, self._rows, self._host_s, self._wait_s)
+
+    def speculative_stats(self) -> SpeculativeStats:
+        return self.policy.stats()
+
+
+def chainable(records: Sequence[RequestRecord], ahead: bool) -> bool:
+    """Whether the next round of these rows may be dispatched before this one's output is
+    processed: plain decode rows (a round of no drafts; no grammar or thinking budget: nothing
+    the next round needs from this one's text), none cancelled or past its deadline, and
+    budget for a token after this round's (`ahead`: this round's is not counted yet)."""
+    now = time.monotonic()
+    spent = 2 if ahead else 1
+    return all(r.grammar is None and r.sampling.max_thinking_tokens is None
+               and not r.control and not r.cancel_requested.is_set()
+               and (r.deadline is None or now < r.deadline)
+               and r.completion_tokens + spent < r.sampling.max_new_tokens
+               for r in records)
