@@ -40,10 +40,10 @@ _PROGRAM_KEYS = ("page_size", "num_pages", "max_seq_len", "prefill_chunk", "atte
                  "gdn_impl", "dtype", "kv_dtype", "num_checkpoint_slots", "speculative",
                  "num_speculative_tokens", "draft_head", "draft_policy", "max_vision_patches", "tensor_parallel",
                  "moe_sharding")
-DEFAULT_SPECULATIVE_TOKENS = 1  # drafts per round with speculative="mtp" (see WORKSPACE.md)
+DEFAULT_SPECULATIVE_TOKENS = 1  # drafts per round with speculative="mtp" (docs/speculative.md)
 _CORE_KEYS = ("max_queue", "queue_timeout_s", "prefix_reuse", "overlap")
 _STORE_KEYS = ("context_store", "host_cache_gb", "disk_cache_dir", "redis_url")
-DEFAULT_DFLASH_TOKENS = 8  # drafts per round with speculative="dflash" (see WORKSPACE.md)
+DEFAULT_DFLASH_TOKENS = 8  # drafts per round with speculative="dflash" (docs/speculative.md)
 
 
 PURPOSES = ("generation", "causal_scoring")

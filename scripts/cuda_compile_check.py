@@ -7,7 +7,7 @@
     python scripts/cuda_compile_check.py --model=DIR ...   # an HF checkpoint's config.json
     python scripts/cuda_compile_check.py --roofline        # the decode roofline table only
 
-Runs in a venv with jax's CUDA plugin (the project's `cuda` extra; see WORKSPACE.md, "Compiling
+Runs in a venv with jax's CUDA plugin (the project's `cuda` extra; see docs/gpu.md, "Compiling
 the GPU build without a GPU"): the plugin takes a target description (`program.aot.GPUS`) and
 gives compile-only devices, `1x1xN` of them for --tensor_parallel=N. Every executable a Program
 of these settings compiles (`executable_specs.program_executables`: prefill, commit, capture,
@@ -233,7 +233,7 @@ def main(argv) -> int:
         devices = gpu_devices(GPU.value, pcfg.tensor_parallel)
     except Exception as e:  # noqa: BLE001 - no plugin: say how to get one
         print(f"error: no compile-only CUDA devices ({type(e).__name__}: {e}); run this in a "
-              f"venv with jax's CUDA plugin: pip install -e '.[cuda]' (WORKSPACE.md)",
+              f"venv with jax's CUDA plugin: pip install -e '.[cuda]' (docs/gpu.md)",
               file=sys.stderr)
         return 2
     print(f"{name} for {GPU.value} ({devices[0].device_kind}, sm_90) x{len(devices)}: "

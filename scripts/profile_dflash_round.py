@@ -8,8 +8,8 @@ median ms per round of all but the first generation is printed with the tokens a
 committed. Variants: no speculation ("off"), MTP K = 2 ("mtp"), DFlash with each head
 ("full", "selector"), and two ablations that change the output and are for timing only:
 "argmax" (drafts are the proposal's argmax, no per-position transform) and "no_block" (the
-drafter's block forward replaced by zeros, the selector kept). See WORKSPACE.md, "Speculative
-decoding (DFlash)".
+drafter's block forward replaced by zeros, the selector kept). See docs/speculative.md,
+"DFlash"; the run of 2026-12-02 is results/profile_dflash_round_2026-12-02.json.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ compiles (`compile_all`: XLA's whole pipeline, Triton kernels through ptxas) eve
 `executable_specs.program_executables` for a target. Nothing is allocated, so the 27B's GPU build
 compiles on a CPU host; compiled executables are inspected and dropped, never run. A GPU target
 without a GPU: jax's CUDA plugin gives compile-only devices for a target description
-(`gpu_devices`); see WORKSPACE.md, "Compiling the GPU build without a GPU".
+(`gpu_devices`); see docs/gpu.md, "Compiling the GPU build without a GPU".
 """
 
 from __future__ import annotations

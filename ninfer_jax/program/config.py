@@ -102,7 +102,7 @@ class ProgramConfig:
     # What turns a DFlash block into drafts: "full", the lm-head proposal, every position in
     # parallel (each under the row's transform); "selector", the drafter's candidate selector
     # over the proposal's top-k, one position after another. On the embedded model "full"
-    # decodes faster at every K (WORKSPACE.md, "Speculative decoding (DFlash)").
+    # decodes faster at every K (docs/speculative.md, "DFlash").
     draft_head: str = "full"
     # "adaptive": decode rounds are compiled for several draft counts (`round_drafts`, 0 and
     # num_speculative_tokens among them) and the Engine picks one per round from the step

@@ -355,7 +355,7 @@ def run_demo() -> dict:
     return result
 
 
-# What a user should get (WORKSPACE "Engine benchmarks"): the Engine at the Program's speed,
+# What a user should get (docs/benchmarks.md, "engine"): the Engine at the Program's speed,
 # the streamed main job close to it, a prompt exit, a bounded cold start.
 TARGETS = {"c1": 0.9, "c1_sampled": 0.85, "c8": 0.9, "main_job": 0.8}
 

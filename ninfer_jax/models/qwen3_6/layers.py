@@ -103,7 +103,7 @@ def _dequantized_rows(x: jax.Array, w: QArray) -> jax.Array:
     one `x_row @ dequantize(w).T` a row (int4: the even / odd channels against the low / high
     nibbles), the form XLA:CPU fused best in trials (the contraction over both operands' last
     dims was slower); more rows (prefill chunks), the dequantized weight and one dot. Still
-    slower than fp32 on CPU: see WORKSPACE.md, "Quantized weights"."""
+    slower than fp32 on CPU: see docs/quantization.md, "Quantized weights"."""
     rows = x.shape[0]
     if rows > _GEMV_ROWS:
         return einsum32("ri,oi->ro", x, w.dequantize(jnp.float32))
