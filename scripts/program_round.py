@@ -1,8 +1,8 @@
 """The demo model's Program B=1 round (decode + commit), for comparing two checkouts in turn.
 
     for i in 1 2 3 4; do
-      PYTHONPATH=/path/to/old python scripts/benchmarks/program_round.py
-      PYTHONPATH=/path/to/new python scripts/benchmarks/program_round.py
+      PYTHONPATH=/path/to/old python scripts/program_round.py
+      PYTHONPATH=/path/to/new python scripts/program_round.py
     done
 
 Each run loads the embedded model, builds a Program (max_concurrency 8), admits one 16-token
