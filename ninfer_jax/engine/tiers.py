@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ninfer_jax.engine.blocks import BlockLayout, ImageError
-from ninfer_jax.program.host import CheckpointImage
+from ninfer_jax.program.checkpoints import CheckpointImage
 from ninfer_jax.store import BlockId, BlockPayload, RequestContext, StoreError
 from ninfer_jax.store.proxy.api import StoreNode
 

@@ -23,7 +23,8 @@ from ninfer_jax.models.qwen3_6 import ModelConfig
 from ninfer_jax.program.config import ProgramConfig
 from ninfer_jax.program.dflash_steps import dflash_verify_step
 from ninfer_jax.program.executables import StepKey, StepKind, bind
-from ninfer_jax.program.host import GREEDY, mask_words
+from ninfer_jax.program.host import GREEDY
+from ninfer_jax.program.limits import mask_words
 from ninfer_jax.program.pools import Pools
 from ninfer_jax.program.sampling import sampling_arrays
 from ninfer_jax.program.steps import (

@@ -1,22 +1,24 @@
 """The Program's host-side bookkeeping, shared by the device Program and its test double.
 
-Owns (DESIGN §2, §10) the sequences and their committed frontiers, the page and slot allocators,
-admission plans sealed against `resource_revision`, growth reservations, and the rule that one
-PendingBatch at a time is consumed exactly once. Subclasses supply only the model execution
-(`_run_prefill`, `_run_decode`, `_run_commit`), so the real Program and
-`ninfer_jax.testing.FakeProgram` keep identical resource accounting. Imports no jax.
+Owns (DESIGN §2, §10) the sequences (`sequences.py`) and their committed frontiers, the page
+and slot allocators, admission plans sealed against `resource_revision`, growth reservations,
+and the rule that one PendingBatch at a time is consumed exactly once. Not the checkpoints:
+`self.checkpoints` (`checkpoints.py`) owns their records, slots and page references.
+Subclasses supply only the execution (`_run_*`: model steps and checkpoint copies), so the
+real Program and `ninfer_jax.testing.FakeProgram` keep identical resource accounting. Imports
+no jax.
 
 Lifecycle of a sequence: `plan_admission` (pure, may refuse with numbers) -> `materialize`
 (slot + complete growth reservation) -> `prefill` chunk by chunk (the last chunk returns a
 PendingBatch with the first token) -> `decode` rounds (PendingBatch) -> `commit` / `abort_pending`
--> `release` (pages and slot back, reservation returned).
+-> `release` (pages and slot back, reservation returned). Capture, restore (`materialize` from
+a checkpoint source), export and import of checkpoints: see `checkpoints.py`.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-import enum
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -24,26 +26,24 @@ from typing import Any
 import numpy as np
 
 from ninfer_jax.program.allocator import PageAllocator, SlotAllocator
+from ninfer_jax.program.checkpoints import (
+    CheckpointCopies,
+    CheckpointId,
+    CheckpointImage,
+    Checkpoints,
+)
 from ninfer_jax.program.errors import (
     InfeasibleError,
     PendingBatchError,
     ResourceError,
     StalePlanError,
 )
+from ninfer_jax.program.limits import ProgramLimits
 from ninfer_jax.program.pending import BatchKind, PendingBatch, SequenceHandle
+from ninfer_jax.program.sequences import SeqRecord, SeqState
 from ninfer_jax.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
-
-
-class SeqState(enum.Enum):
-    PREFILL = "prefill"  # consuming its prompt in chunks
-    ACTIVE = "active"  # decode-ready: its last token is committed output not yet in the state
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointId:
-    ckpt_id: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,121 +70,6 @@ class ResourcePlan:
     cached_tokens: int = 0  # the source's frontier: positions not prefilled again
 
 
-@dataclasses.dataclass
-class CheckpointRecord:
-    """An immutable image of a sequence at frontier F: the GDN state (in a checkpoint slot) and
-    shared references to the KV pages holding positions [0, F)."""
-
-    ckpt: CheckpointId
-    tokens: tuple[int, ...]  # the F tokens whose effect the image holds
-    slot: int  # checkpoint state slot
-    pages: list[int]  # ceil(F / page_size) pages, one reference each
-    # The digests of the images/videos whose placeholders start before F: two prompts with the
-    # same tokens but other media share no checkpoint.
-    media: tuple[str, ...] = ()
-
-    @property
-    def frontier(self) -> int:
-        return len(self.tokens)
-
-
-@dataclasses.dataclass
-class CheckpointImage:
-    """A checkpoint's contents on the host, the form the context store holds: one list of
-    buffers per K/V page (`page_bytes` in all; the last page holds nothing beyond what the
-    tokens determine, see `engine/blocks.py`) and the state image (`checkpoint_state_bytes`)."""
-
-    tokens: tuple[int, ...]
-    pages: list[list[np.ndarray]]
-    state: np.ndarray
-    media: tuple[str, ...] = ()  # as CheckpointRecord.media
-
-    @property
-    def frontier(self) -> int:
-        return len(self.tokens)
-
-
-def mask_words(vocab_size: int) -> int:
-    """Width of an allowed-token bitmask: ceil(vocab_size / 32) uint32 words."""
-    return -(-vocab_size // 32)
-
-
-@dataclasses.dataclass(frozen=True)
-class ProgramLimits:
-    """Static limits, safe to read from any thread (they never change after start-up)."""
-
-    max_seq_len: int
-    page_size: int
-    total_pages: int
-    total_slots: int
-    max_concurrency: int
-    prefill_chunk: int
-    vocab_size: int
-    total_checkpoint_slots: int = 0
-    page_bytes: int = 0  # K/V bytes of one page over all attention layers
-    checkpoint_state_bytes: int = 0  # GDN state bytes of one checkpoint image
-    verify_width: int = 1  # tokens a decode round may propose per row (drafts + 1)
-    # Positions below the frontier that a continuation rewrites: 1 with MTP, whose K/V at the
-    # frontier's last position depends on the token after it. A restored sequence owns the page
-    # holding them (a copy), never a shared one.
-    rewrites_below_frontier: int = 0
-    speculative: str = "off"  # what drafts a round's extra tokens: "mtp", "dflash" (or "off")
-    # The draft counts a decode round may have (ascending; the last is verify_width - 1): a
-    # round of K proposes up to K + 1 tokens a row (`decode(drafts=K)`). None: only the last.
-    round_drafts: tuple[int, ...] | None = None
-
-    def __post_init__(self):
-        drafts = self.round_drafts or (self.verify_width - 1,)
-        if list(drafts) != sorted(set(drafts)) or drafts[0] < 0 \
-                or drafts[-1] != self.verify_width - 1:
-            raise ValueError(f"round_drafts must ascend from >= 0 to verify_width - 1 = "
-                             f"{self.verify_width - 1}, got {self.round_drafts}")
-        object.__setattr__(self, "round_drafts", tuple(drafts))
-
-    @property
-    def mask_words(self) -> int:
-        return mask_words(self.vocab_size)
-
-
-@dataclasses.dataclass
-class SeqRecord:
-    handle: SequenceHandle
-    slot: int
-    tokens: list[int]  # committed tokens: prompt, then generated
-    prompt_len: int
-    max_new_tokens: int
-    sampling: SamplingParams
-    reserved: int  # pages still reserved (not yet allocated) for this sequence
-    stop_ids: tuple[int, ...] = ()  # not sampled before sampling.min_tokens generated tokens
-    pages: list[int] = dataclasses.field(default_factory=list)
-    frontier: int = 0  # positions whose K/V and GDN effect are committed
-    state: SeqState = SeqState.PREFILL
-    publication_slot: int | None = None  # a checkpoint slot kept for its terminal capture
-    # The allowed-token bitmask of the next sampled token ([mask_words] uint32, None: any
-    # token): set by each prefill / decode / control call from its caller's masks.
-    mask: np.ndarray | None = None
-    # The prompt's images and videos (frontend.vision.VisionInput, in prompt order), what they
-    # give the model (`_prepare_media`: the MRoPE RopeIndex, the prompt positions of the
-    # placeholders [M], where each medium's run starts), and their embeddings [M, H] once the
-    # vision encoder has run (before the first prefill chunk holding a placeholder).
-    media: tuple = ()
-    rope: Any = None
-    vision_at: np.ndarray | None = None
-    media_starts: tuple[int, ...] = ()
-    vision_embeds: Any = None
-    # Generated tokens committed by a round whose tokens the host has not read yet (a chained
-    # decode round took them on the device; `HostProgram._resolve` appends them to `tokens`).
-    unread: int = 0
-
-    def media_before(self, frontier: int) -> tuple[str, ...]:
-        """Digests of the media whose placeholders start before `frontier`."""
-        return tuple(m.digest for m, at in zip(self.media, self.media_starts) if at < frontier)
-
-    @property
-    def generated(self) -> int:
-        return len(self.tokens) + self.unread - self.prompt_len
-
-
 @dataclasses.dataclass(frozen=True)
 class ProgramStats:
     total_pages: int
@@ -199,19 +84,17 @@ class ProgramStats:
     free_checkpoint_slots: int = 0
 
 
-class HostProgram(abc.ABC):
+class HostProgram(CheckpointCopies):
     """Sequences, allocators, plans and PendingBatch rules; execution left to subclasses."""
 
     def __init__(self, limits: ProgramLimits):
         self.limits = limits
         self.pages = PageAllocator(limits.total_pages)
         self.slots = SlotAllocator(limits.total_slots)
-        self.ckpt_slots = SlotAllocator(max(limits.total_checkpoint_slots, 1))
-        self._ckpts: dict[int, CheckpointRecord] = {}
-        self._footprint: tuple[int, int] | None = None  # checkpoint_footprint, until they change
         self.resource_revision = 0
         self._seqs: dict[int, SeqRecord] = {}
         self._ids = itertools.count()
+        self.checkpoints = Checkpoints(limits, self.pages, self._ids)
         self._batch_ids = itertools.count()
         self._pending: PendingBatch | None = None
         # A committed plain decode round whose tokens stay on the device (`commit`): the next
@@ -242,25 +125,6 @@ class HostProgram(abc.ABC):
         """Adopts the provisional state after accepted[b] positions of row b (0: the row is
         rejected); its first accepted[b] tokens [B, verify_width] count toward penalties when
         `count`."""
-
-    @abc.abstractmethod
-    def _run_capture(self, seq: SeqRecord, ckpt_slot: int) -> None:
-        """Copies the sequence's committed state into checkpoint slot `ckpt_slot`."""
-
-    @abc.abstractmethod
-    def _run_restore(self, ckpt: CheckpointRecord, seq: SeqRecord,
-                     copy_page: tuple[int, int] | None) -> None:
-        """Loads `ckpt`'s state into the sequence's slot (fresh penalty state, the checkpoint's
-        tokens marked as prompt) and copies page copy_page[0] to copy_page[1] when given."""
-
-    @abc.abstractmethod
-    def _run_export(self, ckpt: CheckpointRecord, pages: Sequence[int]) -> CheckpointImage:
-        """Copies the checkpoint's pages `pages` (indices into ckpt.pages; the others come back
-        as empty lists) and its state image to the host."""
-
-    @abc.abstractmethod
-    def _run_import(self, ckpt: CheckpointRecord, image: CheckpointImage) -> None:
-        """Writes `image` into the checkpoint's (fresh) pages and checkpoint slot."""
 
     def _prepare_media(self, prompt_ids: list[int], media: Sequence) -> tuple:
         """(RopeIndex, placeholder positions [M], each medium's first placeholder position)
@@ -317,13 +181,12 @@ class HostProgram(abc.ABC):
         need = self.pages_needed(prompt_len, max_new_tokens)
         if source is None:
             return ResourcePlan(self.resource_revision, prompt_len, max_new_tokens, need)
-        ckpt = self._ckpt(source)
-        if not 1 <= ckpt.frontier < prompt_len:
+        frontier = self.checkpoints.record(source).frontier
+        if not 1 <= frontier < prompt_len:
             raise ResourceError(
-                f"checkpoint frontier {ckpt.frontier} must be in [1, prompt_len={prompt_len})")
-        shared = self._shared_pages(ckpt.frontier)
-        return ResourcePlan(self.resource_revision, prompt_len, max_new_tokens, need - shared,
-                            source, ckpt.frontier)
+                f"checkpoint frontier {frontier} must be in [1, prompt_len={prompt_len})")
+        return ResourcePlan(self.resource_revision, prompt_len, max_new_tokens,
+                            need - self.checkpoints.shared_pages(frontier), source, frontier)
 
     def admission(self, prompt_len: int, max_new_tokens: int,
                   source: CheckpointId | None = None,
@@ -343,17 +206,7 @@ class HostProgram(abc.ABC):
         if not self.slots.num_free:
             return None
         short = num_pages - self.pages.num_available
-        if short <= 0:
-            return ()
-        refs: dict[int, int] = {}  # page -> references held by the checkpoints taken so far
-        for i, ckpt_id in enumerate(evictable):
-            for page in self._ckpt(ckpt_id).pages:
-                refs[page] = refs.get(page, 0) + 1
-                if refs[page] == self.pages.refcount(page):  # nothing else holds it: freed
-                    short -= 1
-            if short <= 0:
-                return tuple(evictable[: i + 1])
-        return None
+        return () if short <= 0 else self.checkpoints.release_to_free(short, evictable)
 
     def backfill_fits(self, sequences: Sequence[tuple[int, int]]) -> bool:
         """The backfill proof (DESIGN §5): sequences of these (prompt_len, max_new_tokens) could
@@ -394,14 +247,8 @@ class HostProgram(abc.ABC):
             raise ResourceError(
                 f"plan cannot start now: {self.slots.num_free} free slots, "
                 f"{self.pages.num_available} available pages, {plan.num_pages} needed")
-        ckpt = None if plan.source is None else self._ckpt(plan.source)
-        if ckpt is not None and tuple(ids[: ckpt.frontier]) != ckpt.tokens:
-            raise ResourceError(f"prompt does not start with the tokens of {plan.source}")
-        digests = tuple(m.digest for m, at in zip(media, vision[2])
-                        if ckpt is not None and at < ckpt.frontier)
-        if ckpt is not None and digests != ckpt.media:
-            raise ResourceError(f"prompt's images/videos before position {ckpt.frontier} are "
-                                f"not those of {plan.source}")
+        ckpt = (None if plan.source is None
+                else self.checkpoints.source(plan.source, ids, media, vision[2]))
         slot = self.slots.allocate()
         self.pages.reserve(plan.num_pages)
         handle = SequenceHandle(next(self._ids), self.resource_revision)
@@ -410,39 +257,27 @@ class HostProgram(abc.ABC):
                         reserved=plan.num_pages, stop_ids=stop_ids, media=media,
                         rope=vision[0], vision_at=vision[1], media_starts=tuple(vision[2]))
         self._seqs[handle.seq_id] = seq
-        if ckpt is not None:
-            shared = self._shared_pages(ckpt.frontier)
-            for page in ckpt.pages[:shared]:
-                self.pages.incref(page)
-            seq.pages = list(ckpt.pages[:shared])
-            copy_page = None
-            if ckpt.frontier > shared * self.limits.page_size:  # the last page: copy on write
-                self._grow(seq, ckpt.frontier)
-                copy_page = (ckpt.pages[shared], seq.pages[-1])
+        if ckpt is not None:  # restore: share its pages, copy the one after them on write
+            seq.pages = self.checkpoints.share(ckpt)
+            shared = len(seq.pages)
+            self._grow(seq, ckpt.frontier)
+            copy_page = (ckpt.pages[shared], seq.pages[-1]) if len(seq.pages) > shared else None
             seq.frontier = ckpt.frontier
             self._run_restore(ckpt, seq, copy_page)
         self.resource_revision += 1
         return handle
 
-    # Checkpoints -----------------------------------------------------------------------------
+    # Checkpoints: owned by `self.checkpoints` (checkpoints.py) -------------------------------
     def can_capture(self) -> bool:
-        return self.limits.total_checkpoint_slots > 0 and self.ckpt_slots.num_free > 0
+        return self.checkpoints.can_capture()
 
     def reserve_publication(self, handle: SequenceHandle) -> bool:
-        """Keeps a free checkpoint slot for the sequence's terminal checkpoint (DESIGN §7: the
-        publication slot, reserved at activation), so that its capture never needs a slot
-        freed at the end. Reservations hold at most half the checkpoint slots (the rest serve
-        the checkpoints being reused), so False when that half or every slot is taken.
-        Released with the sequence if unused."""
-        seq = self._seq(handle)
-        held = sum(s.publication_slot is not None for s in self._seqs.values())
-        if (seq.publication_slot is None and self.can_capture()
-                and held < self.limits.total_checkpoint_slots // 2):
-            seq.publication_slot = self.ckpt_slots.allocate()
-        return seq.publication_slot is not None
+        """`Checkpoints.reserve_publication` for a live sequence; the slot is released with
+        the sequence if unused."""
+        return self.checkpoints.reserve_publication(self._seq(handle).handle)
 
     def has_publication_slot(self, handle: SequenceHandle) -> bool:
-        return self._seq(handle).publication_slot is not None
+        return self.checkpoints.has_publication_slot(self._seq(handle).handle)
 
     def capture(self, handle: SequenceHandle, *, publication: bool = False) -> CheckpointId:
         """Checkpoints a sequence at its committed frontier (its tokens minus the last one
@@ -454,116 +289,41 @@ class HostProgram(abc.ABC):
             raise PendingBatchError(f"capture of {handle} while its PendingBatch is unconsumed")
         if seq.state not in (SeqState.ACTIVE, SeqState.PREFILL) or seq.frontier < 1:
             raise ResourceError(f"{handle} has no committed frontier to capture")
-        if publication and seq.publication_slot is None:
-            raise ResourceError(f"{handle} holds no publication slot")
-        if not publication and not self.can_capture():
-            raise ResourceError("no free checkpoint slot")
-        n = -(-seq.frontier // self.limits.page_size)
-        pages = seq.pages[:n]
-        for page in pages:
-            self.pages.incref(page)
-        if publication:
-            slot, seq.publication_slot = seq.publication_slot, None
-        else:
-            slot = self.ckpt_slots.allocate()
-        ckpt = CheckpointRecord(CheckpointId(next(self._ids)), tuple(seq.tokens[: seq.frontier]),
-                                slot, list(pages), media=seq.media_before(seq.frontier))
-        self._run_capture(seq, ckpt.slot)
-        self._ckpts[ckpt.ckpt.ckpt_id] = ckpt
-        self._footprint = None
+        ckpt = self.checkpoints.capture(handle, seq.tokens[: seq.frontier], seq.pages,
+                                        seq.media_before(seq.frontier), publication,
+                                        lambda slot: self._run_capture(seq, slot))
         self.resource_revision += 1
-        return ckpt.ckpt
+        return ckpt
 
     def export_checkpoint(self, ckpt_id: CheckpointId,
                           pages: Sequence[int] | None = None) -> CheckpointImage:
         """The checkpoint's pages (all, or the listed page indices) and state image on the host.
         Waits for the copies; the checkpoint stays as it was."""
         self._check_idle()
-        ckpt = self._ckpt(ckpt_id)
-        wanted = range(len(ckpt.pages)) if pages is None else pages
-        if any(not 0 <= i < len(ckpt.pages) for i in wanted):
-            raise ResourceError(f"page indices {list(wanted)} out of range for "
-                                f"{len(ckpt.pages)} pages")
-        return self._run_export(ckpt, sorted(set(wanted)))
+        return self.checkpoints.export(ckpt_id, pages, self._run_export)
 
     def can_import(self, frontier: int) -> bool:
-        """Whether a checkpoint at `frontier` can be imported now (a free checkpoint slot and
-        its pages among those no sequence was promised)."""
-        return (self.can_capture()
-                and self.pages.num_available >= -(-frontier // self.limits.page_size))
+        return self.checkpoints.can_import(frontier)
 
     def import_checkpoint(self, image: CheckpointImage) -> CheckpointId:
-        """A new checkpoint holding `image` (a reload from the context store): fresh pages and a
-        checkpoint slot, each with one reference, exactly as `capture` leaves them."""
+        """A new checkpoint holding `image` (a reload from the context store)."""
         self._check_idle()
-        lim, f = self.limits, image.frontier
-        if not 1 <= f < lim.max_seq_len:
-            raise ResourceError(f"image frontier {f} must be in [1, {lim.max_seq_len})")
-        if min(image.tokens) < 0 or max(image.tokens) >= lim.vocab_size:
-            raise ResourceError(f"image token ids must be in [0, {lim.vocab_size})")
-        n = -(-f // lim.page_size)
-        sizes = [sum(np.asarray(b).nbytes for b in page) for page in image.pages]
-        if len(sizes) != n or any(size != lim.page_bytes for size in sizes):
-            raise ResourceError(f"image of frontier {f} needs {n} pages of {lim.page_bytes} "
-                                f"bytes, got {sizes}")
-        if np.asarray(image.state).nbytes != lim.checkpoint_state_bytes:
-            raise ResourceError(f"image state has {np.asarray(image.state).nbytes} bytes, "
-                                f"expected {lim.checkpoint_state_bytes}")
-        if not self.can_import(f):
-            raise ResourceError(f"no room to import a checkpoint of {n} pages: "
-                                f"{self.pages.num_available} available pages, "
-                                f"{self.ckpt_slots.num_free} free checkpoint slots")
-        self.pages.reserve(n)
-        pages = [self.pages.allocate_reserved() for _ in range(n)]
-        ckpt = CheckpointRecord(CheckpointId(next(self._ids)), tuple(image.tokens),
-                                self.ckpt_slots.allocate(), pages, media=tuple(image.media))
-        try:
-            self._run_import(ckpt, image)
-        except BaseException:
-            for page in pages:
-                self.pages.decref(page)
-            self.ckpt_slots.release(ckpt.slot)
-            raise
-        self._ckpts[ckpt.ckpt.ckpt_id] = ckpt
-        self._footprint = None
+        ckpt = self.checkpoints.import_image(image, self._run_import)
         self.resource_revision += 1
-        return ckpt.ckpt
-
-    def _shared_pages(self, frontier: int) -> int:
-        """Pages a sequence restored at `frontier` shares with the checkpoint: those wholly
-        below the first position it writes."""
-        return (frontier - self.limits.rewrites_below_frontier) // self.limits.page_size
+        return ckpt
 
     def release_checkpoint(self, ckpt_id: CheckpointId) -> None:
-        ckpt = self._ckpt(ckpt_id)
-        for page in ckpt.pages:
-            self.pages.decref(page)
-        self.ckpt_slots.release(ckpt.slot)
-        del self._ckpts[ckpt_id.ckpt_id]
-        self._footprint = None
+        self.checkpoints.release(ckpt_id)
         self.resource_revision += 1
 
     def checkpoint_footprint(self) -> tuple[int, int]:
-        """(distinct pages referenced by checkpoints, bytes they and their state images hold).
-        Computed when the set of checkpoints changed, not on every call (stats read it every
-        worker iteration)."""
-        if self._footprint is None:
-            pages = {p for ckpt in self._ckpts.values() for p in ckpt.pages}
-            self._footprint = (len(pages), len(pages) * self.limits.page_bytes
-                               + len(self._ckpts) * self.limits.checkpoint_state_bytes)
-        return self._footprint
+        return self.checkpoints.footprint()
 
     def checkpoint_tokens(self, ckpt_id: CheckpointId) -> tuple[int, ...]:
-        return self._ckpt(ckpt_id).tokens
+        return self.checkpoints.record(ckpt_id).tokens
 
     def checkpoint_pages(self, ckpt_id: CheckpointId) -> tuple[int, ...]:
-        return tuple(self._ckpt(ckpt_id).pages)
-
-    def _ckpt(self, ckpt_id: CheckpointId) -> CheckpointRecord:
-        ckpt = self._ckpts.get(ckpt_id.ckpt_id)
-        if ckpt is None:
-            raise ResourceError(f"unknown checkpoint {ckpt_id}")
-        return ckpt
+        return tuple(self.checkpoints.record(ckpt_id).pages)
 
     def release(self, handle: SequenceHandle) -> None:
         """Returns a sequence's pages, unused reservation and slot. Not while it is pending."""
@@ -575,8 +335,7 @@ class HostProgram(abc.ABC):
             self.pages.decref(page)
         self.pages.unreserve(seq.reserved)
         self.slots.release(seq.slot)
-        if seq.publication_slot is not None:
-            self.ckpt_slots.release(seq.publication_slot)
+        self.checkpoints.drop_publication(handle)
         del self._seqs[handle.seq_id]
         self.resource_revision += 1
 
@@ -780,9 +539,8 @@ class HostProgram(abc.ABC):
             reserved_pages=self.pages.num_reserved, available_pages=self.pages.num_available,
             total_slots=self.slots.num_slots, free_slots=self.slots.num_free,
             num_sequences=len(self._seqs), resource_revision=self.resource_revision,
-            num_checkpoints=len(self._ckpts),
-            free_checkpoint_slots=self.ckpt_slots.num_free if self.limits.total_checkpoint_slots
-            else 0)
+            num_checkpoints=len(self.checkpoints),
+            free_checkpoint_slots=self.checkpoints.num_free_slots)
 
     # Internals -----------------------------------------------------------------------------
     def _seq(self, handle: SequenceHandle) -> SeqRecord:

@@ -25,6 +25,7 @@ from ninfer_jax.models.qwen3_6 import ModelConfig
 from ninfer_jax.models.qwen3_6.model import unstack_layers
 from ninfer_jax.models.qwen3_6.mrope import rope_index
 from ninfer_jax.models.qwen3_6.vision import vision_layout
+from ninfer_jax.program.checkpoints import CheckpointImage, CheckpointRecord
 from ninfer_jax.program.config import ProgramConfig
 from ninfer_jax.program.errors import InfeasibleError
 from ninfer_jax.program.executable_specs import (
@@ -37,15 +38,11 @@ from ninfer_jax.program.executable_specs import (
     vision_on,
 )
 from ninfer_jax.program.executables import ExecutableTable, StepKey, StepKind
-from ninfer_jax.program.host import (
-    CheckpointImage,
-    CheckpointRecord,
-    HostProgram,
-    ProgramLimits,
-    SeqRecord,
-)
+from ninfer_jax.program.host import HostProgram
+from ninfer_jax.program.limits import ProgramLimits
 from ninfer_jax.program.pools import Pools
 from ninfer_jax.program.sampling import sampling_arrays
+from ninfer_jax.program.sequences import SeqRecord
 from ninfer_jax.program.sharding import place_params, pool_shardings, tp_mesh
 from ninfer_jax.program.steps import (
     CaptureInputs,

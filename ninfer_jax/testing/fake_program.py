@@ -30,16 +30,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ninfer_jax.program.host import (
-    GREEDY,
-    CheckpointImage,
-    CheckpointRecord,
-    HostProgram,
-    ProgramLimits,
-    ResourcePlan,
-    SeqRecord,
-)
+from ninfer_jax.program.checkpoints import CheckpointImage, CheckpointRecord
+from ninfer_jax.program.host import GREEDY, HostProgram, ResourcePlan
+from ninfer_jax.program.limits import ProgramLimits
 from ninfer_jax.program.pending import PendingBatch, SequenceHandle
+from ninfer_jax.program.sequences import SeqRecord
 from ninfer_jax.sampling_params import MAX_LOGPROBS, SamplingParams
 
 HOOK_POINTS = ("after_materialize", "after_prefill", "after_decode", "after_control",

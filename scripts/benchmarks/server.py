@@ -53,7 +53,7 @@ def _fake_engine() -> Any:
     from ninfer_jax.api import Engine
     from ninfer_jax.engine import EngineCore, EngineCoreConfig
     from ninfer_jax.frontend import ChatTemplate, Frontend
-    from ninfer_jax.program.host import ProgramLimits
+    from ninfer_jax.program.limits import ProgramLimits
     from ninfer_jax.testing.fake_program import FakeProgram
     from ninfer_jax.testing.tokenizer import ByteTokenizer
 

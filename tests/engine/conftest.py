@@ -7,7 +7,7 @@ import time
 
 from ninfer_jax.engine import EngineCore, EngineCoreConfig, EngineStats
 from ninfer_jax.frontend import Frontend
-from ninfer_jax.program.host import ProgramLimits
+from ninfer_jax.program.limits import ProgramLimits
 from ninfer_jax.sampling_params import SamplingParams
 from ninfer_jax.testing.fake_program import FakeProgram, expected_tokens
 from ninfer_jax.testing.tokenizer import ByteTokenizer

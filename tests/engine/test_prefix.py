@@ -44,7 +44,7 @@ def refs_explained(program):
     for h in program.handles():
         for p in program._seq(h).pages:
             held[p] = held.get(p, 0) + 1
-    for ck in program._ckpts.values():
+    for ck in program.checkpoints.records():
         for p in ck.pages:
             held[p] = held.get(p, 0) + 1
     return all(program.pages.refcount(p) == held.get(p, 0) for p in range(program.pages.num_pages))

@@ -10,7 +10,7 @@ import pytest
 from ninfer_jax.engine.events import InvariantError
 from ninfer_jax.engine.resources import LaneState, ResourceManager
 from ninfer_jax.engine.transactions import Transition
-from ninfer_jax.program.host import CheckpointId
+from ninfer_jax.program.checkpoints import CheckpointId
 
 
 def test_a_transaction_ends_once_and_its_result_is_adopted_once():

@@ -14,7 +14,7 @@ import zlib
 from ninfer_jax.engine import EngineCore, EngineCoreConfig
 from ninfer_jax.engine.blocks import TAG_BYTES, BlockLayout
 from ninfer_jax.engine.tiers import ContextTiers, StoredPrefix
-from ninfer_jax.program.host import ProgramLimits
+from ninfer_jax.program.limits import ProgramLimits
 from ninfer_jax.sampling_params import SamplingParams
 from ninfer_jax.store import BlockId, StoreAssembler
 from ninfer_jax.store.posix_files import HEADER, MAGIC, VERSION
@@ -152,7 +152,7 @@ def assert_program_explained(t: Tiered) -> None:
     assert p.free_pages == p.total_pages - ckpt_pages, (p, ckpt_pages)
     assert p.num_checkpoints == len(t.core.catalog), (p, len(t.core.catalog))
     held: dict[int, int] = {}
-    for ckpt in t.program._ckpts.values():
+    for ckpt in t.program.checkpoints.records():
         for page in ckpt.pages:
             held[page] = held.get(page, 0) + 1
     assert all(t.program.pages.refcount(page) == held.get(page, 0)

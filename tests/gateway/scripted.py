@@ -11,7 +11,7 @@ from collections.abc import Callable
 from ninfer_jax.api import Engine
 from ninfer_jax.engine import EngineCore, EngineCoreConfig
 from ninfer_jax.frontend import ChatTemplate, Frontend
-from ninfer_jax.program.host import ProgramLimits
+from ninfer_jax.program.limits import ProgramLimits
 from ninfer_jax.testing.fake_program import FakeProgram
 from tests.gateway.conftest import EOS, PAGE_SIZE, TOKENIZER
 

@@ -24,7 +24,7 @@ from ninfer_jax.api import Engine
 from ninfer_jax.engine import EngineCore, EngineCoreConfig
 from ninfer_jax.frontend import Frontend
 from ninfer_jax.gateway.http.logprobs import MAX_LOGPROBS, PromptScorer
-from ninfer_jax.program.host import ProgramLimits
+from ninfer_jax.program.limits import ProgramLimits
 from ninfer_jax.sampling_params import SamplingParams
 from ninfer_jax.scoring import CausalScoreCore, Scorer, ScoringConfig
 from ninfer_jax.testing import ByteTokenizer

@@ -11,7 +11,6 @@ own task run (datasets, task loading: heavy) is in the slow tier."""
 
 from __future__ import annotations
 
-
 import pytest
 from lm_eval.api.instance import Instance
 from lm_eval.models.openai_completions import LocalCompletionsAPI
@@ -20,7 +19,7 @@ from ninfer_jax.api import Engine
 from ninfer_jax.engine import EngineCore, EngineCoreConfig
 from ninfer_jax.frontend import Frontend
 from ninfer_jax.gateway.lm_eval_adapter import NinferLM, local_choice_task
-from ninfer_jax.program.host import ProgramLimits
+from ninfer_jax.program.limits import ProgramLimits
 from ninfer_jax.testing.fake_program import FakeProgram
 from tests.gateway.conftest import MODEL, PAGE_SIZE, served
 from tests.scoring.conftest import model_dir  # noqa: F401  (the fixture)

@@ -5,7 +5,7 @@ whose release frees enough pages, counting a page only when nothing else holds i
 
 from __future__ import annotations
 
-from ninfer_jax.program.host import ProgramLimits
+from ninfer_jax.program.limits import ProgramLimits
 from ninfer_jax.testing.fake_program import FakeProgram
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ninfer_jax.program.checkpoints import CheckpointImage
 from ninfer_jax.program.errors import ResourceError
-from ninfer_jax.program.host import CheckpointImage
 from tests.models.conftest import reference
 from tests.program.conftest import program, reference_greedy, run_to_completion
 
@@ -96,6 +96,6 @@ def test_a_bad_image_is_refused_and_changes_nothing():
     with pytest.raises(ResourceError, match="out of range"):
         prog.export_checkpoint(prog.import_checkpoint(image), [3])
     assert prog.stats().num_checkpoints == before.num_checkpoints + 1
-    for c in list(prog._ckpts.values()):
+    for c in prog.checkpoints.records():
         prog.release_checkpoint(c.ckpt)
     assert prog.stats().free_pages == prog.stats().total_pages

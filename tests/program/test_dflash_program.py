@@ -235,7 +235,7 @@ def test_a_checkpoint_holds_only_what_its_tokens_determine():
     pos, held = (np.asarray(a)[0] for a in context_positions(jnp.array([frontier]), ring,
                                                                kept))
     want_k, _ = (np.asarray(a)[0] for a in _expected_context(prog, all_tokens, frontier))
-    got = np.asarray(prog.pools.ck_dk)[prog._ckpt(ckpt).slot]
+    got = np.asarray(prog.pools.ck_dk)[prog.checkpoints.record(ckpt).slot]
     assert not np.any(got[~held])
     for i in np.flatnonzero(held):
         np.testing.assert_allclose(got[i], want_k[pos[i]], atol=2e-5)

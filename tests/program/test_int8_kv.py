@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from ninfer_jax.errors import ConfigError
+from ninfer_jax.program.checkpoints import CheckpointImage
 from ninfer_jax.program.config import ProgramConfig
 from ninfer_jax.program.executables import StepKey, StepKind
-from ninfer_jax.program.host import CheckpointImage
 from ninfer_jax.program.plan import memory_plan
 from ninfer_jax.program.pools import Pools
 from ninfer_jax.sampling_params import SamplingParams
