@@ -13,9 +13,12 @@ import typing
 from ninfer_jax import api
 from ninfer_jax.engine import core, request
 from ninfer_jax.engine.admission import Admission
+from ninfer_jax.engine.catalog import CatalogEntry
 from ninfer_jax.engine.publication import Publication
 from ninfer_jax.engine.retention import Retention
 from ninfer_jax.engine.rounds import Rounds
+from ninfer_jax.engine.tiers import ContextTiers
+from ninfer_jax.engine.transactions import ResourceResult, RunningTransaction
 from ninfer_jax.frontend.loading import Frontend
 from ninfer_jax.frontend.output_session import OutputSession
 from ninfer_jax.frontend.prompt import PreparedPrompt
@@ -76,7 +79,8 @@ def test_no_any_at_the_engine_and_gateway_boundaries():
     typed = [api.Engine.__init__, core.EngineCore.__init__, core.EngineCore.submit,
              state.ServerState, generation.prepare, generation.submit, server.create_app,
              server.serve, metrics.Metrics.__init__, request.RequestRecord,
-             Admission.__init__, Retention.__init__]
+             Admission.__init__, Retention.__init__, ResourceResult, RunningTransaction,
+             CatalogEntry, ContextTiers.offload]
     for obj in typed:
         for name, hint in hints(obj).items():
             assert typing.Any not in (hint, *typing.get_args(hint)), \

@@ -18,9 +18,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ninfer_jax.program.checkpoints import CheckpointId
 
 
 def prefix_digest(tokens, scope: str | None = None) -> str:
@@ -34,7 +37,7 @@ def prefix_digest(tokens, scope: str | None = None) -> str:
 
 @dataclasses.dataclass
 class CatalogEntry:
-    ckpt: Any  # the Program's CheckpointId
+    ckpt: CheckpointId
     tokens: tuple[int, ...]
     digest: str
     last_used: int
@@ -83,7 +86,7 @@ class CheckpointCatalog:
     def _matches(entry: CatalogEntry, tokens, scope: str | None) -> bool:
         return entry.scope == scope and entry.tokens == tuple(tokens)
 
-    def add(self, ckpt: Any, tokens: tuple[int, ...], scope: str | None = None) -> CatalogEntry:
+    def add(self, ckpt: CheckpointId, tokens: tuple[int, ...], scope: str | None = None) -> CatalogEntry:
         entry = CatalogEntry(ckpt, tuple(tokens), prefix_digest(tokens, scope), next(self._clock),
                              scope)
         if entry.digest in self._entries:

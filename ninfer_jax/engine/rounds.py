@@ -23,7 +23,7 @@ from ninfer_jax.engine.stats import RoundStats
 
 if TYPE_CHECKING:
     from ninfer_jax.frontend.output_session import Preview
-    from ninfer_jax.program.host import ProgramLimits
+    from ninfer_jax.program.limits import ProgramLimits
     from ninfer_jax.program.pending import PendingBatch
 
 Ready = Callable[[int, int], bool]  # (drafts, batch) -> that round's executable is compiled

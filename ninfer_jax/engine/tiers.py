@@ -23,14 +23,17 @@ import dataclasses
 import itertools
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ninfer_jax.engine.blocks import BlockLayout, ImageError
-from ninfer_jax.program.checkpoints import CheckpointImage
+from ninfer_jax.program.checkpoints import CheckpointId, CheckpointImage
 from ninfer_jax.store import BlockId, BlockPayload, RequestContext, StoreError
 from ninfer_jax.store.proxy.api import StoreNode
+
+if TYPE_CHECKING:
+    from ninfer_jax.program.host import HostProgram
 
 log = logging.getLogger(__name__)
 PREFETCH_ROUNDS = 3  # lookup -> prefetch rounds before a lookup that still signals is a miss
@@ -104,7 +107,7 @@ class ContextTiers:
         self._stats = TierStats(self._names)
 
     # Offload -----------------------------------------------------------------------------------
-    def offload(self, program: Any, ckpt: Any, tokens: tuple[int, ...],
+    def offload(self, program: HostProgram, ckpt: CheckpointId, tokens: tuple[int, ...],
                 scope: str | None) -> None:
         """Writes the blocks of checkpoint `ckpt` (of `tokens`) that the store lacks."""
         kv, state = self._ids(*self.layout.checkpoint_ids(tokens, scope))

@@ -19,9 +19,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ninfer_jax.engine.events import InvariantError
+
+if TYPE_CHECKING:
+    from ninfer_jax.engine.tiers import Reload
+    from ninfer_jax.program.checkpoints import CheckpointId
+    from ninfer_jax.program.pending import SequenceHandle
 
 
 class Transition(enum.Enum):
@@ -40,8 +45,8 @@ class ResourceResult:
     transition: Transition
     committed: bool
     request_id: int | None = None
-    sequence: Any = None  # MATERIALIZE, RELEASE: the SequenceHandle made or given back
-    checkpoint: Any = None  # CAPTURE, PLACE: the CheckpointId made; DELETE: the one released
+    sequence: SequenceHandle | None = None  # MATERIALIZE, RELEASE: made or given back
+    checkpoint: CheckpointId | None = None  # CAPTURE, PLACE: made; DELETE: released
     tokens: tuple[int, ...] = ()  # CAPTURE, PLACE: the checkpoint's tokens
     scope: str | None = None  # CAPTURE, PLACE: its cache scope
     cached_tokens: int = 0  # MATERIALIZE: prompt positions restored from a checkpoint
@@ -58,7 +63,7 @@ class RunningTransaction:
     txn_id: int
     transition: Transition
     request_id: int | None
-    reload: Any = None  # tiers.Reload in flight (MATERIALIZE only)
+    reload: Reload | None = None  # a context-store read in flight (MATERIALIZE only)
     result: ResourceResult | None = None
 
     def commit(self, **end: Any) -> ResourceResult:
