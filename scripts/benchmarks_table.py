@@ -23,6 +23,7 @@ mean. This module reads JSON only (no jax).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import pathlib
@@ -30,13 +31,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from absl import app, flags
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMMAND = "python -m scripts.benchmarks_table"
-
-RESULTS = flags.DEFINE_string("results", str(ROOT / "results"), "folder of results JSON files")
-OUT = flags.DEFINE_string("out", str(ROOT / "BENCHMARKS.md"), "the markdown file to write")
 
 _FILE_NAME = re.compile(r"^(?P<suite>[a-z_]+?)_(?P<date>\d{4}-\d{2}-\d{2})(?:_.*)?$")
 _SPREAD_KEYS = {"median", "min", "max", "n"}
@@ -282,12 +278,18 @@ def render(results_dir: pathlib.Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv):
-    del argv
-    text = render(pathlib.Path(RESULTS.value))
-    pathlib.Path(OUT.value).write_text(text)
-    print(f"wrote {OUT.value}")
+def main(argv: list[str] | None = None) -> None:
+    # argparse, not absl flags: this module is imported by tests beside the CLI's flags
+    parser = argparse.ArgumentParser(description="BENCHMARKS.md from results/*.json")
+    parser.add_argument("--results", default=str(ROOT / "results"),
+                        help="folder of results JSON files")
+    parser.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"),
+                        help="the markdown file to write")
+    args = parser.parse_args(argv)
+    text = render(pathlib.Path(args.results))
+    pathlib.Path(args.out).write_text(text)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main()
