@@ -14,10 +14,11 @@ from jax.sharding import PartitionSpec
 TP_AXIS = "tp"
 
 
-def by_platform(run: Callable, interpret: bool | None, *args: jax.Array):
-    """`run(*args, interpret=...)`: as given, or when None by the platform the step is lowered
-    for (`jax.lax.platform_dependent`): the interpreter on CPU, where a Triton kernel cannot run
-    compiled, the compiled kernel elsewhere; so a CPU host lowering for CUDA gets the kernel."""
+def by_platform(run: Callable, interpret: bool | None, *args):
+    """`run(*args, interpret=...)` (args: arrays or pytrees of them): as given, or when None by
+    the platform the step is lowered for (`jax.lax.platform_dependent`): the interpreter on
+    CPU, where a Triton kernel cannot run compiled, the compiled kernel elsewhere; so a CPU
+    host lowering for CUDA gets the kernel."""
     if interpret is not None:
         return run(*args, interpret=interpret)
     return jax.lax.platform_dependent(*args, cpu=functools.partial(run, interpret=True),

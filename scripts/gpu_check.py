@@ -83,6 +83,7 @@ from ninfer_jax.program.executables import StepKind
 from ninfer_jax.program.program import Program
 from ninfer_jax.testing.configs import tiny_dense, tiny_moe
 from pallas_kernels.paged_attention import (
+    PagedAttentionInputs,
     paged_attention_decode,
     paged_attention_prefill,
     quantize,
@@ -206,10 +207,10 @@ def pool_case(d: KernelDims, lengths: np.ndarray, rng) -> tuple[np.ndarray, ...]
     return k, v, tables
 
 
-def kernel_case(d: KernelDims, dtype, seed: int = 0) -> tuple:
-    """(q, k_pages, v_pages, page_tables, lengths) on the device: ragged rows (0, 1, a page,
-    several pages and a part, a full table, random), garbage table entries past each row's
-    pages, NaN in every pool slot no row reads."""
+def kernel_case(d: KernelDims, dtype, seed: int = 0) -> tuple[jax.Array, PagedAttentionInputs]:
+    """(q, inputs) for decode on the device: ragged rows (0, 1, a page, several pages and a
+    part, a full table, random), garbage table entries past each row's pages, NaN in every pool
+    slot no row reads."""
     rng = np.random.default_rng(seed)
     full = d.max_pages * d.page_size
     lens = [0, 1, d.page_size, 3 * d.page_size + 5, full]
@@ -217,20 +218,23 @@ def kernel_case(d: KernelDims, dtype, seed: int = 0) -> tuple:
     lengths = np.asarray(rng.permutation(lens), np.int32)
     k, v, tables = pool_case(d, lengths, rng)
     q = rng.standard_normal((d.batch, d.num_q_heads, d.head_dim))
-    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
-            jnp.asarray(tables, jnp.int32), jnp.asarray(lengths))
+    return (jnp.asarray(q, dtype),
+            PagedAttentionInputs(jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+                                 jnp.asarray(tables, jnp.int32), jnp.asarray(lengths)))
 
 
-def int8_pages(args: tuple) -> tuple:
-    """`args` (q, k_pages, v_pages, ...) with the pages as INT8 and their scales appended (the
-    kernels' trailing k_scales, v_scales): NaN scales (and any value) where no row reads."""
+def int8_pages(args: tuple[jax.Array, PagedAttentionInputs]
+               ) -> tuple[jax.Array, PagedAttentionInputs]:
+    """(q, inputs) with the pages as INT8 and their scales: NaN scales (and any value) where no
+    row reads."""
+    q, inputs = args
     pages = []
-    for x in args[1:3]:
+    for x in (inputs.k_pages, inputs.v_pages):
         unread = jnp.isnan(x).any(axis=-1)
-        q, s = quantize(jnp.nan_to_num(x))
-        pages.append((q, jnp.where(unread, jnp.nan, s)))
+        p, s = quantize(jnp.nan_to_num(x))
+        pages.append((p, jnp.where(unread, jnp.nan, s)))
     (kq, ks), (vq, vs) = pages
-    return (args[0], kq, vq, *args[3:], ks, vs)
+    return q, dataclasses.replace(inputs, k_pages=kq, v_pages=vq, k_scales=ks, v_scales=vs)
 
 
 def kernel_rows(d: KernelDims, reps: int) -> list[tuple]:
@@ -240,8 +244,8 @@ def kernel_rows(d: KernelDims, reps: int) -> list[tuple]:
         pool = int8_pages if pages else (lambda a: a)
         args = pool(kernel_case(d, jnp.dtype(dtype)))
         case = (f"{label}, B={d.batch}, {d.num_q_heads} q / {d.num_kv_heads} kv x {d.head_dim}, "
-                f"page {d.page_size}, {args[1].shape[0]} pages, "
-                f"lengths {sorted(int(n) for n in args[4])}")
+                f"page {d.page_size}, {args[1].k_pages.shape[0]} pages, "
+                f"lengths {sorted(int(n) for n in args[1].cached_lens)}")
         try:
             rows.append(("1 decode kernel", case,
                          *kernel_result(paged_attention_decode, args, dtype, reps)))
@@ -249,8 +253,9 @@ def kernel_rows(d: KernelDims, reps: int) -> list[tuple]:
             rows.append(("1 decode kernel", case, failure(e), "FAIL"))
         for tokens in (d.chunk, 4):  # a prefill chunk and a verify window (MTP K = 3)
             args = pool(prefill_case(d, tokens, jnp.dtype(dtype)))
-            case = (f"{label}, B={d.batch}, T={tokens}, prior {sorted(int(n) for n in args[4])}, "
-                    f"chunk lengths {sorted(int(n) for n in args[7])}")
+            prior, chunk = args[1].cached_lens, args[1].chunk_lens
+            case = (f"{label}, B={d.batch}, T={tokens}, prior {sorted(int(n) for n in prior)}, "
+                    f"chunk lengths {sorted(int(n) for n in chunk)}")
             try:
                 rows.append(("1 prefill kernel", case,
                              *kernel_result(paged_attention_prefill, args, dtype, reps)))
@@ -259,11 +264,10 @@ def kernel_rows(d: KernelDims, reps: int) -> list[tuple]:
     return rows
 
 
-def prefill_case(d: KernelDims, tokens: int, dtype) -> tuple:
-    """(q, k_pages, v_pages, page_tables, prior_lens, chunk_k, chunk_v, chunk_lens): `tokens`
-    query tokens per row after ragged cached lengths (0, a page and a part, near a full table),
-    ragged chunk lengths (full, one, none, part), NaN in every pool slot and chunk padding row
-    no row reads."""
+def prefill_case(d: KernelDims, tokens: int, dtype) -> tuple[jax.Array, PagedAttentionInputs]:
+    """(q, inputs) for prefill: `tokens` query tokens per row after ragged cached lengths (0, a
+    page and a part, near a full table), ragged chunk lengths (full, one, none, part), NaN in
+    every pool slot and chunk padding row no row reads."""
     rng = np.random.default_rng(tokens)
     room = d.max_pages * d.page_size - tokens
     prior = [0, d.page_size + 3, room, int(rng.integers(0, room + 1))]
@@ -276,13 +280,16 @@ def prefill_case(d: KernelDims, tokens: int, dtype) -> tuple:
     for row, n in enumerate(chunk):
         ck[row, n:], cv[row, n:] = np.nan, np.nan
     q = rng.standard_normal((d.batch, tokens, d.num_q_heads, d.head_dim))
-    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
-            jnp.asarray(tables, jnp.int32), jnp.asarray(prior), jnp.asarray(ck, dtype),
-            jnp.asarray(cv, dtype), jnp.asarray(chunk))
+    return (jnp.asarray(q, dtype),
+            PagedAttentionInputs(jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+                                 jnp.asarray(tables, jnp.int32), jnp.asarray(prior),
+                                 chunk_k=jnp.asarray(ck, dtype), chunk_v=jnp.asarray(cv, dtype),
+                                 chunk_lens=jnp.asarray(chunk)))
 
 
-def kernel_result(entry, args: tuple, dtype: str, reps: int) -> tuple[str, str]:
-    """(result, status) of `entry`'s kernel against its reference on `args`."""
+def kernel_result(entry, args: tuple[jax.Array, PagedAttentionInputs], dtype: str,
+                  reps: int) -> tuple[str, str]:
+    """(result, status) of `entry`'s kernel against its reference on `args` (q, inputs)."""
     fns = {impl: jax.jit(functools.partial(entry, impl=impl))
            for impl in ("pallas", "reference")}
     out = {impl: np.asarray(jax.block_until_ready(f(*args)).astype(jnp.float32))

@@ -34,11 +34,13 @@ from ninfer_jax.models.dflash import DFlashConfig
 from ninfer_jax.models.qwen3_6 import ModelConfig
 from ninfer_jax.program.config import ProgramConfig
 from pallas_kernels.paged_attention import (
+    PagedAttentionInputs,
     dequantize,
     paged_attention_decode,
     paged_attention_prefill,
     quantize,
 )
+from pallas_kernels.paged_attention.inputs import HEAD_AXIS
 from pallas_kernels.paged_attention.quant import SCALE_DTYPE
 from pallas_kernels.platform import per_device
 
@@ -202,14 +204,16 @@ class PagedKV:
 
     def attend(self, layers, layer, q, k, v):
         (k_flat, v_flat, *scales), tables, k, v = self._store(layers, layer, k, v)
-        scale_args = [(s, 2) for s in scales]  # [N, page_size, Hkv]: heads on axis 2
-        if q.shape[1] == 1:
-            out = attention(paged_attention_decode, self.impl, (q[:, 0], 1), (k_flat, 2),
-                            (v_flat, 2), tables, self.lengths + self.num_valid,
-                            *scale_args)[:, None]
+        k_scales, v_scales = scales or (None, None)
+        if q.shape[1] == 1:  # the new token is in the pages already
+            out = attention(paged_attention_decode, self.impl, q[:, 0], 1, PagedAttentionInputs(
+                k_flat, v_flat, tables, self.lengths + self.num_valid, k_scales, v_scales))
+            out = out[:, None]
         else:
-            out = attention(paged_attention_prefill, self.impl, (q, 2), (k_flat, 2), (v_flat, 2),
-                            tables, self.lengths, (k, 2), (v, 2), self.num_valid, *scale_args)
+            chunks = PagedAttentionInputs(k_flat, v_flat, tables, self.lengths, k_scales,
+                                          v_scales, chunk_k=k, chunk_v=v,
+                                          chunk_lens=self.num_valid)
+            out = attention(paged_attention_prefill, self.impl, q, 2, chunks)
         return out.astype(q.dtype), (k_flat, v_flat, *scales)
 
     def store(self, layers, layer, k, v):
@@ -243,14 +247,19 @@ class PagedKV:
         return (k_flat, v_flat, *scales), tables, k, v
 
 
-def attention(kernel, impl: str, *args):
-    """`kernel(*arrays, impl=impl)` over `args` (an arg given as `(array, axis)` has heads on
-    that axis); with the Pallas kernel on a tensor-parallel mesh, per device over its heads
-    (`pallas_kernels.platform.per_device`). The output has the first arg's heads."""
+def attention(kernel, impl: str, q: jax.Array, q_heads: int,
+              inputs: PagedAttentionInputs) -> jax.Array:
+    """`kernel(q, inputs, impl=impl)`; with the Pallas kernel on a tensor-parallel mesh, per
+    device over its heads (`pallas_kernels.platform.per_device`): q's on axis `q_heads`, the
+    inputs' on `HEAD_AXIS` of every array that has one (the page tables and lengths, of at
+    most two axes, whole on every device). The output has q's heads."""
     attend = functools.partial(kernel, impl=impl)
     if impl != "pallas":
-        return attend(*(a[0] if isinstance(a, tuple) else a for a in args))
-    return per_device(attend, args, out_heads=args[0][1])
+        return attend(q, inputs)
+    leaves, tree = jax.tree.flatten(inputs)
+    args = [(q, q_heads)] + [(x, HEAD_AXIS) if x.ndim > HEAD_AXIS else x for x in leaves]
+    return per_device(lambda q, *leaves: attend(q, jax.tree.unflatten(tree, leaves)), args,
+                      out_heads=q_heads)
 
 
 def _write(pool: jax.Array, page: jax.Array, offset: jax.Array, new: jax.Array) -> jax.Array:

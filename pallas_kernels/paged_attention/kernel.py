@@ -31,8 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.paged_attention.inputs import PagedAttentionInputs
 from pallas_kernels.paged_attention.reference import default_scale
-from pallas_kernels.paged_attention.shapes import check_decode_inputs
 from pallas_kernels.target import gpu_limits
 
 MIN_BLOCK_H = 16  # smallest M dimension Triton's tl.dot accepts
@@ -144,12 +144,7 @@ def _decode_kernel(
 
 def paged_attention_decode_pallas(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    page_tables: jax.Array,
-    lengths: jax.Array,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
+    inputs: PagedAttentionInputs,
     *,
     scale: float | None = None,
     block_k: int | None = None,
@@ -161,12 +156,9 @@ def paged_attention_decode_pallas(
 
     Args:
       q: `[B, H_q, D]` queries, not pre-scaled; `D` a power of two.
-      k_pages, v_pages: `[P, page_size, H_kv, D]` one layer's pool; `page_size` a power of two.
-      page_tables: `[B, max_pages_per_seq]` int32 page ids; entries past a row's last page may
-        hold any value (they are clamped and masked).
-      lengths: `[B]` int32 valid key positions per row; 0 gives a zero output row.
-      k_scales, v_scales: `[P, page_size, H_kv]` the scales of int8 pages (None for float
-        pages); pages are dequantized to q's dtype as they are loaded.
+      inputs: the pages, with no chunk; `page_size` a power of two. Row `b` attends to its
+        first `cached_lens[b]` positions (0 gives a zero output row); int8 pages are
+        dequantized to q's dtype as they are loaded.
       scale: logit scale, default `D**-0.5`.
       block_k: key positions per loop step, a power of two >= 16 (whole pages, or part of
         one); default: the largest up to `TARGET_BLOCK_K` that fits the target's shared
@@ -177,9 +169,9 @@ def paged_attention_decode_pallas(
     Returns:
       `[B, H_q, D]` in q's dtype; softmax and accumulation in float32.
     """
-    dims = check_decode_inputs(q, k_pages, v_pages, page_tables, lengths, k_scales, v_scales)
+    dims = inputs.check_decode(q)
     batch, num_q_heads, head_dim = q.shape
-    max_pages = page_tables.shape[1]
+    max_pages = inputs.page_tables.shape[1]
     if not _is_pow2(head_dim):
         raise ValueError(f"q head_dim must be a power of two for the kernel, got {head_dim}")
     if not _is_pow2(dims.page_size):
@@ -200,7 +192,7 @@ def paged_attention_decode_pallas(
     q_blocks = q.reshape(batch, dims.num_kv_heads, group, head_dim)
     q_blocks = jnp.pad(q_blocks, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
     padded_pages = pl.cdiv(max_pages, pages_per_block) * pages_per_block
-    page_tables = jnp.pad(page_tables, ((0, 0), (0, padded_pages - max_pages)))
+    page_tables = jnp.pad(inputs.page_tables, ((0, 0), (0, padded_pages - max_pages)))
 
     kernel = functools.partial(
         _decode_kernel,
@@ -211,7 +203,7 @@ def paged_attention_decode_pallas(
     pool_spec = pl.BlockSpec(
         (dims.num_pages, dims.page_size, None, head_dim), lambda b, h: (0, 0, h, 0)
     )
-    scales = () if k_scales is None else (k_scales, v_scales)
+    scales = () if inputs.k_scales is None else (inputs.k_scales, inputs.v_scales)
     scale_spec = pl.BlockSpec((dims.num_pages, dims.page_size, None), lambda b, h: (0, 0, h))
     out = pl.pallas_call(
         kernel,
@@ -229,5 +221,6 @@ def paged_attention_decode_pallas(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_attention_decode",
-    )(lengths.reshape(batch, 1), page_tables, q_blocks, k_pages, v_pages, *scales)
+    )(inputs.cached_lens.reshape(batch, 1), page_tables, q_blocks, inputs.k_pages,
+      inputs.v_pages, *scales)
     return out[:, :, :group, :].reshape(batch, num_q_heads, head_dim)

@@ -1,9 +1,9 @@
 """Pallas (Triton backend) paged attention for prefill chunks and verify windows.
 
-Owns the GPU path for T > 1 query tokens per row: each row's chunk attends to the row's cached
-pages (positions `< prior_len`) and causally to its own keys (`chunk_k/chunk_v`, key `j` visible
-to query `i` when `j <= i < chunk_len`). It gives the result of
-`reference.paged_attention_prefill_reference` for every row of the batch, which is its oracle; it
+Owns the GPU path for T > 1 query tokens per row: row `b`'s chunk attends to the row's cached
+pages (positions `< cached_lens[b]`) and causally to its own keys (`chunk_k/chunk_v`, key `j`
+visible to query `i` when `j <= i < chunk_lens[b]`). It reads the same `PagedAttentionInputs`
+and gives the result of `reference.paged_attention_prefill_reference`, which is its oracle; it
 does not write pages. On CPU it runs only with `interpret=True`.
 
 Shape of the computation. Queries are laid out `[B, H_kv, T * G, D]`: the `G = H_q // H_kv`
@@ -12,12 +12,13 @@ covers consecutive tokens and every row of the block shares its kv head. The gri
 `(B, H_kv, cdiv(T * G, block_m))`. A program runs two online-softmax loops (running max, running
 sum, fp32 accumulator) into one accumulator:
   1. over the row's cached pages, `block_k` positions per step gathered in the kernel through
-     the page table (`kernel.load_keys`; scalar prefetch being TPU-only), `cdiv(prior_len,
+     the page table (`kernel.load_keys`; scalar prefetch being TPU-only), `cdiv(cached_lens[b],
      block_k)` steps;
   2. over the chunk's keys, `block_c` per step, up to the block's last token (keys above the
      causal diagonal of every row of the block are never read).
 Masked logits never reach the sums (`where` on the probabilities), masked values are zeroed
-(stale pages and padding may hold NaN), and rows at or past `chunk_len` are written as zeros.
+(stale pages and padding may hold NaN), and rows at or past `chunk_lens[b]` are written as
+zeros.
 INT8 pages come with their scales and are dequantized tile by tile as they are loaded
 (`kernel.load_keys`); the chunk's own K/V are floats (in q's dtype). `block_k` (cached keys per
 step) is the largest power of two up to `TARGET_BLOCK_K` whose tiles fit the target GPU's
@@ -34,6 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.paged_attention.inputs import PagedAttentionInputs
 from pallas_kernels.paged_attention.kernel import (
     _PRECISION,
     MIN_BLOCK_H,
@@ -43,7 +45,6 @@ from pallas_kernels.paged_attention.kernel import (
     load_keys,
 )
 from pallas_kernels.paged_attention.reference import default_scale
-from pallas_kernels.paged_attention.shapes import check_prefill_batch
 from pallas_kernels.target import gpu_limits
 
 TARGET_BLOCK_K = 64  # cached key positions per loop step when the target's memory allows
@@ -132,15 +133,7 @@ def _prefill_kernel(
 
 def paged_attention_prefill_pallas(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    page_tables: jax.Array,
-    prior_lens: jax.Array,
-    chunk_k: jax.Array,
-    chunk_v: jax.Array,
-    chunk_lens: jax.Array,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
+    inputs: PagedAttentionInputs,
     *,
     scale: float | None = None,
     block_k: int | None = None,
@@ -154,15 +147,9 @@ def paged_attention_prefill_pallas(
 
     Args:
       q: `[B, T, H_q, D]` chunk queries, not pre-scaled; `D` a power of two.
-      k_pages, v_pages: `[P, page_size, H_kv, D]` one layer's pool; `page_size` a power of two.
-      page_tables: `[B, max_pages_per_seq]` int32; entries past a row's cached pages may hold
-        any value (they are clamped and masked).
-      prior_lens: `[B]` int32 cached positions per row (read from the pages).
-      chunk_k, chunk_v: `[B, T, H_kv, D]` the chunks' own keys and values.
-      chunk_lens: `[B]` int32 valid chunk tokens per row (`0..T`); later rows give zeros.
-      k_scales, v_scales: `[P, page_size, H_kv]` the scales of int8 pages (None for float
-        pages); pages are dequantized to q's dtype as they are loaded, and the chunk's own K/V
-        are taken in q's dtype.
+      inputs: the pages (`page_size` a power of two) and the chunks; rows at or past a row's
+        `chunk_lens` give zeros. Int8 pages are dequantized to q's dtype as they are loaded,
+        and the chunk's own K/V are then taken in q's dtype.
       scale: logit scale, default `D**-0.5`.
       block_k: cached key positions per loop step, a power of two >= 16 (whole pages or part
         of one); default: the largest up to `TARGET_BLOCK_K` that fits the target's shared
@@ -175,10 +162,9 @@ def paged_attention_prefill_pallas(
     Returns:
       `[B, T, H_q, D]` in q's dtype; softmax and accumulation in float32.
     """
-    dims = check_prefill_batch(q, k_pages, v_pages, page_tables, prior_lens, chunk_k, chunk_v,
-                               chunk_lens, k_scales, v_scales)
+    dims = inputs.check_prefill(q)
     batch, num_tokens, num_q_heads, head_dim = q.shape
-    max_pages = page_tables.shape[1]
+    max_pages = inputs.page_tables.shape[1]
     if not _is_pow2(head_dim):
         raise ValueError(f"q head_dim must be a power of two for the kernel, got {head_dim}")
     if not _is_pow2(dims.page_size):
@@ -203,8 +189,8 @@ def paged_attention_prefill_pallas(
     q_rows = q_rows.transpose(0, 2, 1, 3, 4).reshape(batch, dims.num_kv_heads, num_rows, head_dim)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows_pad - num_rows), (0, 0)))
 
-    scales = () if k_scales is None else (k_scales, v_scales)
-    chunk_dtype = q.dtype if scales else k_pages.dtype  # what the loaded page tiles are in
+    scales = () if inputs.k_scales is None else (inputs.k_scales, inputs.v_scales)
+    chunk_dtype = q.dtype if scales else inputs.k_pages.dtype  # what the loaded tiles are in
 
     def heads_first(x):  # [B, T, H_kv, D] -> [B, H_kv, T_pad, D]
         x = x.astype(chunk_dtype).transpose(0, 2, 1, 3)
@@ -212,7 +198,7 @@ def paged_attention_prefill_pallas(
 
     pages_per_block = max(1, block_k // dims.page_size)
     padded_pages = pl.cdiv(max_pages, pages_per_block) * pages_per_block
-    page_tables = jnp.pad(page_tables, ((0, 0), (0, padded_pages - max_pages)))
+    page_tables = jnp.pad(inputs.page_tables, ((0, 0), (0, padded_pages - max_pages)))
 
     kernel = functools.partial(
         _prefill_kernel, scale=default_scale(head_dim, scale), group=group,
@@ -233,7 +219,8 @@ def paged_attention_prefill_pallas(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_attention_prefill",
-    )(prior_lens.reshape(batch, 1), chunk_lens.reshape(batch, 1), page_tables, q_rows,
-      k_pages, v_pages, heads_first(chunk_k), heads_first(chunk_v), *scales)
+    )(inputs.cached_lens.reshape(batch, 1), inputs.chunk_lens.reshape(batch, 1), page_tables,
+      q_rows, inputs.k_pages, inputs.v_pages, heads_first(inputs.chunk_k),
+      heads_first(inputs.chunk_v), *scales)
     out = out[:, :, :num_rows].reshape(batch, dims.num_kv_heads, num_tokens, group, head_dim)
     return out.transpose(0, 2, 1, 3, 4).reshape(batch, num_tokens, num_q_heads, head_dim)

@@ -1,8 +1,9 @@
 """Pure-jnp paged attention: the CPU default path and the oracle for the Pallas kernel.
 
 Owns decode attention over a page pool (many rows, one query token each) and prefill attention
-for one sequence's chunk over its cached pages plus the chunk itself. Does not write pages and
-does not apply RoPE, norms or output gates; callers do.
+of each row's chunk over its cached pages plus the chunk itself, both reading
+`PagedAttentionInputs` (`inputs.py`, which checks them). Does not write pages and does not apply
+RoPE, norms or output gates; callers do.
 
 Layout (DESIGN §10): one attention layer's pool is `k_pages, v_pages: [P, page_size, H_kv, D]`.
 Query head `h` reads kv head `h // (H_q // H_kv)` (GQA). Logits are `scale * q·k` with
@@ -19,12 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.paged_attention.inputs import PagedAttentionInputs, PoolDims
 from pallas_kernels.paged_attention.quant import dequantize
-from pallas_kernels.paged_attention.shapes import (
-    PoolDims,
-    check_decode_inputs,
-    check_prefill_inputs,
-)
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -60,38 +57,27 @@ def _masked_softmax_weights(logits: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def paged_attention_decode_reference(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    page_tables: jax.Array,
-    lengths: jax.Array,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
-    *,
-    scale: float | None = None,
+    q: jax.Array, inputs: PagedAttentionInputs, *, scale: float | None = None
 ) -> jax.Array:
     """Decode attention of one query token per row over that row's pages.
 
     Args:
       q: `[B, H_q, D]` queries, not pre-scaled.
-      k_pages, v_pages: `[P, page_size, H_kv, D]` one layer's page pool.
-      page_tables: `[B, max_pages_per_seq]` int32 page ids; position `t` of row `b` lives in page
-        `page_tables[b, t // page_size]` at offset `t % page_size`. Entries past a row's last page
-        may hold any value (out-of-range ids are clamped, their keys masked).
-      lengths: `[B]` int32 number of valid key positions per row; 0 gives a zero output row.
-      k_scales, v_scales: `[P, page_size, H_kv]` the scales of int8 pages (None for float
-        pages).
+      inputs: the pages, with no chunk. Row `b` attends to its first `cached_lens[b]`
+        positions (0 gives a zero output row); page table entries past a row's last page may
+        hold any value (out-of-range ids are clamped, their keys masked).
       scale: logit scale, default `D**-0.5`.
 
     Returns:
       `[B, H_q, D]` in q's dtype.
     """
-    dims = check_decode_inputs(q, k_pages, v_pages, page_tables, lengths, k_scales, v_scales)
+    dims = inputs.check_decode(q)
     batch, num_q_heads, head_dim = q.shape
     group = num_q_heads // dims.num_kv_heads
-    keys = _gather_rows(k_pages, page_tables, dims, k_scales, q.dtype)  # [B, L, H_kv, D]
-    values = _gather_rows(v_pages, page_tables, dims, v_scales, q.dtype)
-    valid = jnp.arange(keys.shape[1])[None, :] < lengths[:, None]  # [B, L]
+    # [B, L, H_kv, D]
+    keys = _gather_rows(inputs.k_pages, inputs.page_tables, dims, inputs.k_scales, q.dtype)
+    values = _gather_rows(inputs.v_pages, inputs.page_tables, dims, inputs.v_scales, q.dtype)
+    valid = jnp.arange(keys.shape[1])[None, :] < inputs.cached_lens[:, None]  # [B, L]
     values = jnp.where(valid[:, :, None, None], values, 0.0)
 
     qg = q.astype(jnp.float32).reshape(batch, dims.num_kv_heads, group, head_dim)
@@ -103,67 +89,55 @@ def paged_attention_decode_reference(
 
 
 def paged_attention_prefill_reference(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    page_table: jax.Array,
-    prior_len: jax.Array | int,
-    chunk_k: jax.Array,
-    chunk_v: jax.Array,
-    chunk_len: jax.Array | int,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
-    *,
-    scale: float | None = None,
+    q: jax.Array, inputs: PagedAttentionInputs, *, scale: float | None = None
 ) -> jax.Array:
-    """Causal attention of one sequence's prefill chunk over its cached pages and itself.
+    """Causal attention of each row's prefill chunk over its cached pages and itself.
 
-    Query row `i` sits at absolute position `prior_len + i`. It attends to the `prior_len` cached
-    positions read from the pages and to chunk keys `j <= i` with `j < chunk_len`. The chunk's own
-    K/V come from `chunk_k/chunk_v`, so the pages need not hold them yet (and page contents at
-    positions `>= prior_len` are ignored).
+    Query `i` of row `b` sits at absolute position `cached_lens[b] + i`. It attends to the
+    `cached_lens[b]` positions read from the row's pages and to chunk keys `j <= i` with
+    `j < chunk_lens[b]`. The chunk's own K/V come from `chunk_k/chunk_v`, so the pages need not
+    hold them yet (and page contents at positions `>= cached_lens[b]` are ignored). With int8
+    pages the chunk's own K/V are floats all the same; a writer of int8 pages passes their
+    dequantized values (in q's dtype), so the chunk sees what its pages will hold.
 
     Args:
-      q: `[T, H_q, D]` chunk queries, not pre-scaled; rows `>= chunk_len` are padding.
-      k_pages, v_pages: `[P, page_size, H_kv, D]` one layer's page pool.
-      page_table: `[max_pages_per_seq]` int32 page ids of this sequence.
-      prior_len: int32 scalar, number of positions already cached.
-      chunk_k, chunk_v: `[T, H_kv, D]` the chunk's keys and values.
-      chunk_len: int32 scalar, number of valid chunk rows (`0 <= chunk_len <= T`).
-      k_scales, v_scales: `[P, page_size, H_kv]` the scales of int8 pages (None for float
-        pages). The chunk's own K/V are floats either way; a writer of int8 pages passes
-        their dequantized values (in q's dtype), so the chunk sees what its pages will hold.
+      q: `[B, T, H_q, D]` chunk queries, not pre-scaled; rows `>= chunk_lens[b]` are padding.
+      inputs: the pages and the chunks (`chunk_k`, `chunk_v`, `chunk_lens`).
       scale: logit scale, default `D**-0.5`.
 
     Returns:
-      `[T, H_q, D]` in q's dtype. Padding rows (`i >= chunk_len`) are exactly zero, as is any row
-      with no valid key.
+      `[B, T, H_q, D]` in q's dtype. Padding rows (`i >= chunk_lens[b]`) are exactly zero, as is
+      any row with no valid key.
     """
-    dims = check_prefill_inputs(
-        q, k_pages, v_pages, page_table, prior_len, chunk_k, chunk_v, chunk_len, k_scales,
-        v_scales
-    )
-    num_tokens, num_q_heads, head_dim = q.shape
+    dims = inputs.check_prefill(q)
+    _, num_tokens, num_q_heads, head_dim = q.shape
     group = num_q_heads // dims.num_kv_heads
-    cached_k = _gather_rows(k_pages, page_table, dims, k_scales, q.dtype)  # [L, H_kv, D]
-    cached_v = _gather_rows(v_pages, page_table, dims, v_scales, q.dtype)
-    keys = jnp.concatenate([cached_k, chunk_k.astype(jnp.float32)], axis=0)  # [L + T, H_kv, D]
-    values = jnp.concatenate([cached_v, chunk_v.astype(jnp.float32)], axis=0)
 
-    num_cached = cached_k.shape[0]
-    rows = jnp.arange(num_tokens)
-    cached_valid = jnp.broadcast_to(
-        jnp.arange(num_cached)[None, :] < prior_len, (num_tokens, num_cached)
-    )
-    chunk_valid = (rows[None, :] <= rows[:, None]) & (rows[None, :] < chunk_len)
-    valid = jnp.concatenate([cached_valid, chunk_valid], axis=1)  # [T, L + T]
-    valid = valid & (rows < chunk_len)[:, None]
-    key_used = jnp.any(valid, axis=0)  # [L + T]
-    values = jnp.where(key_used[:, None, None], values, 0.0)
+    def one_row(q, page_table, prior_len, chunk_k, chunk_v, chunk_len):
+        """q `[T, H_q, D]`, page_table `[max_pages_per_seq]`, chunk_k/v `[T, H_kv, D]`, lengths
+        scalars -> `[T, H_q, D]`."""
+        cached_k = _gather_rows(inputs.k_pages, page_table, dims, inputs.k_scales, q.dtype)
+        cached_v = _gather_rows(inputs.v_pages, page_table, dims, inputs.v_scales, q.dtype)
+        keys = jnp.concatenate([cached_k, chunk_k.astype(jnp.float32)], axis=0)  # [L + T, ...]
+        values = jnp.concatenate([cached_v, chunk_v.astype(jnp.float32)], axis=0)
 
-    qg = q.astype(jnp.float32).reshape(num_tokens, dims.num_kv_heads, group, head_dim)
-    logits = jnp.einsum("thgd,shd->hgts", qg, keys, precision=_HIGHEST)
-    logits = logits * default_scale(head_dim, scale)
-    weights = _masked_softmax_weights(logits, valid[None, None, :, :])
-    out = jnp.einsum("hgts,shd->thgd", weights, values, precision=_HIGHEST)
-    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+        num_cached = cached_k.shape[0]
+        rows = jnp.arange(num_tokens)
+        cached_valid = jnp.broadcast_to(
+            jnp.arange(num_cached)[None, :] < prior_len, (num_tokens, num_cached)
+        )
+        chunk_valid = (rows[None, :] <= rows[:, None]) & (rows[None, :] < chunk_len)
+        valid = jnp.concatenate([cached_valid, chunk_valid], axis=1)  # [T, L + T]
+        valid = valid & (rows < chunk_len)[:, None]
+        key_used = jnp.any(valid, axis=0)  # [L + T]
+        values = jnp.where(key_used[:, None, None], values, 0.0)
+
+        qg = q.astype(jnp.float32).reshape(num_tokens, dims.num_kv_heads, group, head_dim)
+        logits = jnp.einsum("thgd,shd->hgts", qg, keys, precision=_HIGHEST)
+        logits = logits * default_scale(head_dim, scale)
+        weights = _masked_softmax_weights(logits, valid[None, None, :, :])
+        out = jnp.einsum("hgts,shd->thgd", weights, values, precision=_HIGHEST)
+        return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+    return jax.vmap(one_row)(q, inputs.page_tables, inputs.cached_lens, inputs.chunk_k,
+                             inputs.chunk_v, inputs.chunk_lens)

@@ -9,6 +9,7 @@ masked or stale position into an output is a mismatch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_attention import (
+    PagedAttentionInputs,
     dequantize,
     paged_attention_decode,
     paged_attention_decode_pallas,
@@ -29,6 +31,7 @@ from tests.pallas_kernels.test_paged_attention import (
     TOLERANCES,
     _triton_custom_call_target,
     make_decode_case,
+    prefill_args,
 )
 from tests.pallas_kernels.test_prefill_kernel import make_batch
 
@@ -80,17 +83,17 @@ def test_decode_kernel_on_int8_pages_matches_the_reference(group, head_dim, dtyp
     for seed in (0, 1):  # each seed shuffles the ragged rows
         case = make_decode_case(seed, group=group, head_dim=head_dim, dtype=jnp.float32)
         (kq, ks), (vq, vs) = _int8_pool(case.k_pages, seed), _int8_pool(case.v_pages, seed + 7)
-        q, _, _, tables, lengths = case.device_args(dtype)
-        want = reference(q, kq, vq, tables, lengths, ks, vs)
-        out = kernel(q, kq, vq, tables, lengths, ks, vs)
+        q, floats = case.device_args(dtype)
+        int8 = dataclasses.replace(floats, k_pages=kq, v_pages=vq, k_scales=ks, v_scales=vs)
+        want, out = reference(q, int8), kernel(q, int8)
         assert out.dtype == dtype and want.dtype == dtype
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
                                    atol=tol, rtol=tol)
         assert not np.asarray(out)[case.lengths == 0].any(), "length-0 rows must be zero"
         # The float reference on the pages dequantized (in q's dtype, as the kernels do; NaN
         # where unread): the same numbers.
-        k_float, v_float = dequantize(kq, ks, dtype), dequantize(vq, vs, dtype)
-        plain = reference(q, k_float, v_float, tables, lengths)
+        plain = reference(q, dataclasses.replace(floats, k_pages=dequantize(kq, ks, dtype),
+                                                 v_pages=dequantize(vq, vs, dtype)))
         np.testing.assert_allclose(np.asarray(want, np.float32), np.asarray(plain, np.float32),
                                    atol=1e-6, rtol=1e-6)
 
@@ -109,22 +112,21 @@ def test_prefill_kernel_on_int8_pages_matches_the_reference(tokens, group, head_
     tol = TOLERANCES[dtype]
     cases = make_batch(3, tokens=tokens, group=group, head_dim=head_dim, dtype=jnp.float32)
     (kq, ks), (vq, vs) = _int8_pool(cases[0].k_pages, 3), _int8_pool(cases[0].v_pages, 4)
-    q = jnp.asarray(np.stack([c.q for c in cases]), dtype)
-    tables = jnp.asarray(np.stack([c.page_table for c in cases]))
-    prior = jnp.asarray([c.prior_len for c in cases], jnp.int32)
-    chunk_lens = jnp.asarray([c.chunk_len for c in cases], jnp.int32)
+    q, floats = prefill_args(cases, dtype)
     # the chunks' own K/V as a writer of int8 pages passes them: quantized and dequantized
     ck, cv = (dequantize(*quantize(jnp.asarray(np.stack([getattr(c, name) for c in cases]))),
                          dtype) for name in ("chunk_k", "chunk_v"))
-    args = (q, kq, vq, tables, prior, ck, cv, chunk_lens, ks, vs)
-    want, out = reference(*args), kernel(*args)
+    int8 = dataclasses.replace(floats, k_pages=kq, v_pages=vq, k_scales=ks, v_scales=vs,
+                               chunk_k=ck, chunk_v=cv)
+    want, out = reference(q, int8), kernel(q, int8)
     assert out.dtype == dtype
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
                                atol=tol, rtol=tol)
     for row, case in enumerate(cases):
         assert not np.asarray(out[row, case.chunk_len:]).any(), "padding rows are zero"
-    plain = reference(q, dequantize(kq, ks, dtype), dequantize(vq, vs, dtype), tables, prior,
-                      ck, cv, chunk_lens)
+    plain = reference(q, dataclasses.replace(int8, k_pages=dequantize(kq, ks, dtype),
+                                             v_pages=dequantize(vq, vs, dtype), k_scales=None,
+                                             v_scales=None))
     np.testing.assert_allclose(np.asarray(want, np.float32), np.asarray(plain, np.float32),
                                atol=1e-6, rtol=1e-6)
 
@@ -136,12 +138,13 @@ def test_kernels_lower_to_triton_for_cuda_with_the_int8_pool_inside():
     batch, tokens, num_pages, heads = 3, 48, 37, 4
     pool, scales = s((num_pages, 16, heads, 256), jnp.int8), s((num_pages, 16, heads), jnp.float32)
     float_pool = f"tensor<{num_pages}x16x{heads}x256xbf16>"
-    decode = (s((batch, 24, 256), jnp.bfloat16), pool, pool, s((batch, 5), jnp.int32),
-              s((batch,), jnp.int32), scales, scales)
-    prefill = (s((batch, tokens, 24, 256), jnp.bfloat16), pool, pool, s((batch, 5), jnp.int32),
-               s((batch,), jnp.int32), s((batch, tokens, heads, 256), jnp.bfloat16),
-               s((batch, tokens, heads, 256), jnp.bfloat16), s((batch,), jnp.int32), scales,
-               scales)
+    pages = PagedAttentionInputs(pool, pool, s((batch, 5), jnp.int32), s((batch,), jnp.int32),
+                                 scales, scales)
+    chunk = s((batch, tokens, heads, 256), jnp.bfloat16)
+    decode = (s((batch, 24, 256), jnp.bfloat16), pages)
+    prefill = (s((batch, tokens, 24, 256), jnp.bfloat16),
+               dataclasses.replace(pages, chunk_k=chunk, chunk_v=chunk,
+                                   chunk_lens=s((batch,), jnp.int32)))
     for fn, args in ((paged_attention_decode, decode), (paged_attention_prefill, prefill)):
         step = jax.jit(functools.partial(fn, impl="pallas"))
         text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -156,16 +159,18 @@ def test_kernels_lower_to_triton_for_cuda_with_the_int8_pool_inside():
 @pytest.mark.parametrize("impl", ["reference", "pallas"])
 def test_bad_int8_inputs_name_the_argument(impl):
     case = make_decode_case(0, group=2, head_dim=64, dtype=jnp.float32)
-    q, k, v, tables, lengths = case.device_args(jnp.float32)
-    (kq, ks), (vq, vs) = quantize(k), quantize(v)
+    q, floats = case.device_args(jnp.float32)
+    (kq, ks), (vq, vs) = quantize(floats.k_pages), quantize(floats.v_pages)
+    int8 = dataclasses.replace(floats, k_pages=kq, v_pages=vq)
     decode = functools.partial(paged_attention_decode, impl=impl, interpret=True)
-    for args, message in [
-        ((q, kq, vq, tables, lengths), "int8 k_pages/v_pages need k_scales and v_scales"),
-        ((q, k, v, tables, lengths, ks, vs), "k_scales/v_scales are for int8 pages"),
-        ((q, kq, vq, tables, lengths, ks, None), "need both k_scales and v_scales"),
-        ((q, kq, vq, tables, lengths, ks[:, :4], vs),
+    for inputs, message in [
+        (int8, "int8 k_pages/v_pages need k_scales and v_scales"),
+        (dataclasses.replace(floats, k_scales=ks, v_scales=vs),
+         "k_scales/v_scales are for int8 pages"),
+        (dataclasses.replace(int8, k_scales=ks), "need both k_scales and v_scales"),
+        (dataclasses.replace(int8, k_scales=ks[:, :4], v_scales=vs),
          r"k_scales must be floats of shape \[num_pages, page_size, num_kv_heads\]"),
-        ((q, kq, vq, tables, lengths, ks, vq[..., 0]), "v_scales must be floats"),
+        (dataclasses.replace(int8, k_scales=ks, v_scales=vq[..., 0]), "v_scales must be floats"),
     ]:
         with pytest.raises(ValueError, match=message):
-            jax.jit(decode).trace(*args)
+            jax.jit(decode).trace(q, inputs)

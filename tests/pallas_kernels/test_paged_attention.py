@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_attention import (
+    PagedAttentionInputs,
     paged_attention_decode,
     paged_attention_decode_pallas,
     paged_attention_decode_reference,
@@ -47,13 +48,16 @@ class DecodeCase:
     page_tables: np.ndarray  # [B, max_pages] int32, garbage past each row's last page
     lengths: np.ndarray  # [B] int32
 
-    def device_args(self, dtype) -> tuple[jax.Array, ...]:
+    def device_args(self, dtype) -> tuple[jax.Array, PagedAttentionInputs]:
+        """(q, inputs) for the decode functions."""
         return (
             jnp.asarray(self.q, dtype),
-            jnp.asarray(self.k_pages, dtype),
-            jnp.asarray(self.v_pages, dtype),
-            jnp.asarray(self.page_tables),
-            jnp.asarray(self.lengths),
+            PagedAttentionInputs(
+                jnp.asarray(self.k_pages, dtype),
+                jnp.asarray(self.v_pages, dtype),
+                jnp.asarray(self.page_tables),
+                jnp.asarray(self.lengths),
+            ),
         )
 
 
@@ -184,17 +188,19 @@ class PrefillCase:
     chunk_v: np.ndarray  # [T, H_kv, D]
     chunk_len: int
 
-    def device_args(self) -> tuple[jax.Array, ...]:
-        return (
-            jnp.asarray(self.q, jnp.float32),
-            jnp.asarray(self.k_pages, jnp.float32),
-            jnp.asarray(self.v_pages, jnp.float32),
-            jnp.asarray(self.page_table),
-            jnp.int32(self.prior_len),
-            jnp.asarray(self.chunk_k, jnp.float32),
-            jnp.asarray(self.chunk_v, jnp.float32),
-            jnp.int32(self.chunk_len),
-        )
+
+def prefill_args(cases: list[PrefillCase], dtype=jnp.float32
+                 ) -> tuple[jax.Array, PagedAttentionInputs]:
+    """(q, inputs) for the prefill functions: one batch row per case, all on the first case's
+    pool."""
+    return (jnp.asarray(np.stack([c.q for c in cases]), dtype),
+            PagedAttentionInputs(
+                jnp.asarray(cases[0].k_pages, dtype), jnp.asarray(cases[0].v_pages, dtype),
+                jnp.asarray(np.stack([c.page_table for c in cases])),
+                jnp.asarray([c.prior_len for c in cases], jnp.int32),
+                chunk_k=jnp.asarray(np.stack([c.chunk_k for c in cases]), dtype),
+                chunk_v=jnp.asarray(np.stack([c.chunk_v for c in cases]), dtype),
+                chunk_lens=jnp.asarray([c.chunk_len for c in cases], jnp.int32)))
 
 
 def make_prefill_case(seed: int, prior_len: int, chunk_len: int, num_tokens: int = 8):
@@ -249,7 +255,7 @@ def test_prefill_reference_matches_dense_causal(prior_len, chunk_len):
     prefill = jax.jit(paged_attention_prefill_reference)
     for seed in SEEDS:
         case = make_prefill_case(seed, prior_len, chunk_len)
-        out = prefill(*case.device_args())
+        out = prefill(*prefill_args([case]))[0]
         assert_close(out, dense_causal(case), jnp.float32)
         assert np.all(np.asarray(out)[chunk_len:] == 0), "padding rows must be exactly zero"
 
@@ -258,27 +264,38 @@ def test_one_token_prefill_equals_decode():
     """A one-token chunk after `prior_len` cached tokens is a decode step of length prior_len+1."""
     prior_len = 11
     case = make_prefill_case(5, prior_len=prior_len, chunk_len=1, num_tokens=1)
-    q, k_pages, v_pages, page_table, _, chunk_k, chunk_v, _ = case.device_args()
-    prefill_out = paged_attention_prefill_reference(*case.device_args())
+    q, chunks = prefill_args([case])
+    prefill_out = paged_attention_prefill_reference(q, chunks)  # [1, 1, H_q, D]
     page, offset = case.page_table[prior_len // PAGE_SIZE], prior_len % PAGE_SIZE
-    k_pages = k_pages.at[page, offset].set(chunk_k[0])
-    v_pages = v_pages.at[page, offset].set(chunk_v[0])
-    decode_out = paged_attention_decode_reference(
-        q, k_pages, v_pages, page_table[None], jnp.asarray([prior_len + 1], jnp.int32)
-    )
-    assert_close(prefill_out, np.asarray(decode_out), jnp.float32)
+    pages = PagedAttentionInputs(
+        chunks.k_pages.at[page, offset].set(chunks.chunk_k[0, 0]),
+        chunks.v_pages.at[page, offset].set(chunks.chunk_v[0, 0]),
+        chunks.page_tables, jnp.asarray([prior_len + 1], jnp.int32))
+    decode_out = paged_attention_decode_reference(q[:, 0], pages)
+    assert_close(prefill_out[:, 0], np.asarray(decode_out), jnp.float32)
 
 
-def _lowering_args(dtype=jnp.bfloat16) -> tuple[jax.ShapeDtypeStruct, ...]:
-    """Qwen3.6-like decode shapes (16 q / 2 kv heads x 256) with odd batch, pool and table sizes."""
+def _lowering_args(dtype=jnp.bfloat16) -> tuple[jax.ShapeDtypeStruct, PagedAttentionInputs]:
+    """Qwen3.6-like decode shapes (16 q / 2 kv heads x 256) with odd batch, pool and table sizes:
+    (q, inputs) of shapes."""
+    return _decode_shapes(dtype)
+
+
+def _decode_shapes(dtype=jnp.float32, **overrides
+                   ) -> tuple[jax.ShapeDtypeStruct, PagedAttentionInputs]:
+    """(q, inputs) of `_lowering_args`' shapes, with `overrides` (a field or "q": (shape,
+    dtype))."""
     batch, num_pages, page_size, max_pages = 3, 37, 16, 5
-    return (
-        jax.ShapeDtypeStruct((batch, 16, 256), dtype),
-        jax.ShapeDtypeStruct((num_pages, page_size, 2, 256), dtype),
-        jax.ShapeDtypeStruct((num_pages, page_size, 2, 256), dtype),
-        jax.ShapeDtypeStruct((batch, max_pages), jnp.int32),
-        jax.ShapeDtypeStruct((batch,), jnp.int32),
-    )
+    shapes = {
+        "q": ((batch, 16, 256), dtype),
+        "k_pages": ((num_pages, page_size, 2, 256), dtype),
+        "v_pages": ((num_pages, page_size, 2, 256), dtype),
+        "page_tables": ((batch, max_pages), jnp.int32),
+        "cached_lens": ((batch,), jnp.int32),
+        **overrides,
+    }
+    shapes = {name: jax.ShapeDtypeStruct(*spec) for name, spec in shapes.items()}
+    return shapes.pop("q"), PagedAttentionInputs(**shapes)
 
 
 @pytest.mark.parametrize("interpret", [False, None])  # None: the lowering platform decides
@@ -294,14 +311,6 @@ def test_kernel_lowers_to_triton_for_cuda(dtype, interpret):
         assert _triton_custom_call_target() not in cpu.as_text()
 
 
-def _decode_shapes(**overrides) -> dict[str, jax.ShapeDtypeStruct]:
-    shapes = dict(
-        zip(("q", "k_pages", "v_pages", "page_tables", "lengths"), _lowering_args(jnp.float32))
-    )
-    shapes.update({name: jax.ShapeDtypeStruct(*spec) for name, spec in overrides.items()})
-    return shapes
-
-
 @pytest.mark.parametrize("impl", ["reference", "pallas"])
 @pytest.mark.parametrize(
     "overrides, message",
@@ -312,13 +321,14 @@ def _decode_shapes(**overrides) -> dict[str, jax.ShapeDtypeStruct]:
         ({"v_pages": ((37, 16, 2, 128), jnp.float32)}, "v_pages must have k_pages' shape"),
         ({"page_tables": ((4, 5), jnp.int32)}, "page_tables must be [B=3, max_pages_per_seq]"),
         ({"page_tables": ((3, 5), jnp.float32)}, "page_tables must be int32"),
-        ({"lengths": ((3, 1), jnp.int32)}, "lengths must be [B=3]"),
+        ({"cached_lens": ((3, 1), jnp.int32)}, "cached_lens must be [B=3]"),
+        ({"chunk_lens": ((3,), jnp.int32)}, "decode takes no chunk, got chunk_lens"),
     ],
 )
-def test_bad_decode_inputs_name_the_argument(impl, overrides, message):
+def test_bad_decode_inputs_name_the_field(impl, overrides, message):
     decode = functools.partial(paged_attention_decode, impl=impl, interpret=True)
     with pytest.raises(ValueError) as err:
-        jax.jit(decode).trace(**_decode_shapes(**overrides))
+        jax.jit(decode).trace(*_decode_shapes(**overrides))
     assert message in str(err.value)
 
 
@@ -350,12 +360,14 @@ def test_bad_decode_inputs_name_the_argument(impl, overrides, message):
 def test_kernel_only_constraints_are_explained(overrides, kwargs, message):
     decode = functools.partial(paged_attention_decode, **{"impl": "pallas", **kwargs})
     with pytest.raises(ValueError) as err:
-        jax.jit(decode).trace(**_decode_shapes(**overrides))
+        jax.jit(decode).trace(*_decode_shapes(**overrides))
     assert message in str(err.value)
 
 
-def test_bad_prefill_inputs_name_the_argument():
-    args = list(make_prefill_case(0, prior_len=3, chunk_len=2).device_args())
-    args[5] = args[5][:, :1]  # chunk_k with one kv head instead of two
-    with pytest.raises(ValueError, match=r"chunk_k must be \[T, num_kv_heads, head_dim\]"):
-        paged_attention_prefill_reference(*args)
+def test_bad_prefill_inputs_name_the_field():
+    q, chunks = prefill_args([make_prefill_case(0, prior_len=3, chunk_len=2)])
+    one_head = dataclasses.replace(chunks, chunk_k=chunks.chunk_k[:, :, :1])
+    with pytest.raises(ValueError, match=r"chunk_k must be \[B, T, num_kv_heads, head_dim\]"):
+        paged_attention_prefill_reference(q, one_head)
+    with pytest.raises(ValueError, match="prefill needs chunk_lens, got None"):
+        paged_attention_prefill_reference(q, dataclasses.replace(chunks, chunk_lens=None))

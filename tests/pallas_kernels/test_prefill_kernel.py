@@ -9,6 +9,7 @@ masked keys or values into an output is a mismatch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_attention import (
+    PagedAttentionInputs,
     paged_attention_prefill,
     paged_attention_prefill_pallas,
 )
@@ -28,6 +30,7 @@ from tests.pallas_kernels.test_paged_attention import (
     _triton_custom_call_target,
     assert_close,
     dense_causal,
+    prefill_args,
 )
 
 MAX_PAGES = 6
@@ -67,16 +70,6 @@ def make_batch(seed: int, *, tokens: int, group: int, head_dim: int, dtype,
     return cases
 
 
-def batch_args(cases: list[PrefillCase], dtype) -> tuple[jax.Array, ...]:
-    return (jnp.asarray(np.stack([c.q for c in cases]), dtype),
-            jnp.asarray(cases[0].k_pages, dtype), jnp.asarray(cases[0].v_pages, dtype),
-            jnp.asarray(np.stack([c.page_table for c in cases])),
-            jnp.asarray([c.prior_len for c in cases], jnp.int32),
-            jnp.asarray(np.stack([c.chunk_k for c in cases]), dtype),
-            jnp.asarray(np.stack([c.chunk_v for c in cases]), dtype),
-            jnp.asarray([c.chunk_len for c in cases], jnp.int32))
-
-
 # tokens x group x head_dim x dtype x blocks: T not a multiple of block_c (20), group 3 and 6
 # (row blocks end inside a token), one row block and several, two pages per step and four.
 CONFIGS = [
@@ -95,7 +88,7 @@ def test_kernel_matches_reference_and_dense_numpy(tokens, group, head_dim, dtype
     reference = jax.jit(functools.partial(paged_attention_prefill, impl="reference"))
     for seed in (0, 1):
         cases = make_batch(seed, tokens=tokens, group=group, head_dim=head_dim, dtype=dtype)
-        args = batch_args(cases, dtype)
+        args = prefill_args(cases, dtype)
         out = kernel(*args)
         assert_close(out, np.asarray(reference(*args).astype(jnp.float32)), dtype)
         for row, case in enumerate(cases):
@@ -108,14 +101,14 @@ def test_key_blocks_smaller_than_a_page():
     kernel = jax.jit(functools.partial(paged_attention_prefill_pallas, interpret=True, block_k=16,
                                        block_m=16, block_c=16))
     cases = make_batch(4, tokens=12, group=2, head_dim=64, dtype=jnp.float32, page_size=64)
-    out = kernel(*batch_args(cases, jnp.float32))
+    out = kernel(*prefill_args(cases, jnp.float32))
     for row, case in enumerate(cases):
         assert_close(out[row], dense_causal(case), jnp.float32)
 
 
 def test_dispatch_runs_the_interpreter_on_cpu_and_scales_like_the_reference():
     cases = make_batch(2, tokens=8, group=2, head_dim=64, dtype=jnp.float32)
-    args = batch_args(cases, jnp.float32)
+    args = prefill_args(cases, jnp.float32)
     expected = paged_attention_prefill(*args, scale=0.3, impl="reference")
     assert_close(paged_attention_prefill(*args, scale=0.3, impl="pallas"), np.asarray(expected),
                  jnp.float32)
@@ -126,10 +119,13 @@ def test_kernel_lowers_to_triton_for_cuda(dtype):
     """Qwen3.6-like shapes (24 q / 4 kv heads x 256, page 16), a 48-token chunk, odd sizes."""
     s = jax.ShapeDtypeStruct
     batch, tokens, num_pages = 3, 48, 37
-    args = (s((batch, tokens, 24, 256), dtype), s((num_pages, 16, 4, 256), dtype),
-            s((num_pages, 16, 4, 256), dtype), s((batch, 5), jnp.int32), s((batch,), jnp.int32),
-            s((batch, tokens, 4, 256), dtype), s((batch, tokens, 4, 256), dtype),
-            s((batch,), jnp.int32))
+    args = (s((batch, tokens, 24, 256), dtype),
+            PagedAttentionInputs(s((num_pages, 16, 4, 256), dtype),
+                                 s((num_pages, 16, 4, 256), dtype),
+                                 s((batch, 5), jnp.int32), s((batch,), jnp.int32),
+                                 chunk_k=s((batch, tokens, 4, 256), dtype),
+                                 chunk_v=s((batch, tokens, 4, 256), dtype),
+                                 chunk_lens=s((batch,), jnp.int32)))
     prefill = jax.jit(functools.partial(paged_attention_prefill, impl="pallas"))
     text = prefill.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count(f"custom_call @{_triton_custom_call_target()}") == 1
@@ -137,21 +133,34 @@ def test_kernel_lowers_to_triton_for_cuda(dtype):
     assert _triton_custom_call_target() not in cpu
 
 
+def _changed(field: str, change):
+    """(q, inputs) -> the same with `change` applied to `field` ("q" or an inputs field)."""
+    def apply(q, inputs):
+        if field == "q":
+            return change(q), inputs
+        return q, dataclasses.replace(inputs, **{field: change(getattr(inputs, field))})
+    return apply
+
+
 @pytest.mark.parametrize(
     "change, kwargs, message",
     [
-        (lambda a: (a[0][:, :, :3],) + a[1:], {}, "q num_q_heads (3) must be a multiple"),
-        (lambda a: a[:5] + (a[5][:, :, :1],) + a[6:], {}, "chunk_k must be [T, num_kv_heads"),
-        (lambda a: a[:4] + (a[4][:2],) + a[5:], {}, "prior_lens must be [B=8]"),
-        (lambda a: a[:7] + (a[7].astype(jnp.float32),), {}, "chunk_lens must be int32"),
-        (lambda a: a, {"block_m": 8}, "block_m must be a power of two >= 16, got 8"),
-        (lambda a: a, {"block_c": 24}, "block_c must be a power of two >= 16, got 24"),
-        (lambda a: a, {"block_k": 24}, "block_k must be a power of two"),
+        (_changed("q", lambda x: x[:, :, :3]), {}, "q num_q_heads (3) must be a multiple"),
+        (_changed("chunk_k", lambda x: x[:, :, :1]), {},
+         "chunk_k must be [B, T, num_kv_heads, head_dim] = [8, 8, 2, 64]"),
+        (_changed("chunk_v", lambda x: x[:, :4]), {}, "chunk_v must be [B, T, num_kv_heads"),
+        (_changed("cached_lens", lambda x: x[:2]), {}, "cached_lens must be [B=8]"),
+        (_changed("chunk_lens", lambda x: x.astype(jnp.float32)), {}, "chunk_lens must be int32"),
+        (_changed("chunk_v", lambda x: None), {}, "prefill needs chunk_v, got None"),
+        (_changed("q", lambda x: x), {"block_m": 8}, "block_m must be a power of two >= 16, got 8"),
+        (_changed("q", lambda x: x), {"block_c": 24},
+         "block_c must be a power of two >= 16, got 24"),
+        (_changed("q", lambda x: x), {"block_k": 24}, "block_k must be a power of two"),
     ],
 )
-def test_bad_inputs_name_the_argument(change, kwargs, message):
-    args = change(batch_args(make_batch(0, tokens=8, group=2, head_dim=64, dtype=jnp.float32),
-                             jnp.float32))
+def test_bad_inputs_name_the_field(change, kwargs, message):
+    args = change(*prefill_args(make_batch(0, tokens=8, group=2, head_dim=64,
+                                           dtype=jnp.float32), jnp.float32))
     with pytest.raises(ValueError) as err:
         jax.jit(functools.partial(paged_attention_prefill_pallas, interpret=True,
                                   **kwargs)).trace(*args)

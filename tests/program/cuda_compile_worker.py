@@ -66,7 +66,11 @@ def kernels() -> dict:
     float and quantized experts: compiled for sm_90 with the block sizes the kernels pick."""
     from ninfer_jax import quant
     from pallas_kernels.grouped_matmul import grouped_matmul
-    from pallas_kernels.paged_attention import paged_attention_decode, paged_attention_prefill
+    from pallas_kernels.paged_attention import (
+        PagedAttentionInputs,
+        paged_attention_decode,
+        paged_attention_prefill,
+    )
 
     device = SingleDeviceSharding(gpu_devices("h200")[0])
 
@@ -92,19 +96,21 @@ def kernels() -> dict:
         qt = spec((b, t, group * kv, head_dim), dt)
         chunk = spec((b, t, kv, head_dim), dt)
         tag = f"{dtype} D={head_dim} G={group} page={page}"
+        pages = PagedAttentionInputs(k_pages, k_pages, table, lens)
+        chunks = PagedAttentionInputs(k_pages, k_pages, table, lens, chunk_k=chunk,
+                                      chunk_v=chunk, chunk_lens=lens)
         out[f"decode {tag}"] = compiles(
-            lambda *a: paged_attention_decode(*a, impl="pallas"), q1, k_pages, k_pages, table,
-            lens)
+            lambda *a: paged_attention_decode(*a, impl="pallas"), q1, pages)
         out[f"prefill {tag}"] = compiles(
-            lambda *a: paged_attention_prefill(*a, impl="pallas"), qt, k_pages, k_pages, table,
-            lens, chunk, chunk, lens)
+            lambda *a: paged_attention_prefill(*a, impl="pallas"), qt, chunks)
     int8 = spec((40, 128, 2, 256), jnp.int8)
     scales = spec((40, 128, 2), jnp.float32)
     for dtype in ("float32", "bfloat16"):
         dt = jnp.dtype(dtype)
         out[f"decode int8 pages {dtype} D=256 G=8 page=128"] = compiles(
-            lambda *a: paged_attention_decode(*a, impl="pallas"), spec((2, 16, 256), dt), int8,
-            int8, spec((2, 16), jnp.int32), spec((2,), jnp.int32), scales, scales)
+            lambda *a: paged_attention_decode(*a, impl="pallas"), spec((2, 16, 256), dt),
+            PagedAttentionInputs(int8, int8, spec((2, 16), jnp.int32), spec((2,), jnp.int32),
+                                 scales, scales))
     e, n, k = 16, 128, 256
     for method in (None, "int8", "int4", "fp8"):
         w = jnp.zeros((2, e, n, k), jnp.float32)
