@@ -85,5 +85,8 @@ def test_committed_reference_is_what_transformers_computes_now():
     committed = _reference()
     assert set(fresh) == set(committed)
     np.testing.assert_array_equal(fresh["token_ids"], committed["token_ids"])
+    # fp32 on CPU moves by a few ulps across torch/transformers builds (4.8e-6 on values ~2
+    # with transformers 5.25); a tenth of ATOL still catches a reference that changed meaning
     for name in ("hidden", "draft_logits"):
-        np.testing.assert_allclose(fresh[name], committed[name], rtol=0, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(fresh[name], committed[name], rtol=0, atol=ATOL / 10,
+                                   err_msg=name)
