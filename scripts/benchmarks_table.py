@@ -207,8 +207,40 @@ def _spec_policy(data: dict) -> tuple[list[Row], str]:
     return rows, legend
 
 
+def _engine(data: dict) -> tuple[list[Row], str]:
+    rows = []
+    for case, level in data["comparison"]["levels"].items():
+        host = level["host"]["us_per_round"]["median"]
+        rows.append(Row(config=f"{case}: Engine vs its Program, C={level['concurrency']} "
+                               f"{level['sampling']} (host {host:.0f} us/round)",
+                        ours=_rounded(level["sides"]["engine"]["rate"], 1),
+                        against=_rounded(level["sides"]["program"]["rate"], 1),
+                        ratio=_rounded(level["ratios"]["engine/program"], 2), unit="tok/s"))
+    job = data.get("main_job")
+    if job:
+        cold, warm = job["cold"], job["warm"]
+        rows.append(Row(config="main job warm: streamed vs the Program's B=1 sampled round",
+                        ours=_rounded(warm["streamed_tok_s"], 1),
+                        against=_rounded(job["program_round_tok_s"], 1),
+                        ratio=_rounded(job["ratio"], 2), unit="tok/s"))
+        rows.append(Row(config=f"main job warm: first token (exit "
+                               f"{warm['exit_after_last_s']['max']:.2f} s after the last, most)",
+                        ours=_rounded(warm["first_token_s"], 2), unit="s"))
+        rows.append(Row(config=f"main job cold: first token ({cold['tokens']} tokens in "
+                               f"{cold['exit_s']:.1f} s, exit {cold['exit_after_last_s']:.2f} s "
+                               "after the last)", ours=round(cold["first_token_s"], 2), unit="s"))
+    legend = ("`python scripts/bench.py --suite=engine`; ours: `Engine.open` on the embedded "
+              "model (C requests at once), median [min-max] over repetitions; against: its own "
+              "Program driven without an Engine, in the same process, in turn; ratio: per "
+              "repetition; main job: `ninfer generate` streamed, as a subprocess; targets: "
+              "Engine/Program >= 0.9 (C = 1, 8), >= 0.85 sampled, streamed/Program >= 0.8, exit "
+              "<= 0.5 s after the last token, cold first token <= 8 s; written by the suite")
+    return rows, legend
+
+
 # A suite whose run() result is stored as it is: how its rows and legend are read.
 EXTRACTORS: dict[str, Callable[[dict], tuple[list[Row], str]]] = {
+    "engine": _engine,
     "scoring": _scoring,
     "spec_policy": _spec_policy,
 }
