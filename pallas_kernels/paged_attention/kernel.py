@@ -76,6 +76,17 @@ def load_keys(pages_ref, scales_ref, table_ref, start, block_k: int, num_pages: 
     return (x.astype(jnp.float32) * s.astype(jnp.float32)).astype(dtype)
 
 
+def load_block(pages_refs, scales_refs, table_ref, start, block_k: int, num_pages: int,
+               length, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(keys, values, valid) of positions `start .. start + block_k` of one row and kv head:
+    `load_keys` of the K and V pools (`pages_refs`, with their `scales_refs` or Nones) and
+    which of the positions a row of `length` cached positions holds, `[1, block_k]` bool."""
+    k = load_keys(pages_refs[0], scales_refs[0], table_ref, start, block_k, num_pages, dtype)
+    v = load_keys(pages_refs[1], scales_refs[1], table_ref, start, block_k, num_pages, dtype)
+    positions = start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+    return k, v, positions < length
+
+
 def decode_shared_bytes(block_k: int, head_dim: int, block_h: int, itemsize: int) -> int:
     """Shared memory Triton gives the decode kernel (ptxas's figure on sm_90 for fp32 and bf16,
     head_dim 64..256, block_k 128..512: two stages of the K tile, one of V, the query tile and
@@ -113,12 +124,8 @@ def _decode_kernel(
     def body(step, carry):
         acc, row_max, row_sum = carry
         start = step * block_k
-        k = load_keys(k_pages_ref, k_scales_ref, page_ids_ref, start, block_k, num_pages,
-                      q.dtype)
-        v = load_keys(v_pages_ref, v_scales_ref, page_ids_ref, start, block_k, num_pages,
-                      q.dtype)
-        positions = start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-        valid = positions < length  # [1, block_k]
+        k, v, valid = load_block((k_pages_ref, v_pages_ref), (k_scales_ref, v_scales_ref),
+                                 page_ids_ref, start, block_k, num_pages, length, q.dtype)
 
         logits = plgpu.dot(q, k, trans_b=True, precision=_PRECISION) * scale  # [block_h, block_k]
         logits = jnp.where(valid, logits, _MASK_VALUE)

@@ -12,7 +12,7 @@ covers consecutive tokens and every row of the block shares its kv head. The gri
 `(B, H_kv, cdiv(T * G, block_m))`. A program runs two online-softmax loops (running max, running
 sum, fp32 accumulator) into one accumulator:
   1. over the row's cached pages, `block_k` positions per step gathered in the kernel through
-     the page table (`kernel.load_keys`; scalar prefetch being TPU-only), `cdiv(cached_lens[b],
+     the page table (`kernel.load_block`, `load_keys`; scalar prefetch being TPU-only), `cdiv(cached_lens[b],
      block_k)` steps;
   2. over the chunk's keys, `block_c` per step, up to the block's last token (keys above the
      causal diagonal of every row of the block are never read).
@@ -42,7 +42,7 @@ from pallas_kernels.paged_attention.kernel import (
     MIN_BLOCK_K,
     _is_pow2,
     fitting_block_k,
-    load_keys,
+    load_block,
 )
 from pallas_kernels.paged_attention.reference import default_scale
 from pallas_kernels.target import gpu_limits
@@ -103,12 +103,8 @@ def _prefill_kernel(
 
     def cached(step, carry):
         start = step * block_k
-        k = load_keys(k_pages_ref, k_scales_ref, page_ids_ref, start, block_k, num_pages,
-                      q.dtype)
-        v = load_keys(v_pages_ref, v_scales_ref, page_ids_ref, start, block_k, num_pages,
-                      q.dtype)
-        positions = start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-        valid = positions < prior_len  # [1, block_k]
+        k, v, valid = load_block((k_pages_ref, v_pages_ref), (k_scales_ref, v_scales_ref),
+                                 page_ids_ref, start, block_k, num_pages, prior_len, q.dtype)
         v = jnp.where(valid.reshape(block_k, 1), v, jnp.zeros_like(v))
         mask = jnp.broadcast_to(valid, (block_m, block_k))
         return _online_update(carry, q, k, v, mask, scale)
