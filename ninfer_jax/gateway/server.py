@@ -37,6 +37,7 @@ from starlette.routing import Route
 
 from ninfer_jax.errors import ConfigError
 from ninfer_jax.gateway.http import anthropic_api, openai_api, responses_api, tokens_api
+from ninfer_jax.gateway.http.anthropic_requests import parse_messages
 from ninfer_jax.gateway.http.connections import (
     HEADER_TIMEOUT_S,
     KEEPALIVE_TIMEOUT_S,
@@ -49,13 +50,10 @@ from ninfer_jax.gateway.http.errors import Api, ApiError
 from ninfer_jax.gateway.http.fields import decode_json
 from ninfer_jax.gateway.http.logprobs import PromptScorer
 from ninfer_jax.gateway.http.metrics import Metrics
+from ninfer_jax.gateway.http.openai_requests import parse_chat, parse_completion
 from ninfer_jax.gateway.http.request_id import RequestIdMiddleware
-from ninfer_jax.gateway.http.requests import (
-    GenerationRequest,
-    parse_chat,
-    parse_completion,
-    parse_messages,
-)
+from ninfer_jax.gateway.http.requests import GenerationRequest
+from ninfer_jax.gateway.http.responses_requests import parse_responses
 from ninfer_jax.gateway.http.state import ServerState
 
 if TYPE_CHECKING:
@@ -271,7 +269,7 @@ def create_app(engine: Engine, *, model_name: str | None = None,
                                    functools.partial(openai_api.complete, chat=False)),
               methods=["POST"]),
         Route("/v1/responses", _generation_endpoint(state, Api.OPENAI,
-                                                    responses_api.parse_responses,
+                                                    parse_responses,
                                                     responses_api.create_response),
               methods=["POST"]),
         Route("/v1/messages", _generation_endpoint(state, Api.ANTHROPIC, parse_messages,

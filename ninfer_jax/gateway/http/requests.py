@@ -1,9 +1,12 @@
-"""Turns the three request bodies (OpenAI chat and completions, Anthropic Messages) into one
-`GenerationRequest`, the Engine's public input plus the transport choices (stream, usage chunk).
+"""`GenerationRequest`, the Engine's public input plus the transport choices (stream, usage
+chunk) that every API's request parser produces, and what those parsers share.
 
-Owns which fields each API accepts, which it refuses as unsupported (naming the field), and the
-mapping of API names onto SamplingParams (`max_tokens` -> `max_new_tokens`, `stop_sequences` ->
-`stop`, ...). It does not tokenize, and it checks no limit that needs the model.
+Owns which fields each API accepts (`*_FIELDS`), the refusal of unsupported ones (naming the
+field), and the readers the parsers share (OpenAI sampling fields onto SamplingParams, `n`,
+stream options, sessions, content parts, structured output). The parsers are one module per
+API: `openai_requests.py` (chat, completions), `anthropic_requests.py` (Messages),
+`responses_requests.py` (Responses); each API's answers are rendered by its `*_api.py`. Nothing
+here tokenizes or checks a limit that needs the model.
 """
 
 from __future__ import annotations
@@ -13,19 +16,11 @@ from typing import Any
 
 from ninfer_jax.gateway.http.errors import Api, ApiError
 from ninfer_jax.gateway.http.fields import Fields, check_text
-from ninfer_jax.gateway.http.structured import openai_structured, thinking_off
+from ninfer_jax.gateway.http.structured import thinking_off
 from ninfer_jax.gateway.http.tools import (
     ToolChoice,
-    anthropic_content,
-    anthropic_tool_choice,
-    anthropic_tools,
-    openai_tool_calls,
-    openai_tool_choice,
-    openai_tools,
 )
 
-_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
-               "assistant": "assistant", "tool": "tool"}
 # OpenAI sampling fields read as numbers / integers (top_k, min_p, repetition_penalty are the
 # common extensions of OpenAI-compatible servers).
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -122,7 +117,7 @@ def reject_unknown(body: Fields, known: frozenset[str]) -> None:
                                code="unsupported_parameter")
 
 
-def _refuse_unsupported(body: Fields, *, flags: tuple[str, ...] = (),
+def refuse_unsupported(body: Fields, *, flags: tuple[str, ...] = (),
                         lists: tuple[str, ...] = ()) -> None:
     """Fields that would change the answer in ways not served yet: refused, never ignored."""
     for key in flags:
@@ -168,7 +163,7 @@ def reasoning_effort(body: Fields, key: str, sampling: dict[str, Any],
 MAX_CHOICES = 16  # choices of one answer: n per prompt times the prompts of a batch
 
 
-def _n(body: Fields, num_prompts: int = 1) -> int:
+def num_choices(body: Fields, num_prompts: int = 1) -> int:
     """`n` (and `best_of`, which must equal it: no server-side ranking), within MAX_CHOICES."""
     n = body.integer("n")
     n = 1 if n is None else n
@@ -194,7 +189,7 @@ def copy_fields(body: Fields, sampling: dict[str, Any], read, keys) -> None:
             sampling[key] = value
 
 
-def _openai_sampling(body: Fields) -> dict[str, Any]:
+def openai_sampling(body: Fields) -> dict[str, Any]:
     sampling: dict[str, Any] = {}
     copy_fields(body, sampling, Fields.number, _FLOAT_FIELDS)
     copy_fields(body, sampling, Fields.integer, ("top_k", "seed", "max_thinking_tokens",
@@ -216,7 +211,7 @@ def _openai_sampling(body: Fields) -> dict[str, Any]:
     return sampling
 
 
-def _stream_options(body: Fields, stream: bool) -> dict[str, bool]:
+def stream_options(body: Fields, stream: bool) -> dict[str, bool]:
     """`stream_options`: include_usage (a last chunk with the usage) and vLLM's
     continuous_usage_stats (the usage so far on every chunk)."""
     options = body.obj("stream_options")
@@ -296,72 +291,6 @@ def _media_url(f: Fields) -> str:
     return url
 
 
-def parse_chat(obj: Any, session_header: str | None) -> GenerationRequest:
-    """`POST /v1/chat/completions`."""
-    body = Fields(obj)
-    reject_unknown(body, CHAT_FIELDS)
-    if body.has("best_of"):
-        raise ApiError.invalid("best_of", "is a completions field", code="unsupported_parameter")
-    n = _n(body)
-    _refuse_unsupported(body, lists=("functions", "logit_bias"))
-    if body.has("function_call"):
-        raise ApiError.invalid("function_call", "the legacy functions API is not supported; "
-                               "use tools", code="unsupported_parameter")
-    body.boolean("parallel_tool_calls")  # several calls are always parsed
-    tools = openai_tools(body)
-    choice = openai_tool_choice(body, tools)
-    structured = openai_structured(body)
-    messages = []
-    for i, raw in enumerate(body.array("messages", required=True)):
-        m = Fields(raw, f"messages[{i}]")
-        role = m.string("role", required=True)
-        if role not in _CHAT_ROLES:
-            raise ApiError.invalid(m.name("role"), f"must be one of {sorted(_CHAT_ROLES)}, "
-                                   f"got {role!r:.40}")
-        calls = openai_tool_calls(m) if role == "assistant" else None
-        if m.has("tool_calls") and role != "assistant":
-            raise ApiError.invalid(m.name("tool_calls"), "only assistant messages have tool calls")
-        empty = calls is not None and not m.has("content")  # content null with tool calls
-        message: dict[str, Any] = {"role": _CHAT_ROLES[role],
-                                   "content": "" if empty else openai_content(m, role)}
-        if calls is not None:
-            message["tool_calls"] = calls
-        if role == "tool":
-            message["tool_call_id"] = m.string("tool_call_id") or ""
-        reasoning = m.string("reasoning_content")
-        if reasoning is not None and role == "assistant":
-            message["reasoning_content"] = reasoning
-        messages.append(message)
-    if not messages:
-        raise ApiError.invalid("messages", "must not be empty")
-    budget_key = "max_completion_tokens" if body.has("max_completion_tokens") else "max_tokens"
-    stream = bool(body.boolean("stream"))
-    thinking = body.boolean("enable_thinking")
-    kwargs = body.obj("chat_template_kwargs")
-    if thinking is None and kwargs is not None:
-        thinking = kwargs.boolean("enable_thinking")
-    sampling = _openai_sampling(body)
-    thinking = reasoning_effort(body, "reasoning_effort", sampling, thinking)
-    names = {"max_new_tokens": budget_key}
-    thinking = constrain(structured, choice, thinking, sampling, names,
-                         "reasoning_effort" if body.has("reasoning_effort") else
-                         "enable_thinking")
-    top = body.integer("top_logprobs")
-    if body.boolean("logprobs"):
-        sampling["logprobs"] = 0 if top is None else top
-    elif top is not None:
-        raise ApiError.invalid("top_logprobs", "needs logprobs: true")
-    return GenerationRequest(
-        api=Api.OPENAI, model=body.string("model"), messages=messages, n=n,
-        tools=tools if choice.mode != "none" else None,
-        parse_tools=bool(tools) and choice.mode != "none",
-        forced_tools=choice if choice.forced else None,
-        sampling=sampling, max_tokens=body.integer(budget_key), stream=stream,
-        **_stream_options(body, stream), enable_thinking=thinking,
-        session=session_of(body, session_header), field_names=names,
-        **isolation(body))
-
-
 def constrain(structured, choice: ToolChoice, thinking: bool | None,
                  sampling: dict[str, Any], names: dict[str, str], thinking_field: str):
     """Adds a structured-output spec to `sampling` (and its field to `names`); a constrained
@@ -378,122 +307,3 @@ def constrain(structured, choice: ToolChoice, thinking: bool | None,
     if sampling.get("max_thinking_tokens") is not None:
         thinking_off(True, "max_thinking_tokens")
     return False
-
-
-def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value)
-
-
-def _prompt_batch(prompt: Any) -> list[str | list[int]]:
-    """The prompts of `prompt`: a string, token ids, or a non-empty list of either."""
-    if isinstance(prompt, str) or _is_ids(prompt):
-        return [check_text(prompt, "prompt") if isinstance(prompt, str) else prompt]
-    if not isinstance(prompt, list) or not prompt:
-        raise ApiError.invalid("prompt", "expected a string, an array of token ids, or a "
-                               "non-empty array of either", code="invalid_type")
-    out = []
-    for i, p in enumerate(prompt):
-        if isinstance(p, str):
-            out.append(check_text(p, f"prompt[{i}]"))
-        elif _is_ids(p):
-            out.append(p)
-        else:
-            raise ApiError.invalid(f"prompt[{i}]", "expected a string or a non-empty array of "
-                                   "token ids", code="invalid_type")
-    return out
-
-
-def parse_completion(obj: Any, session_header: str | None) -> GenerationRequest:
-    """`POST /v1/completions`: a prompt (a string or token ids) or a batch of them."""
-    body = Fields(obj)
-    reject_unknown(body, COMPLETION_FIELDS)
-    _refuse_unsupported(body, lists=("logit_bias",))
-    if body.string("suffix"):
-        raise ApiError.invalid("suffix", "not supported yet", code="unsupported_parameter")
-    batch = _prompt_batch(body.required("prompt"))
-    n = _n(body, len(batch))
-    text, ids = (batch[0], None) if isinstance(batch[0], str) else (None, batch[0])
-    stream = bool(body.boolean("stream"))
-    sampling = _openai_sampling(body)
-    logprobs = body.integer("logprobs")
-    if logprobs is not None:
-        sampling["logprobs"] = logprobs
-    echo = bool(body.boolean("echo"))
-    if echo and stream:
-        raise ApiError.invalid("echo", "is not supported with stream (ask without streaming)",
-                               code="unsupported_parameter")
-    names = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}
-    structured = openai_structured(body)
-    if structured is not None:  # a raw prompt: the caller decides what the prompt opens
-        sampling["structured"], names["structured"] = structured
-    return GenerationRequest(
-        api=Api.OPENAI, model=body.string("model"), prompt=text, prompt_token_ids=ids,
-        more_prompts=tuple(batch[1:]), n=n,
-        sampling=sampling, max_tokens=body.integer("max_tokens"), stream=stream, echo=echo,
-        **_stream_options(body, stream),
-        enable_thinking=body.boolean("enable_thinking"), session=session_of(body, session_header),
-        field_names=names, **isolation(body))
-
-
-def parse_messages(obj: Any, session_header: str | None, *,
-                   count_only: bool = False) -> GenerationRequest:
-    """`POST /v1/messages` (Anthropic Messages); `count_only`: a count_tokens body (no
-    generation settings)."""
-    body = Fields(obj)
-    reject_unknown(body, COUNT_TOKENS_FIELDS if count_only else MESSAGES_FIELDS)
-    messages: list[dict[str, Any]] = []
-    system = body.get("system")
-    if isinstance(system, (str, list)):
-        messages.append({"role": "system", "content": body.text_content("system")})
-    elif body.has("system"):
-        raise ApiError.invalid("system", "expected a string or an array of text blocks",
-                               code="invalid_type")
-    for i, raw in enumerate(body.array("messages", required=True)):
-        m = Fields(raw, f"messages[{i}]")
-        role = m.string("role", required=True)
-        if role not in ("user", "assistant"):
-            raise ApiError.invalid(m.name("role"), f"must be 'user' or 'assistant', "
-                                   f"got {role!r:.40}")
-        messages.extend(anthropic_content(m, role))
-    if len(messages) == (1 if messages and messages[0]["role"] == "system" else 0):
-        raise ApiError.invalid("messages", "must not be empty")
-    tools = anthropic_tools(body)
-    choice = anthropic_tool_choice(body, tools)
-    sampling: dict[str, Any] = {}
-    copy_fields(body, sampling, Fields.number, ("temperature", "top_p"))
-    copy_fields(body, sampling, Fields.integer, ("top_k",))
-    sampling["stop"] = body.stop("stop_sequences")
-    max_tokens = body.integer("max_tokens", required=not count_only)
-    thinking = False  # Anthropic's default: no thinking unless the request enables it
-    config = body.obj("thinking")
-    if config is not None:
-        kind = config.string("type", required=True)
-        if kind not in ("enabled", "disabled", "adaptive"):
-            raise ApiError.invalid("thinking.type", f"must be 'enabled', 'adaptive' or "
-                                   f"'disabled', got {kind!r:.40}")
-        thinking = kind != "disabled"
-        budget = config.integer("budget_tokens", required=kind == "enabled")
-        if budget is not None:
-            if kind != "enabled":
-                raise ApiError.invalid("thinking.budget_tokens", "only with type 'enabled'")
-            if budget < 1:
-                raise ApiError.invalid("thinking.budget_tokens", f"must be >= 1, got {budget}")
-            if max_tokens is not None and budget >= max_tokens:
-                raise ApiError.invalid("thinking.budget_tokens", f"must be less than "
-                                       f"max_tokens ({max_tokens}), got {budget}")
-            sampling["max_thinking_tokens"] = budget  # the thinking block ends there
-    if choice.forced and thinking:  # as Anthropic: forced tool use needs thinking off
-        thinking_off(True, "thinking")
-    metadata = body.obj("metadata")
-    session = session_of(metadata, session_header, "user_id") if metadata is not None \
-        else (check_text(session_header, "x-session-id") if session_header else None)
-    return GenerationRequest(
-        api=Api.ANTHROPIC, model=body.string("model"), messages=messages, sampling=sampling,
-        tools=tools if choice.mode != "none" else None,
-        parse_tools=bool(tools) and choice.mode != "none",
-        forced_tools=choice if choice.forced else None,
-        max_tokens=max_tokens, stream=bool(body.boolean("stream")), enable_thinking=thinking,
-        session=session, field_names={"max_new_tokens": "max_tokens", "stop": "stop_sequences",
-                                      "max_thinking_tokens": "thinking.budget_tokens"},
-        **isolation(body))

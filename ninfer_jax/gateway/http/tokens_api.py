@@ -13,9 +13,10 @@ from typing import Any
 from starlette.responses import JSONResponse, Response
 
 from ninfer_jax.frontend import ChatTemplateError, PromptError
+from ninfer_jax.gateway.http.anthropic_requests import parse_messages
 from ninfer_jax.gateway.http.errors import ApiError
 from ninfer_jax.gateway.http.fields import Fields
-from ninfer_jax.gateway.http.requests import parse_messages, reject_unknown
+from ninfer_jax.gateway.http.requests import reject_unknown
 from ninfer_jax.gateway.http.state import ServerState
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens",
