@@ -567,7 +567,7 @@ class EngineCore:
             total_slots=ps.total_slots, generated_tokens=self._generated,
             finished_requests=self._finished, backfilled=self.admission.backfilled,
             prefix=self.catalog.stats(*self.program.checkpoint_footprint()),
-            speculative=self.rounds.speculative_stats(),
+            speculative=self.rounds.policy.stats(),
             transactions=self.resources.transactions.stats(),
             tiers=self.tiers.stats() if self.tiers is not None else TierStats(()),
             rounds=self.rounds.stats())

@@ -18,7 +18,6 @@ import numpy as np
 
 from ninfer_jax.engine.request import RequestRecord
 from ninfer_jax.engine.spec_policy import DraftPolicy, RowAcceptance, RowOutlook
-from ninfer_jax.engine.spec_stats import SpeculativeStats
 from ninfer_jax.engine.stats import RoundStats
 
 if TYPE_CHECKING:
@@ -111,9 +110,6 @@ class Rounds:
 
     def stats(self) -> RoundStats:
         return RoundStats(self._rounds, self._rows, self._host_s, self._wait_s)
-
-    def speculative_stats(self) -> SpeculativeStats:
-        return self.policy.stats()
 
 
 def chainable(records: Sequence[RequestRecord], ahead: bool) -> bool:

@@ -90,6 +90,25 @@ def test_responses_plain_matches_the_engine(live, oa):
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
 
 
+def test_responses_content_parts_read_as_their_joined_text(live):
+    """`input` items whose content (or a tool output) is a list of text parts read as the
+    joined text; any other part is refused, naming it."""
+    server, _ = live
+    body = {"model": MODEL, "max_output_tokens": 6, "temperature": 0}
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        whole = c.post("/v1/responses", json={**body, "input": "say something"})
+        parts = c.post("/v1/responses", json={**body, "input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "say "},
+            {"type": "input_text", "text": "something"}]}]})
+        assert whole.status_code == parts.status_code == 200
+        text = [r.json()["output"][0]["content"][0]["text"] for r in (whole, parts)]
+        assert text[0] == text[1] and parts.json()["usage"] == whole.json()["usage"]
+        bad = c.post("/v1/responses", json={**body, "input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "look"}, {"type": "input_image", "image_url": "x"}]}]})
+        assert bad.status_code == 400
+        assert bad.json()["error"]["param"] == "input[0].content[1].type"
+
+
 def _collapse(kinds: list[str]) -> list[str]:
     return [k for k, _ in itertools.groupby(kinds)]
 

@@ -29,23 +29,6 @@ FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temp
                     "allow_control_tokens", "seed", "top_k", "prompt_cache_key"})
 
 
-def _text(part_list: Any, field: str, kinds: tuple[str, ...]) -> str:
-    if isinstance(part_list, str):
-        return part_list
-    if not isinstance(part_list, list):
-        raise ApiError.invalid(field, "expected a string or an array of content parts",
-                               code="invalid_type")
-    texts = []
-    for i, raw in enumerate(part_list):
-        p = Fields(raw, f"{field}[{i}]")
-        kind = p.string("type", required=True)
-        if kind not in kinds:
-            raise ApiError.invalid(p.name("type"), f"only text parts are supported, got "
-                                   f"{kind!r:.40}", code="unsupported_content")
-        texts.append(p.string("text", required=True))
-    return "".join(texts)
-
-
 def _messages(body: Fields) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     instructions = body.string("instructions")
@@ -65,8 +48,7 @@ def _messages(body: Fields) -> list[dict[str, Any]]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise ApiError.invalid(it.name("role"), f"must be user, assistant, system or "
                                        f"developer, got {role!r:.40}")
-            text = _text(it.required("content"), it.name("content"),
-                         ("input_text", "output_text", "text"))
+            text = it.text_content("content", part_types=("input_text", "output_text", "text"))
             messages.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
             try:
@@ -82,9 +64,7 @@ def _messages(body: Fields) -> list[dict[str, Any]]:
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            output = it.required("output")
-            text = output if isinstance(output, str) else _text(output, it.name("output"),
-                                                                ("input_text", "text"))
+            text = it.text_content("output", part_types=("input_text", "text"))
             messages.append({"role": "tool", "content": text,
                              "tool_call_id": it.string("call_id", required=True)})
         elif kind == "reasoning":
