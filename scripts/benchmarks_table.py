@@ -199,8 +199,11 @@ def _spec_policy(data: dict) -> tuple[list[Row], str]:
                         ours=_rounded(upkeep["round_ms"]["policy"], 3),
                         against=_rounded(upkeep["round_ms"]["off"], 3),
                         ratio=_rounded(upkeep["over_off"], 2), unit="ms"))
-    legend = (f"`BENCH_SPECPOL_METHOD={method} python scripts/bench.py --suite=spec_policy`; "
-              "Engines on the embedded model, each in its own process, in turns; ours: the "
+    reps = data["settings"]["reps"]
+    env = "" if reps == 5 else f"BENCH_SPECPOL_REPS={reps} "
+    legend = (f"`{env}BENCH_SPECPOL_METHOD={method} python scripts/bench.py "
+              f"--suite=spec_policy`; Engines on the embedded model, each in its own process, "
+              f"in turns ({reps} each); ours: the "
               "draft policy (or the best fixed K), median [min-max] over turns; against: no "
               "speculation; ratio: per turn pair; target: policy >= 0.97x off and >= 0.9x the "
               f"best fixed K ({', '.join(met)}); written by the suite")

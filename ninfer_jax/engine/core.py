@@ -383,14 +383,15 @@ class EngineCore:
             records = list(unit.records)
             if self._ahead is not None:
                 if self._ahead[1] == records and self._chainable(records, ahead=True):
-                    outlooks = self.rounds.chain_outlooks(records, self.program.round_ready)
+                    outlooks = self.rounds.chain_outlooks(records, self.program.round_ready,
+                                                          bool(self.scheduler.waiting))
                     if outlooks is not None:  # the next round drafts nothing either
                         self._chain(records, outlooks)
                         return
                 self._land()  # the round ahead first; the next iteration plans afresh
                 return
             plan = self.rounds.plan(records, self.publication.queued_previews(),
-                                    self.program.round_ready)
+                                    self.program.round_ready, bool(self.scheduler.waiting))
             batch = self.program.decode([r.seq for r in records], plan.caps, plan.masks,
                                         drafts=plan.drafts)
             self.rounds.dispatched(batch, plan.drafts, plan.outlooks)

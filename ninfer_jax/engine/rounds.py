@@ -47,11 +47,12 @@ class Rounds:
         self._host_s = self._wait_s = 0.0
 
     def plan(self, records: Sequence[RequestRecord], queued: dict[int, Preview],
-             ready: Ready) -> RoundPlan:
+             ready: Ready, refill: bool = False) -> RoundPlan:
         """The next decode round of these rows. A row may not run past the point where its
         Frontend will force control (counting `queued`: its committed round not yet published
         to its session); grammar rows get the mask of their next token (the matcher is at the
-        committed output) and, like rows of requests with speculative="off", draft nothing."""
+        committed output) and, like rows of requests with speculative="off", draft nothing.
+        `refill`: requests are waiting for a row (the draft policy's objective)."""
         caps = [r.session.tokens_before_control(queued.get(r.request_id)) for r in records]
         masks = [r.next_mask() for r in records]
         outlooks = []
@@ -62,21 +63,21 @@ class Rounds:
             if drafts and r.acceptance is None:
                 r.acceptance = RowAcceptance(self._positions)
             outlooks.append(RowOutlook(r.acceptance if drafts else None, budget))
-        k = self.policy.choose(outlooks, ready)
+        k = self.policy.choose(outlooks, ready, refill)
         if k:  # rows that draft nothing propose one token
             caps = [o.budget if o.acceptance is not None else 1 for o in outlooks]
         return RoundPlan(k, outlooks, None if all(c is None for c in caps) else caps,
                          None if all(m is None for m in masks) else masks)
 
-    def chain_outlooks(self, records: Sequence[RequestRecord],
-                       ready: Ready) -> list[RowOutlook] | None:
+    def chain_outlooks(self, records: Sequence[RequestRecord], ready: Ready,
+                       refill: bool = False) -> list[RowOutlook] | None:
         """The rows' outlooks when their next round, chained ahead, drafts nothing (None:
         the policy would draft). Chainable rows have no control, grammar or thinking budget
         ahead, so their budgets are their tokens left."""
         outlooks = [RowOutlook(r.acceptance if r.sampling.speculative == "on" else None,
                                r.sampling.max_new_tokens - r.completion_tokens)
                     for r in records]
-        if self.policy.adaptive and self.policy.choose(outlooks, ready):
+        if self.policy.adaptive and self.policy.choose(outlooks, ready, refill):
             return None
         return outlooks
 

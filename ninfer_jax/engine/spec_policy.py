@@ -3,32 +3,40 @@ second for the round's rows, from what this Engine measured.
 
 Owns, on the worker thread: the wall time of a decode round per (K, B) (from one decode
 round's output to the next one's, when both had that K and B and nothing else ran between
-them: what the user's stream sees, host work and overlap included), the tokens rounds
-committed, the acceptance of each draft position (global, decayed, and per request), the choice
-of K and the counts behind `SpeculativeStats`.
+them: what the user's stream sees, host work and overlap included), the acceptance of each
+draft position (a prior from requests' first rounds, and per request), the choice of K and the
+counts behind `SpeculativeStats`.
 
-    k = policy.choose(rows, ready)          # rows: one RowOutlook each
+    k = policy.choose(rows, ready, refill)  # rows: one RowOutlook each
     policy.dispatched(k, rows)              # the Program runs the round of k drafts
     policy.round_done(k, len(rows), now, tokens)  # its output read (interrupt(): other units)
     policy.add_row(acceptance, k, limit, produced, committed)
 
-The choice: the K of most committed tokens per second at the round's B, tokens / t(K, B).
-- t: the median time of the last steady rounds of that (K, B) (a change and an executable's
-  first runs are not samples); at a B where some K was measured and this one not, its time at
-  the nearest B scaled by the ratio of a K measured at both.
-- tokens: the mean of that (K, B)'s recent rounds (decayed as the acceptance counts) on
-  MODEL_WEIGHT rounds of a model: a row with acceptance a_i (the chance draft i is right when
-  drafts 0..i-1 were) and a limit of L tokens expects E(K) = 1 + sum_{j=1..min(K, L-1)}
-  prod_{i<j} a_i from a round of K. (The model alone mispredicted rounds of 3 drafts at B = 4
-  by about 1.5x on the demo model; the measured mean corrects it.) A request's acceptance is
-  its own counts on PRIOR_WEIGHT rounds of the global rate; a position's global rate starts
-  from SHRINK rows of the one before it (0.5 at the first) and is read OPTIMISM standard
-  errors up.
+The choice: the K of most committed tokens per second for the round's rows.
+- t(K, B): the median time of the last steady rounds of that (K, B) (a change, the start of a
+  chain of rounds of 0 and an executable's first runs are not samples); at a B where some K
+  was measured and this one not, its time at the nearest B scaled by the ratio of a K
+  measured at both.
+- Tokens: a row with acceptance a_i (the chance draft i is right when drafts 0..i-1 were) and
+  a limit of L tokens expects E(K) = 1 + sum_{j=1..min(K, L-1)} prod_{i<j} a_i from a round
+  of K. A request's a_i are its own counts on PRIOR_WEIGHT rounds of an anchor: the prior at
+  draft 0, deeper its own rate at the draft before times the prior's ratio of the two. The
+  prior counts drafts in requests' first OPENING rounds (what a request of which nothing is
+  known expects; a position's rate starts from SHRINK rows of the one before it, 0.5 at the
+  first) and forgets by openings counted, not by time.
+- With requests waiting (`refill`: a row that ends is replaced) the rate is the round's,
+  sum E / t(K, B). Else it is that of the rows' work to their ends with K kept: row i needs
+  budget_i / E_i rounds, and rows that end first leave rounds of fewer rows (a K whose rows
+  progress unevenly leaves a tail of small rounds in which the last row runs nearly alone).
+- A K that drafts must promise MARGIN more than the cheapest round. A choice that drafts is
+  made again every round (each adds counts); one of the cheapest stands REFRESH rounds.
 - The first rounds explore every compiled K, largest first, until each has MIN_SAMPLES steady
-  rounds; a new B measures its cheapest K first. Then probes, two rounds each of the largest K
-  (acceptance at every position) or of the K whose time is the oldest, keep the estimates
-  current, spaced so they add at most PROBE_BUDGET of the time (a probe that costs 3 rounds of
-  the chosen K waits about 250 rounds).
+  rounds; a new B measures its cheapest K first. Then probes of the largest K (acceptance at
+  every position) or of the K whose time is the oldest, each until its time has a sample (two
+  rounds; three of 0), keep the estimates current, spaced so they add at most PROBE_BUDGET of
+  the time (a probe that costs 3 rounds of the chosen K waits about 250 rounds). A request's
+  counts decay with time (about the last 100 rounds count), so one whose estimate fell below
+  the break-even drifts back to the prior's.
 - Rows of requests with speculative="off" expect one token at every K; a round of only such
   rows is a round of 0. Only compiled Ks are chosen.
 
@@ -41,35 +49,42 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import statistics
 from collections.abc import Callable, Sequence
 
 MIN_SAMPLES = 3  # measured rounds of a (K, B) before the policy trusts its time
 WARM_ROUNDS = 2  # steady rounds of a (K, B) not measured, the first time it runs
+SETTLE = 2  # rounds of 0 after a change that are not samples (their chain takes two to start)
 WINDOW = 9  # the rounds a (K, B)'s time is the median of
-MODEL_WEIGHT = 8.0  # rounds of the acceptance model's expectation that estimate starts from
-REFRESH = 8  # rounds a choice stands while its rows stay the same (its arithmetic is host time)
+REFRESH = 8  # rounds a choice of the cheapest K stands while its rows stay the same
+# How much more a K that drafts must promise than the cheapest to be chosen: its estimate is the
+# noisier (a request's acceptance from few rounds) and leaving the cheapest round's chain costs
+# more than the steady rounds' times show.
+MARGIN = 0.05
 PROBE_EVERY = 32  # the fewest rounds at a B between probes
 PROBE_BUDGET = 0.02  # the most of the time probes may add (a costlier probe waits longer)
-PRIOR_WEIGHT = 4.0  # rounds of the global acceptance a request's own counts start from
-# The acceptance counts' weight on the past, per round: about the last 100 rounds count, so an
-# estimate that stopped getting counts (its K not chosen) grows uncertain, its upper bound
-# rises and the policy tries that K again. Applied every DECAY_EVERY rounds.
+PRIOR_WEIGHT = 4.0  # rounds of the prior acceptance a request's own counts start from
+# A request's first rounds, whose drafts' counts make the prior: what a request of which nothing
+# is known expects (counts of every round would promise it too much: the policy drafts most in
+# the predictable stretches of requests).
+OPENING = 8
+# A request's acceptance counts' weight on the past, per round: about the last 100 rounds count,
+# so an estimate that stopped getting counts (no K that drafts chosen) drifts back to the
+# prior's. Applied every DECAY_EVERY rounds; the prior's counts decay by it per row counted.
 DECAY = 0.99
 DECAY_EVERY = 16
 UNMEASURED = 0.5  # acceptance assumed at a position nobody measured
-SHRINK = 2.0  # rows of the position before that a position's global rate starts from
-OPTIMISM = 1.0  # standard errors added to a global rate (an upper confidence bound)
+SHRINK = 2.0  # rows of the position before that a position's prior rate starts from
 
 
 class RowAcceptance:
     """One request's accepted / attempted drafts by position (conditional: attempted when
-    every draft before it was accepted), decayed as the global counts are."""
+    every draft before it was accepted), decayed as the prior's counts are."""
 
     def __init__(self, positions: int):
         self.attempted = [0.0] * positions
         self.accepted = [0.0] * positions
+        self.age = 0  # decode rounds it was in
 
     def decay(self, factor: float) -> None:
         self.attempted = [x * factor for x in self.attempted]
@@ -86,7 +101,7 @@ class RowOutlook:
 
 @dataclasses.dataclass(frozen=True)
 class _Choice:
-    rows: tuple  # the rows' requests (ids of their RowAcceptance)
+    rows: tuple  # refill, then the rows' requests (ids of their RowAcceptance)
     round: int  # the round it was made
     ks: list[int]  # the Ks it chose among
     best: int
@@ -106,19 +121,18 @@ class DraftPolicy:
         self.adaptive = len(self.ks) > 1
         self._times: dict[tuple[int, int], collections.deque] = {}  # (K, B) -> seconds
         self._median: dict[tuple[int, int], float] = {}  # (K, B) -> their median
-        # (K, B) -> [tokens rounds committed, rounds], decayed as the acceptance counts
-        self._tokens_seen: dict[tuple[int, int], list[float]] = {}
         self._measured: dict[tuple[int, int], int] = {}  # (K, B) -> the round of its last
         self._warm: collections.Counter = collections.Counter()  # (K, B) -> steady rounds
         self._ready: set[tuple[int, int]] = set()  # (K, B) whose executable is compiled
-        self._attempted = [0.0] * self.kmax  # decayed, all requests
+        self._attempted = [0.0] * self.kmax  # the prior's: rows in requests' first OPENING rounds
         self._accepted = [0.0] * self.kmax
         self._round = 0  # decode rounds dispatched
         self._since_probe: collections.Counter = collections.Counter()  # B -> rounds
         self._probes: collections.Counter = collections.Counter()  # B -> probes made
-        self._plan: dict[int, int] = {}  # B -> the K of a probe's second round
+        self._plan: dict[int, list[int]] = {}  # B -> [K, rounds] of a probe's rounds to come
         self._choice: dict[int, _Choice] = {}  # B -> the last choice
         self._last: tuple[int, int, float] | None = None  # (K, B, time) of the last round
+        self._run = 0  # rounds of that K and B in a row
         self.rounds_by_k: collections.Counter = collections.Counter()
         self.rows = 0  # rows of rounds with drafts that committed tokens
         self.tokens = 0  # tokens they committed
@@ -127,10 +141,13 @@ class DraftPolicy:
         self._gain = [0.0, 0]  # sum of estimated gains of chosen K over K = 0, rounds
 
     # The choice ----------------------------------------------------------------------------
-    def choose(self, rows: Sequence[RowOutlook], ready: Callable[[int, int], bool]) -> int:
+    def choose(self, rows: Sequence[RowOutlook], ready: Callable[[int, int], bool],
+               refill: bool = False) -> int:
         """The round's K for `rows` (B = len(rows)), without changing the policy (it may be
         asked again before the round is dispatched). `ready(k, b)`: whether that round's
-        executable is compiled (one that is not is never waited for, the largest aside)."""
+        executable is compiled (one that is not is never waited for, the largest aside).
+        `refill`: requests are waiting, so a row that ends is replaced (the round's own tokens
+        per second count); else these rows' work to their ends does."""
         b = len(rows)
         if not self.adaptive:
             return self.kmax
@@ -139,15 +156,15 @@ class DraftPolicy:
             return ks[0]
         if all(r.acceptance is None or r.budget <= 1 for r in rows):
             return ks[0]  # nothing to draft: the cheapest round
-        if self._plan.get(b) in ks:
-            return self._plan[b]
+        if b in self._plan and self._plan[b][0] in ks:
+            return self._plan[b][0]
         if not any(self._known(k, b) for k in ks) and any(
                 self._known(*key) for key in self._median if key[1] != b):
             return ks[0]  # a new B: its cheapest round's time scales the others'
         for k in reversed(ks):  # explore: the largest first, the Program's fixed choice
             if self._time(k, b) is None:
                 return k
-        made = self._choice_for(rows, ks)
+        made = self._choice_for(rows, ks, refill)
         return made.probe if self._since_probe[b] >= made.wait else made.best
 
     def _check_ready(self, k: int, b: int, ready: Callable[[int, int], bool]) -> bool:
@@ -158,27 +175,73 @@ class DraftPolicy:
             return True
         return False
 
-    def _choice_for(self, rows: Sequence[RowOutlook], ks: list[int]) -> _Choice:
-        """The K of most expected tokens per second for these rows and the next probe
-        (recomputed when the rows change, after a probe, else every REFRESH rounds)."""
+    def _choice_for(self, rows: Sequence[RowOutlook], ks: list[int], refill: bool) -> _Choice:
+        """The K of most expected tokens per second for these rows and the next probe. A choice
+        of the cheapest K stands REFRESH rounds while the rows stay the same (its rounds add
+        no acceptance counts); one that drafts is made again every round (its rounds do)."""
         b = len(rows)
-        key = tuple(id(r.acceptance) for r in rows)
+        key = (refill, *(id(r.acceptance) for r in rows))
         made = self._choice.get(b)
-        if made is not None and made.rows == key and self._round - made.round < REFRESH \
-                and made.ks == ks:
+        if made is not None and made.rows == key and made.best == ks[0] and made.ks == ks \
+                and self._round - made.round < REFRESH:
             return made
-        hopeful = self._global_rates()
-        rates = [self._rates(r.acceptance, hopeful) for r in rows]
-        times = {k: self._time(k, b) for k in ks}
-        scores = {k: self._tokens(k, b, self._expected(rows, rates, k)) / times[k] for k in ks}
-        best = max(ks, key=lambda k: (scores[k], -k))
+        prior = self._prior_rates()
+        rates = [self._rates(r.acceptance, prior) for r in rows]
+        scores = {k: self._score(rows, [self._row_expected(r, a, k) for r, a in zip(rows, rates)],
+                                 k, ks[0], refill) for k in ks}
+        best = max(ks, key=lambda k: (scores[k] / (1.0 if k == ks[0] else 1.0 + MARGIN), -k))
         probe = self._probe(best, b, ks)
-        # two rounds of the probe's K (the second measures its time) and a change each way
-        # (about a round of the best) may add at most PROBE_BUDGET of the time
-        extra = 2.0 * max(times[probe] / times[best] - 1.0, 0.0) + 1.0
-        made = self._choice[b] = _Choice(key, self._round, ks, best, scores[best] / scores[ks[0]],
-                                         probe, max(PROBE_EVERY, extra / PROBE_BUDGET))
+        # two rounds of the probe's K (the second measures its time; three of a round of 0)
+        # and a change each way (about a round of the best) may add at most PROBE_BUDGET of
+        # the time
+        times = {k: self._time(k, b) for k in (best, probe)}
+        cost = 2.0 * max(times[probe] / times[best] - 1.0, 0.0) + 1.0
+        made = self._choice[b] = _Choice(key, self._round, ks, best,
+                                         scores[best] / scores[ks[0]], probe,
+                                         max(PROBE_EVERY, cost / PROBE_BUDGET))
         return made
+
+    def _score(self, rows: Sequence[RowOutlook], expected: list[float], k: int, cheapest: int,
+               refill: bool) -> float:
+        """Expected tokens per second at K for rows expecting expected[i] tokens a round.
+        refill: of the round. Else of the rows' work to their ends: row i needs
+        budget_i / E_i rounds, and the rows that end first leave rounds of fewer rows (a K
+        whose rows progress unevenly leaves a tail of small rounds; a row's budget is its
+        tokens left or its cap), with K kept to the end or, if sooner, until the first row
+        ends and the cheapest round after it."""
+        b = len(rows)
+        t = self._time(k, b)
+        if refill:
+            return sum(expected) / t
+        budgets = [max(r.budget, 1) for r in rows]
+        seconds = self._until_done(k, sorted(n / e for n, e in zip(budgets, expected)), b, t,
+                                   cheapest)
+        if k != cheapest and b > 1:
+            first = min(n / e for n, e in zip(budgets, expected))
+            left = sorted(n - first * e for n, e in zip(budgets, expected))
+            seconds = min(seconds, first * t + self._until_done(
+                cheapest, [n for n in left if n > 1e-6], b, self._time(cheapest, b), cheapest))
+        return sum(budgets) / max(seconds, 1e-12)
+
+    def _until_done(self, k: int, rounds: list[float], b: int, t: float,
+                    cheapest: int) -> float:
+        """Seconds of rounds of K for rows that end after rounds[0] <= rounds[1] <= ...
+        rounds (len(rounds) of them running at first; a round of all B rows takes t)."""
+        seconds = done = 0.0
+        alive = len(rounds)
+        for n in rounds:
+            seconds += (n - done) * (t if alive == b else self._tail_time(k, alive, t, cheapest, b))
+            done, alive = n, alive - 1
+        return seconds
+
+    def _tail_time(self, k: int, rows: int, t: float, cheapest: int, b: int) -> float:
+        """A round of K with fewer rows than B (whose round takes t): measured, else t scaled
+        as the cheapest K's rounds scale, else in proportion to the rows."""
+        if self._known(k, rows):
+            return self._median[(k, rows)]
+        if self._known(cheapest, rows) and self._known(cheapest, b):
+            return t * self._median[(cheapest, rows)] / max(self._median[(cheapest, b)], 1e-9)
+        return t * rows / b
 
     def _probe(self, best: int, b: int, ks: list[int]) -> int:
         """The next probe's K: every other probe the largest (every position's acceptance at
@@ -195,71 +258,70 @@ class DraftPolicy:
         if not self.adaptive:
             return
         b = len(rows)
+        for r in rows:
+            if r.acceptance is not None:
+                r.acceptance.age += 1
+        made = self._choice.get(b)
         self._round += 1
         if self._round % DECAY_EVERY == 0:
             self._decay(rows)
-        made = self._choice.get(b)
         if made is not None and made.best == k:
             self._gain[0] += made.gain
             self._gain[1] += 1
         self._since_probe[b] += 1
-        if self._plan.get(b) == k:  # a probe's second round
-            del self._plan[b]
+        if b in self._plan and self._plan[b][0] == k:  # a probe's later round
+            self._plan[b][1] -= 1
+            if not self._plan[b][1]:
+                del self._plan[b]
         elif made is not None and k == made.probe and k != made.best \
-                and self._since_probe[b] > made.wait:  # a probe's first round
-            self._plan[b] = k
+                and self._since_probe[b] > made.wait:  # a probe's first round: it runs until
+            self._plan[b] = [k, SETTLE if k == 0 else 1]  # its time has a sample
             self._probes[b] += 1
             self._since_probe[b] = 0
             del self._choice[b]  # the next probe is another
 
     def _decay(self, rows: Sequence[RowOutlook]) -> None:
         factor = DECAY**DECAY_EVERY
-        self._attempted = [x * factor for x in self._attempted]
-        self._accepted = [x * factor for x in self._accepted]
-        for seen in self._tokens_seen.values():
-            seen[0] *= factor
-            seen[1] *= factor
         for r in rows:
             if r.acceptance is not None:
                 r.acceptance.decay(factor)
 
-    def _expected(self, rows: Sequence[RowOutlook], rates: list, k: int) -> float:
-        total = 0.0
-        for row, a in zip(rows, rates):
-            total += 1.0
-            if row.acceptance is None:
-                continue
-            p = 1.0
-            for j in range(min(k, row.budget - 1)):
-                p *= a[j]
-                total += p
+    @staticmethod
+    def _row_expected(row: RowOutlook, rates: list[float], k: int) -> float:
+        """Tokens a row expects of a round of K: 1 + sum_{j=1..min(K, budget-1)} prod_{i<j} a_i
+        (a row that drafts nothing: 1)."""
+        total = p = 1.0
+        if row.acceptance is None:
+            return total
+        for j in range(min(k, row.budget - 1)):
+            p *= rates[j]
+            total += p
         return total
 
-    def _global_rates(self) -> list[float]:
-        """Per position, the chance that draft i is right given drafts 0..i-1 were, over all
-        requests: the counts shrunk toward the position before (few samples reach deep
-        positions) plus OPTIMISM standard errors (an estimate that a few unlucky rounds pushed
-        below the break-even would otherwise freeze there: a K not chosen yields no counts)."""
+    def _prior_rates(self) -> list[float]:
+        """Per position, the chance that draft i is right given drafts 0..i-1 were, in the
+        first OPENING rounds of requests: the counts shrunk toward the position before (few
+        samples reach deep positions)."""
         rates, prior = [], UNMEASURED
         for i in range(self.kmax):
-            n = self._attempted[i] + SHRINK
-            prior = (self._accepted[i] + SHRINK * prior) / n
-            rates.append(min(1.0, prior + OPTIMISM * math.sqrt(prior * (1.0 - prior) / n)))
+            prior = (self._accepted[i] + SHRINK * prior) / (self._attempted[i] + SHRINK)
+            rates.append(prior)
         return rates
 
     @staticmethod
-    def _rates(own: RowAcceptance | None, hopeful: list[float]) -> list[float]:
-        """A request's rates: its own counts on PRIOR_WEIGHT rounds of the global ones."""
+    def _rates(own: RowAcceptance | None, prior: list[float]) -> list[float]:
+        """A request's rates: its own counts on PRIOR_WEIGHT rounds of an anchor, the prior
+        at position 0 and deeper its own rate at the position before times the prior's ratio
+        of the two (a request whose shallow drafts are all right expects the deep ones it
+        never reached to be right as often as the prior's shape says, not the prior's own
+        rates)."""
         if own is None:
-            return hopeful
-        return [(acc + PRIOR_WEIGHT * g) / (att + PRIOR_WEIGHT)
-                for acc, att, g in zip(own.accepted, own.attempted, hopeful)]
-
-    def _tokens(self, k: int, b: int, model: float) -> float:
-        """The tokens a round of K commits at B: the recent rounds' mean (decayed), on
-        MODEL_WEIGHT rounds of the acceptance model's expectation for the rows at hand."""
-        total, rounds = self._tokens_seen.get((k, b), (0.0, 0.0))
-        return (total + MODEL_WEIGHT * model) / (rounds + MODEL_WEIGHT)
+            return prior
+        rates: list[float] = []
+        for i, (acc, att, g) in enumerate(zip(own.accepted, own.attempted, prior)):
+            anchor = g if i == 0 else min(1.0, rates[-1] * g / max(prior[i - 1], 1e-6))
+            rates.append((acc + PRIOR_WEIGHT * anchor) / (att + PRIOR_WEIGHT))
+        return rates
 
     def _known(self, k: int, b: int) -> bool:
         return len(self._times.get((k, b), ())) >= MIN_SAMPLES
@@ -280,14 +342,13 @@ class DraftPolicy:
         """A decode round of K drafts and B rows whose output was read at `now` (monotonic
         seconds) committed `tokens`; the time since the last one is its time when that one had
         the same K and B (and tokens / time its rate). The
-        first round after a change is not a sample: it carries the change (a round chained
-        ahead lands, or the first round of 0 is not chained yet), which steady rounds do not;
-        nor are the first WARM_ROUNDS steady ones of a (K, B) (an executable's first runs
-        are slower)."""
-        seen = self._tokens_seen.setdefault((k, b), [0.0, 0.0])
-        seen[0] += tokens
-        seen[1] += 1.0
-        if self._last is not None and self._last[:2] == (k, b):
+        first round after a change is not a sample, nor for rounds of 0 the first SETTLE: they
+        carry the change (a round chained ahead lands, a chain of rounds of 0 starts), which
+        steady rounds do not; nor
+        are the first WARM_ROUNDS steady ones of a (K, B) (an executable's first runs are
+        slower)."""
+        self._run = self._run + 1 if self._last is not None and self._last[:2] == (k, b) else 0
+        if self._run >= (SETTLE if k == 0 else 1):
             if self._warm[(k, b)] >= WARM_ROUNDS:
                 seconds = max(now - self._last[2], 1e-9)
                 times = self._times.setdefault((k, b), collections.deque(maxlen=WINDOW))
@@ -313,10 +374,15 @@ class DraftPolicy:
         for i in range(min(k, limit - 1)):
             self._cum_attempted[i] += 1
             self._cum_accepted[i] += produced > i + 1
+        opening = acceptance.age <= OPENING
+        if opening:  # the prior forgets by openings counted, not by time
+            self._attempted = [x * DECAY for x in self._attempted]
+            self._accepted = [x * DECAY for x in self._accepted]
         for i in range(min(k, limit - 1, produced)):  # reached: drafts 0..i-1 were right
             right = produced > i + 1
-            self._attempted[i] += 1.0
-            self._accepted[i] += right
+            if opening:
+                self._attempted[i] += 1.0
+                self._accepted[i] += right
             acceptance.attempted[i] += 1
             acceptance.accepted[i] += right
 

@@ -72,7 +72,8 @@ class Settings:
                    warmup=env_int("BENCH_SPECPOL_WARMUP", d.warmup, minimum=0))
 
 
-UPKEEP_ROUNDS = 200  # rounds of 0 drafts per upkeep turn
+UPKEEP_ROUNDS = 200  # rounds of 0 drafts per upkeep turn, at most
+UPKEEP_TOKENS = 1800  # the most a sequence decodes over all upkeep turns (max_seq_len 2048)
 
 
 def _settings(s: Settings, k: int, policy: str) -> dict:
@@ -122,11 +123,12 @@ def measure(s: Settings) -> dict:
         # The upkeep: rounds of 0 drafts at the Program, off's plain decode and the policy's
         # Program (plain decode plus the drafter's upkeep) in turn; the Engines stop first.
         pair = [workers["off"], workers["policy"]]
-        budget = UPKEEP_ROUNDS * (s.reps + s.warmup) + 2
+        rounds = min(UPKEEP_ROUNDS, UPKEEP_TOKENS // (s.reps + s.warmup))
+        budget = rounds * (s.reps + s.warmup) + 2
         for b in s.batches:
             progress(f"upkeep: B={b}, rounds of 0 drafts, off and {s.method} in turn")
             r = alternate(pair, f"upkeep_b{b}", {"prompts": list(PROMPTS[:b]),
-                                                 "budget": budget, "rounds": UPKEEP_ROUNDS},
+                                                 "budget": budget, "rounds": rounds},
                           reps=s.reps, warmup=s.warmup)
             rates = {n: r["sides"][n]["rates"] for n in r["sides"]}
             out["upkeep"][b] = {
