@@ -33,7 +33,7 @@ The choice: the K of most committed tokens per second for the round's rows.
 - The first rounds explore every compiled K, largest first, until each has MIN_SAMPLES steady
   rounds; a new B measures its cheapest K first. Then probes of the largest K (acceptance at
   every position) or of the K whose time is the oldest, each until its time has a sample (two
-  rounds; three of 0), keep the estimates current, spaced so they add at most PROBE_BUDGET of
+  rounds; of the cheapest K, MIN_SAMPLES samples), keep the estimates current, spaced so they add at most PROBE_BUDGET of
   the time (a probe that costs 3 rounds of the chosen K waits about 250 rounds). A request's
   counts decay with time (about the last 100 rounds count), so one whose estimate fell below
   the break-even drifts back to the prior's.
@@ -275,7 +275,8 @@ class DraftPolicy:
                 del self._plan[b]
         elif made is not None and k == made.probe and k != made.best \
                 and self._since_probe[b] > made.wait:  # a probe's first round: it runs until
-            self._plan[b] = [k, SETTLE if k == 0 else 1]  # its time has a sample
+            # its time has a sample (of the cheapest round, MIN_SAMPLES: they cost nothing)
+            self._plan[b] = [k, SETTLE + MIN_SAMPLES - 1 if k == made.ks[0] else 1]
             self._probes[b] += 1
             self._since_probe[b] = 0
             del self._choice[b]  # the next probe is another
