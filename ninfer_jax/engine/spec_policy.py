@@ -191,9 +191,9 @@ class DraftPolicy:
                                  k, ks[0], refill) for k in ks}
         best = max(ks, key=lambda k: (scores[k] / (1.0 if k == ks[0] else 1.0 + MARGIN), -k))
         probe = self._probe(best, b, ks)
-        # two rounds of the probe's K (the second measures its time; three of a round of 0)
-        # and a change each way (about a round of the best) may add at most PROBE_BUDGET of
-        # the time
+        # two rounds of the probe's K (the second measures its time) and a change each way
+        # (about a round of the best) may add at most PROBE_BUDGET of the time (a probe of the
+        # cheapest round costs nothing over the best)
         times = {k: self._time(k, b) for k in (best, probe)}
         cost = 2.0 * max(times[probe] / times[best] - 1.0, 0.0) + 1.0
         made = self._choice[b] = _Choice(key, self._round, ks, best,

@@ -6,6 +6,7 @@ it never picks a K whose executable is not ready or drafts for rows that asked f
 
 from __future__ import annotations
 
+import collections
 import itertools
 
 import numpy as np
@@ -208,3 +209,24 @@ def test_turns_of_fresh_requests_come_near_the_best_fixed_k(name, cost, accept, 
     fixed = {k: _turns(k, cost, accept, 30) for k in KS}
     got = _turns(DraftPolicy(KS, "mtp"), cost, accept, 30)
     assert got >= target * max(fixed.values()), (got, fixed)
+
+
+def test_waiting_requests_make_the_round_count_and_none_the_last_rows_end():
+    """Three rows whose drafts are nearly always right and one whose are not: with requests
+    waiting (a row that ends is replaced) the round's tokens per second count and K = 3 wins;
+    with none, the lagging row would end alone in a tail of small rounds, and K = 0 does."""
+    policy = DraftPolicy(KS, "mtp")
+    cost = lambda k, b: (4 + b) * (1 + 1.0 * (k > 0) + 0.2 * k)  # a round costs more than its rows
+    for k, b in itertools.product(KS, range(1, 5)):
+        policy._ready.add((k, b))
+        for _ in range(3):
+            policy._times.setdefault((k, b), collections.deque()).append(cost(k, b))
+        policy._median[(k, b)] = cost(k, b)
+    rows = []
+    for right in (True, True, True, False):
+        a = RowAcceptance(max(KS))
+        a.attempted, a.accepted = [50.0] * 3, [50.0 * (0.97 if right else 0.3)] * 3
+        rows.append(RowOutlook(a, 100))
+    assert policy.choose(rows, lambda k, b: True, refill=True) == 3
+    policy._choice.clear()
+    assert policy.choose(rows, lambda k, b: True, refill=False) == 0
