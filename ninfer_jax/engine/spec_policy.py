@@ -345,9 +345,8 @@ class DraftPolicy:
         the same K and B (and tokens / time its rate). The
         first round after a change is not a sample, nor for rounds of 0 the first SETTLE: they
         carry the change (a round chained ahead lands, a chain of rounds of 0 starts), which
-        steady rounds do not; nor
-        are the first WARM_ROUNDS steady ones of a (K, B) (an executable's first runs are
-        slower)."""
+        steady rounds do not; nor are the first WARM_ROUNDS steady ones of a (K, B) (an
+        executable's first runs are slower)."""
         self._run = self._run + 1 if self._last is not None and self._last[:2] == (k, b) else 0
         if self._run >= (SETTLE if k == 0 else 1):
             if self._warm[(k, b)] >= WARM_ROUNDS:
