@@ -121,15 +121,6 @@ def _inverse_unit_lower(a: jax.Array) -> jax.Array:
     return t[..., 0, :, :]
 
 
-def _segment_cumsum(x: jax.Array, starts: jax.Array) -> jax.Array:
-    """Cumulative sums along the last axis that restart wherever `starts` is True."""
-    def combine(a, b):
-        (xa, sa), (xb, sb) = a, b
-        return jnp.where(sb, xb, xa + xb), sa | sb
-
-    return jax.lax.associative_scan(combine, (x, starts), axis=-1)[0]
-
-
 def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int, segments=None):
     """Chunked (UT-transform) gated delta rule, same contract as `recurrent_delta_rule`.
 
@@ -139,8 +130,8 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int, segments=None):
 
     segments [B, T] int32 (a packed row: non-decreasing ids, one per text): the state restarts
     from zero at each segment's first token, so every segment gets the outputs it would get
-    alone (the incoming `state` belongs to the first segment). Inside a chunk the decays are
-    cumulated per segment and every product across a segment boundary is masked out.
+    alone (the incoming `state` belongs to the first segment). Every product across a segment
+    boundary inside a chunk is masked out.
     """
     b, t, h, dk = q.shape
     dv = v.shape[-1]
@@ -158,14 +149,15 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int, segments=None):
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     lower = jnp.tril(jnp.ones((c, c), bool))
     strict = jnp.tril(jnp.ones((c, c), bool), -1)
+    # Within a segment, decays from the chunk's start differ from decays from the segment's
+    # start by a constant, which every product of the form exp(cum_i - cum_j) (i, j in one
+    # segment) cancels; the rows that see the incoming state are those of the segment that
+    # began before the chunk, whose two sums agree.
+    cum = jnp.cumsum(g, axis=-1)
     if segments is None:
-        cum = jnp.cumsum(g, axis=-1)
         carried = last = 1.0
     else:
         seg = segments.reshape(b, 1, n, c)  # [B, 1, N, C], broadcast over heads
-        starts = jnp.concatenate([jnp.ones((b, 1, n, 1), bool),
-                                  seg[..., 1:] != seg[..., :-1]], axis=-1)
-        cum = _segment_cumsum(g, jnp.broadcast_to(starts, g.shape))
         same = seg[..., :, None] == seg[..., None, :]
         lower, strict = lower & same, strict & same
         # The segment the incoming state belongs to: the last one of the chunk before.
