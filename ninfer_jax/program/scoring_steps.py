@@ -25,10 +25,13 @@ from ninfer_jax.models.qwen3_6.model import lm_head, run_layers
 from ninfer_jax.program.steps import _register
 
 # Tokens per lm_head chunk are chosen so that one chunk's fp32 logits stay near this size. On
-# XLA:CPU a smaller chunk keeps the log-softmax passes in cache: a 4096-token call of the demo
-# model's head took 42 ms at 16 MiB against 67 ms at 64 MiB (4 MiB: 47, 1 MiB: 45).
+# XLA:CPU a smaller chunk keeps the log-softmax passes in cache (a 4096-token call of the demo
+# model's head: 38 ms at 4 MiB, 45 at 16 MiB), but at least CPU_MIN_CHUNK tokens share each
+# pass over the head's weights (MEDIUM's 131 MB head: 1.58 s a 4096-token call at 128 tokens a
+# chunk, 1.47 at 256, 2.54 at 32).
 LOGITS_CHUNK_BYTES = 64 << 20
-CPU_LOGITS_CHUNK_BYTES = 16 << 20
+CPU_LOGITS_CHUNK_BYTES = 4 << 20
+CPU_MIN_CHUNK = 256
 
 
 @_register(["token_ids", "target_ids", "target_mask", "num_valid", "positions", "segment_ids"])
@@ -68,9 +71,12 @@ class WindowScores:
 
 def logits_chunk(cfg: ModelConfig, num_tokens: int) -> int:
     """Tokens per lm_head chunk for a [num_tokens] batch: bounded by LOGITS_CHUNK_BYTES
-    (CPU_LOGITS_CHUNK_BYTES when tracing for the CPU backend)."""
-    budget = CPU_LOGITS_CHUNK_BYTES if jax.default_backend() == "cpu" else LOGITS_CHUNK_BYTES
-    return max(1, min(num_tokens, budget // (4 * cfg.vocab_size)))
+    (CPU_LOGITS_CHUNK_BYTES, but at least CPU_MIN_CHUNK tokens, when tracing for the CPU
+    backend)."""
+    if jax.default_backend() == "cpu":
+        return max(1, min(num_tokens, max(CPU_MIN_CHUNK,
+                                          CPU_LOGITS_CHUNK_BYTES // (4 * cfg.vocab_size))))
+    return max(1, min(num_tokens, LOGITS_CHUNK_BYTES // (4 * cfg.vocab_size)))
 
 
 def target_scores(params: dict, cfg: ModelConfig, hidden: jax.Array, target_ids: jax.Array,
@@ -80,9 +86,16 @@ def target_scores(params: dict, cfg: ModelConfig, hidden: jax.Array, target_ids:
 
     Log-softmax in fp32 over the full vocabulary; is_greedy uses argmax (first index on ties),
     as lm-evaluation-harness does. The top-N leave the chunk, never its vocabulary row.
+
+    On XLA:CPU is_greedy comes from the passes log-softmax makes anyway: a target whose logit
+    is the row's maximum is the argmax when no other logit equals it, which the sum's pass
+    counts (exp(l - max) == 1 exactly at a maximum). Only a chunk where some target ties with
+    another maximum, or where that count cannot be trusted, runs the argmax's own pass (a
+    variadic reduce that took as long as the head's matmul).
     """
     n = hidden.shape[0]
     chunk = logits_chunk(cfg, n)
+    cpu = jax.default_backend() == "cpu"
     num_chunks = -(-n // chunk)
     pad = num_chunks * chunk - n
     hidden = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(num_chunks, chunk, -1)
@@ -91,14 +104,23 @@ def target_scores(params: dict, cfg: ModelConfig, hidden: jax.Array, target_ids:
     def one(xs):
         h, t = xs
         logits = lm_head(params, cfg, h)  # [C, V] f32
-        lse = jax.nn.logsumexp(logits, axis=-1)
+        peak = jnp.max(logits, axis=-1)
+        e = jnp.exp(logits - peak[:, None])
+        lse = peak + jnp.log(jnp.sum(e, axis=-1))
         picked = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
+        if cpu:
+            at_peak = jnp.sum(jnp.where(e >= 1.0, 1.0, 0.0), axis=-1)  # fused with the sum
+            is_peak = picked == peak
+            greedy = jax.lax.cond(jnp.any(is_peak & (at_peak != 1.0)),
+                                  lambda: jnp.argmax(logits, axis=-1) == t, lambda: is_peak)
+        else:  # a GPU's conditional reads its predicate on the host: argmax is the cheaper
+            greedy = jnp.argmax(logits, axis=-1) == t
         if top_n:
             values, ids = jax.lax.top_k(logits, top_n)
             top = (ids.astype(jnp.int32), values - lse[:, None])
         else:
             top = (jnp.zeros((h.shape[0], 0), jnp.int32), jnp.zeros((h.shape[0], 0)))
-        return picked - lse, jnp.argmax(logits, axis=-1) == t, *top
+        return picked - lse, greedy, *top
 
     logprobs, greedy, top_ids, top_lps = jax.lax.map(one, (hidden, targets))
     return (logprobs.reshape(-1)[:n], greedy.reshape(-1)[:n],

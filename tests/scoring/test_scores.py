@@ -51,6 +51,39 @@ def test_is_greedy_is_true_for_a_greedy_continuation():
     assert all(r.greedy_flags[:-1].all() for r in results)
 
 
+def test_greedy_flags_follow_argmax_on_ties():
+    """Logits that tie exactly (two equal head rows): the flag is set for the first index of
+    the maximum only, as argmax (and lm-evaluation-harness) has it, in whichever lm-head chunk
+    the tie falls; rows without ties take the log-softmax's passes alone."""
+    import jax
+    import jax.numpy as jnp
+
+    from ninfer_jax.program.scoring_steps import logits_chunk, target_scores
+    from ninfer_jax.testing import tiny_dense
+
+    cfg = tiny_dense()
+    rng = np.random.default_rng(0)
+    head = rng.normal(size=(cfg.vocab_size, cfg.hidden_size)).astype(np.float32)
+    head[200] = head[5]  # logits 5 and 200 are equal for every hidden state
+    n = 3 * logits_chunk(cfg, 10**6) + 7
+    hidden = rng.normal(size=(n, cfg.hidden_size)).astype(np.float32)
+    tied = [1, n - 2]  # one row in the first chunk, one in the last
+    hidden[tied] = 4.0 * head[5]  # logit 5 (and 200) is the maximum there
+    logits = hidden @ head.T
+    targets = logits.argmax(-1)
+    targets[tied[0]] = 5  # the first index of the maximum: greedy
+    targets[tied[1]] = 200  # the later one: not greedy
+    targets[3] = (targets[3] + 1) % cfg.vocab_size
+    logprobs, greedy, _, _ = jax.jit(lambda h, t: target_scores(
+        {"embed": jnp.asarray(head)}, cfg, h, t))(hidden, targets)
+    want = logits.argmax(-1) == targets
+    assert want[tied[0]] and not want[tied[1]] and not want[3] and want.sum() == n - 2
+    np.testing.assert_array_equal(np.asarray(greedy), want)
+    lsm = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)
+                          ) - logits.max(-1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(logprobs), lsm[np.arange(n), targets], atol=1e-4)
+
+
 @pytest.mark.parametrize("name", ["dense", "moe"])
 def test_contexts_score_only_the_continuation(name):
     ids = reference(name)["token_ids"]
