@@ -162,6 +162,17 @@ def _scoring(data: dict) -> tuple[list[Row], str]:
                 against=_rounded(m["sides"]["transformers"]["rate"], 1),
                 ratio=_rounded(m["ratios"]["ours/transformers"], 2),
                 unit=_SCORING_UNITS[task]))
+            for side, what in (("baseline", "vs the code at {commit}"),
+                               ("matmul_floor", "vs the matmul floor (XLA dots alone)")):
+                if side in m["sides"]:
+                    commit = result.get("baseline", {}).get("commit", "")
+                    rows.append(Row(
+                        config=f"{result['config']} {task}, {t['sequences']} sequences: "
+                               + what.format(commit=commit),
+                        ours=_rounded(m["sides"]["ours"]["rate"], 1),
+                        against=_rounded(m["sides"][side]["rate"], 1),
+                        ratio=_rounded(m["ratios"][f"ours/{side}"], 2),
+                        unit=_SCORING_UNITS[task]))
     for key, config, unit in (
             ("lm_eval", "lm-eval simple_evaluate, {n} docs on demo: vs the plain path", "docs/s"),
             ("cli", "ninfer score, {n} short records on demo: vs the old defaults", "rec/s")):

@@ -1,7 +1,7 @@
 """The matmul floor of scoring a model on this machine: every weight matrix of the decoder
 stack and the (tied) head applied to TOKENS tokens in one jitted chain of XLA dots, nothing
 else. Scoring tokens/s can at most reach it; `scripts/bench.py --suite=scoring` measures the
-real path.
+real path (and this floor, in the same turns, on its rolling task).
 
     python -m scripts.scoring_matmul_floor [medium|tiny|demo] [TOKENS]
 """
@@ -15,19 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ninfer_jax.models.qwen3_6.weights import init_params
 from scripts.benchmarks._checkpoint import model_config
 
 
-def main() -> None:
-    name = sys.argv[1] if len(sys.argv) > 1 else "medium"
-    tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
-    if name == "demo":  # the embedded model
-        from ninfer_jax.loader import load_model
-
-        params = load_model(None, dtype="float32").params
-    else:
-        params = init_params(model_config(name), jax.random.key(0))
+def matmul_chain(params: dict, tokens: int):
+    """(fn, args, MACs a token): fn(*args) applies every weight matrix of the stack (one per
+    layer, at least 64 x 64) and the head to `tokens` rows of ones, one dot after another."""
     weights = [leaf[i] for part in ("linear", "attention") for leaf in jax.tree.leaves(params[part])
                if leaf.ndim == 3 and min(leaf.shape[1:]) >= 64 for i in range(leaf.shape[0])]
     head = params.get("lm_head", params["embed"])
@@ -39,13 +32,27 @@ def main() -> None:
             total = total + jnp.sum(jnp.ones((tokens, w.shape[0])) @ w)
         return total
 
-    chain(weights, head).block_until_ready()
+    return chain, (weights, head), sum(w.size for w in weights) + head.size
+
+
+def main() -> None:
+    name = sys.argv[1] if len(sys.argv) > 1 else "medium"
+    tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
+    if name == "demo":  # the embedded model
+        from ninfer_jax.loader import load_model
+
+        params = load_model(None, dtype="float32").params
+    else:
+        from ninfer_jax.models.qwen3_6.weights import init_params
+
+        params = init_params(model_config(name), jax.random.key(0))
+    chain, args, macs = matmul_chain(params, tokens)
+    chain(*args).block_until_ready()
     seconds = []
     for _ in range(3):
         start = time.perf_counter()
-        chain(weights, head).block_until_ready()
+        chain(*args).block_until_ready()
         seconds.append(time.perf_counter() - start)
-    macs = sum(w.size for w in weights) + head.size
     s = float(np.median(seconds))
     print(f"{name}: {macs / 1e6:.0f}M MACs a token; {tokens} tokens in {s:.2f} s (median of 3) "
           f"-> {tokens / s:.0f} tok/s, {2 * macs * tokens / s / 1e9:.0f} GFLOP/s")

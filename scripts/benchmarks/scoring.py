@@ -22,15 +22,23 @@ turn (ours, ours_plain, transformers, ...), with the load average around each. R
 task: each side's rate (median [min-max]), the per-round ratios, the share of our calls' input
 positions that were real tokens (fill), and agreement: ours against transformers and against
 ours_plain (max log-prob error relative to the largest |log-prob|, greedy flags that agree).
+On the rolling task a `matmul_floor` worker (`workers/scoring_floor.py`) takes its turn too:
+every weight matrix and the head applied to as many rows as the task has targets, as XLA dots
+and nothing else, the most tokens/s any scoring call could reach here.
 `lm_eval_choice` (below) is the lm-evaluation-harness check of the same sharing and
 `cli_short` times `ninfer score` processes on the short records (the batch job's view).
+
+With BENCH_SCORING_BASELINE=DIR (a checkout of an earlier commit: `git worktree add DIR COMMIT`)
+a fourth worker, `baseline`, runs that checkout's `ninfer_jax` with its own defaults up to
+windows of MAX_LEN, in the same turns on every task: today's code against the code of then,
+both measured now (ratio `ours/baseline`).
 
 Settings (environment): BENCH_SCORING_CONFIGS=demo,medium  BENCH_SCORING_TASKS (default: every
 task on demo and tiny, rolling on medium)  BENCH_SCORING_WINDOWS=16
 BENCH_SCORING_WINDOW=256  BENCH_SCORING_CONTEXTS (48, 4 on medium)  BENCH_SCORING_RECORDS
 (10000, 48 on medium)  BENCH_SCORING_HF_ROWS=16  BENCH_SCORING_REPS=3  BENCH_SCORING_WARMUP=1
 BENCH_SCORING_LM_EVAL=1 (0: skip the lm-eval check)  BENCH_SCORING_CLI=1 (0: skip the
-`ninfer score` turns)  BENCH_TIMEOUT_S=1800
+`ninfer score` turns)  BENCH_SCORING_BASELINE (none)  BENCH_TIMEOUT_S=1800
 BENCH_TORCH_OMP_WAIT_POLICY (see `_env.py`).
 """
 
@@ -80,6 +88,7 @@ class Settings:
     cli: bool = True
     timeout_s: int = 1800
     torch_env: dict = dataclasses.field(default_factory=dict)  # the transformers worker's
+    baseline: str | None = None  # a checkout whose ninfer_jax runs as the `baseline` side
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -97,12 +106,31 @@ class Settings:
                    lm_eval=bool(env_int("BENCH_SCORING_LM_EVAL", 1, minimum=0, maximum=1)),
                    cli=bool(env_int("BENCH_SCORING_CLI", 1, minimum=0, maximum=1)),
                    timeout_s=env_int("BENCH_TIMEOUT_S", d.timeout_s),
-                   torch_env=torch_worker_env())
+                   torch_env=torch_worker_env(), baseline=_baseline())
 
     def tasks_of(self, config: str) -> tuple[str, ...]:
         if self.tasks is not None:
             return self.tasks
         return ("rolling",) if config in SMALL else TASKS
+
+
+def _baseline() -> str | None:
+    """BENCH_SCORING_BASELINE: a checkout's directory (it must hold ninfer_jax/), or None."""
+    value = os.environ.get("BENCH_SCORING_BASELINE")
+    if not value:
+        return None
+    path = pathlib.Path(value).resolve()
+    if not (path / "ninfer_jax" / "__init__.py").is_file():
+        raise SystemExit(f"BENCH_SCORING_BASELINE={value}: no ninfer_jax/ in that directory")
+    return str(path)
+
+
+def _commit(checkout: str) -> str:
+    import subprocess
+
+    done = subprocess.run(["git", "-C", checkout, "log", "-1", "--format=%h %cs"],
+                          capture_output=True, text=True, check=False)
+    return done.stdout.strip() or "unknown"
 
 
 def task_requests(task: str, s: Settings, config: str, vocab: int, seed: int = 0
@@ -146,17 +174,28 @@ def measure(name: str, s: Settings, workdir: pathlib.Path) -> dict:
                                           **timeouts))
         plain = stack.enter_context(Worker("ours_plain", "scripts.benchmarks.workers.scoring_jax",
                                            **timeouts)) if needs_plain else None
+        base = stack.enter_context(Worker("baseline", "scripts.benchmarks.workers.scoring_jax",
+                                          **timeouts)) if s.baseline else None
+        floor = stack.enter_context(Worker(
+            "matmul_floor", "scripts.benchmarks.workers.scoring_floor", **timeouts)
+        ) if "rolling" in tasks else None
         config = {"max_len": MAX_LEN}
+        if base is not None:
+            out["baseline"] = {"code": s.baseline, "commit": _commit(s.baseline)}
         for w, args in ((hf, {"path": str(path), "rows": s.hf_rows}),
                         (ours, {"path": str(path), "config": config}),
-                        (plain, {"path": str(path), "config": {**config, **PLAIN}})):
+                        (plain, {"path": str(path), "config": {**config, **PLAIN}}),
+                        (base, {"path": str(path), "config": config, "code": s.baseline}),
+                        (floor, {"path": str(path)})):
             if w is not None:
                 progress(f"{name}: set-up of {w.name}")
                 out["setup"][w.name] = {**w.setup(args), "wall_s": w.setup_s}
         out["setup"]["transformers"]["env"] = s.torch_env
         for task in tasks:
             seqs, firsts = task_requests(task, s, name, info["vocab_size"])
-            sides = [ours, hf] if task == "rolling" else [ours, plain, hf]
+            rolling = task == "rolling"
+            sides = [w for w in (ours, None if rolling else plain, base, hf, floor if rolling
+                                 else None) if w is not None]
             progress(f"{name}: {task}, {len(seqs)} sequences")
             r = alternate(sides, task, {"seqs": seqs, "firsts": firsts,
                                         "unit": UNITS[task][0]},
@@ -168,6 +207,8 @@ def measure(name: str, s: Settings, workdir: pathlib.Path) -> dict:
                       "fill": {n: last[n]["fill"] for n in last if "fill" in last[n]}}
             if "ours_plain" in last:
                 result["vs_plain"] = _agreement(last["ours"], last["ours_plain"])
+            if "baseline" in last:
+                result["vs_baseline"] = _agreement(last["ours"], last["baseline"])
             result["measurement"] = strip_outputs(r)
             out["tasks"][task] = result
     return out
@@ -285,6 +326,7 @@ def format_table(results: list[dict], lm: dict | None = None, cli: dict | None =
     lines = [(f"{'config':<8}{'task':<9}{'work':>14}  {'ours':>30}  {'ours_plain':>30}  "
               f"{'transformers':>30}{'ours/plain':>18}{'ours/hf':>18}{'fill':>10}"
               f"{'err hf':>9}{'err plain':>10}{'load 1-min':>12}")]
+    based = [r for r in results if "baseline" in r]
     for r in results:
         for task, t in r["tasks"].items():
             m = t["measurement"]
@@ -308,6 +350,26 @@ def format_table(results: list[dict], lm: dict | None = None, cli: dict | None =
                 f"{ratio('ours_plain'):>18}{ratio('transformers'):>18}{fills:>10}"
                 f"{t['vs_transformers']['logprob_rel_err']:>9.1e}{plain_err:>10}"
                 f"{load['min']:>6.1f}-{load['max']:<5.1f}")
+    for r in results:
+        t = r["tasks"].get("rolling")
+        if t and "matmul_floor" in t["measurement"]["sides"]:
+            rates = {n: v["rate"]["median"] for n, v in t["measurement"]["sides"].items()}
+            floor = rates["matmul_floor"]
+            lines.append(f"{r['config']} rolling: matmul floor {floor:,.1f} tok/s (every weight "
+                         f"and the head as XLA dots, nothing else); ours at "
+                         f"{rates['ours'] / floor:.2f} of it, transformers at "
+                         f"{rates['transformers'] / floor:.2f}; 1.5x transformers would be "
+                         f"{1.5 * rates['transformers'] / floor:.2f} of it")
+    for r in based:
+        lines.append(f"{r['config']}: baseline = {r['baseline']['commit']} "
+                     f"({r['baseline']['code']}), its defaults")
+        for task, t in r["tasks"].items():
+            m = t["measurement"]
+            lines.append(f"  {task:<8} baseline {fmt_spread(m['sides']['baseline']['rate'])} "
+                         f"{UNITS[task][1]}, ours/baseline "
+                         f"{fmt_spread(m['ratios']['ours/baseline'], 2)}, err "
+                         f"{t['vs_baseline']['logprob_rel_err']:.1e}, greedy flags agree "
+                         f"{t['vs_baseline']['greedy_flags_agree']:.4f}")
     for r in results:
         su = r["setup"]
         lines.append(f"{r['config']} ({r['num_params'] / 1e6:.1f}M params) set-up: ours "
