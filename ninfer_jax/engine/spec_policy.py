@@ -16,7 +16,11 @@ The choice: the K of most committed tokens per second for the round's rows.
 - t(K, B): the median time of the last steady rounds of that (K, B) (a change, the start of a
   chain of rounds of 0 and an executable's first runs are not samples); at a B where some K
   was measured and this one not, its time at the nearest B scaled by the ratio of a K
-  measured at both.
+  measured at both. Ks are compared on times taken close together: every sample is paired
+  with the other Ks' samples of the NEAR rounds before it, and a K other than the anchor
+  (the K of the latest sample, mostly the choice) is timed as the anchor's median times the
+  median of their pairs' ratios (a busy stretch of the machine slows both sides of a pair;
+  medians taken at different moments would compare the stretches, not the Ks).
 - Tokens: a row with acceptance a_i (the chance draft i is right when drafts 0..i-1 were) and
   a limit of L tokens expects E(K) = 1 + sum_{j=1..min(K, L-1)} prod_{i<j} a_i from a round
   of K. A request's a_i are its own counts on PRIOR_WEIGHT rounds of an anchor: the prior at
@@ -56,6 +60,8 @@ MIN_SAMPLES = 3  # measured rounds of a (K, B) before the policy trusts its time
 WARM_ROUNDS = 2  # steady rounds of a (K, B) not measured, the first time it runs
 SETTLE = 2  # rounds of 0 after a change that are not samples (their chain takes two to start)
 WINDOW = 9  # the rounds a (K, B)'s time is the median of
+NEAR = 8  # rounds within which two Ks' samples are a pair (taken under the same load)
+PAIRS = 2 * WINDOW  # the pairs' ratios of two Ks a ratio is the median of
 REFRESH = 8  # rounds a choice of the cheapest K stands while its rows stay the same
 # How much more a K that drafts must promise than the cheapest to be chosen: its estimate is the
 # noisier (a request's acceptance from few rounds) and leaving the cheapest round's chain costs
@@ -121,6 +127,9 @@ class DraftPolicy:
         self.adaptive = len(self.ks) > 1
         self._times: dict[tuple[int, int], collections.deque] = {}  # (K, B) -> seconds
         self._median: dict[tuple[int, int], float] = {}  # (K, B) -> their median
+        self._at: dict[tuple[int, int], collections.deque] = {}  # (K, B) -> their rounds
+        # (K, J, B) -> t(K) / t(J) of samples of K and the J samples of the NEAR rounds before
+        self._pairs: dict[tuple[int, int, int], collections.deque] = {}
         self._measured: dict[tuple[int, int], int] = {}  # (K, B) -> the round of its last
         self._warm: collections.Counter = collections.Counter()  # (K, B) -> steady rounds
         self._ready: set[tuple[int, int]] = set()  # (K, B) whose executable is compiled
@@ -192,13 +201,19 @@ class DraftPolicy:
         best = max(ks, key=lambda k: (scores[k] / (1.0 if k == ks[0] else 1.0 + MARGIN), -k))
         probe = self._probe(best, b, ks)
         # two rounds of the probe's K (the second measures its time) and a change each way
-        # (about a round of the best) may add at most PROBE_BUDGET of the time (a probe of the
-        # cheapest round costs nothing over the best)
-        times = {k: self._time(k, b) for k in (best, probe)}
-        cost = 2.0 * max(times[probe] / times[best] - 1.0, 0.0) + 1.0
+        # (about a round of the best) may add at most PROBE_BUDGET of the time; a probe's round
+        # loses what its tokens would have taken less at the best's rate (a probe of a K that
+        # nearly ties the best costs almost nothing, and is made more often)
+        lost = self._time(probe, b) / self._time(best, b) * max(1.0 - scores[probe] / scores[best],
+                                                                 0.0)
+        wait = max(PROBE_EVERY, (2.0 * lost + 1.0) / PROBE_BUDGET)
+        if best != ks[0] and not self._pairs.get((ks[0], best, b)) and \
+                self._last is not None and self._last[:2] == (best, b) and self._run >= 2:
+            # a drafting choice timed only against rounds of the cheapest before it (a load
+            # that eased in between flatters it): the cheapest runs next, after its samples
+            probe, wait = ks[0], 0
         made = self._choice[b] = _Choice(key, self._round, ks, best,
-                                         scores[best] / scores[ks[0]], probe,
-                                         max(PROBE_EVERY, cost / PROBE_BUDGET))
+                                         scores[best] / scores[ks[0]], probe, wait)
         return made
 
     def _score(self, rows: Sequence[RowOutlook], expected: list[float], k: int, cheapest: int,
@@ -328,15 +343,51 @@ class DraftPolicy:
         return len(self._times.get((k, b), ())) >= MIN_SAMPLES
 
     def _time(self, k: int, b: int) -> float | None:
-        """A round's seconds: measured at this B, else the time of a K measured here scaled
-        by the two's ratio at the nearest B where both were (None: no estimate)."""
+        """A round's seconds: measured at this B (for a K other than the anchor, the anchor's
+        time times their paired ratio, once there are MIN_SAMPLES pairs), else the time of a K
+        measured here scaled by the two's ratio at the nearest B where both were (None: no
+        estimate)."""
         if self._known(k, b):
+            anchor = self._anchor(b)
+            if anchor is not None and anchor != k:
+                ratio = self._ratio(k, anchor, b)
+                if ratio is not None:
+                    return max(self._median[(anchor, b)] * ratio, 1e-9)
             return max(self._median[(k, b)], 1e-9)
         pairs = [(abs(other - b), self._median[(ref, b)] * self._median[(k, other)]
                   / max(self._median[(ref, other)], 1e-9))
                  for (kk, other) in self._median if kk == k and self._known(k, other)
                  for ref in self.ks if self._known(ref, b) and self._known(ref, other)]
         return max(min(pairs)[1], 1e-9) if pairs else None
+
+    def _ratio(self, k: int, j: int, b: int) -> float | None:
+        """t(K) / t(J) at B from their pairs: the geometric mean of the median ratio of K's
+        samples to the J samples before them and that of J's samples to the K samples before
+        them (a load that changed between the two sides of a pair biases the two directions
+        the opposite way). None before MIN_SAMPLES pairs."""
+        after = [*self._pairs.get((k, j, b), ())]
+        before = [1.0 / x for x in self._pairs.get((j, k, b), ())]
+        if len(after) + len(before) < MIN_SAMPLES:
+            return None
+        if after and before:
+            return (statistics.median(after) * statistics.median(before)) ** 0.5
+        return statistics.median(after or before)
+
+    def _anchor(self, b: int) -> int | None:
+        """The known K at B whose latest sample is the most recent (None: none known)."""
+        known = [k for k in self.ks if self._known(k, b) and (k, b) in self._at]
+        return max(known, key=lambda k: self._at[(k, b)][-1]) if known else None
+
+    def _pair(self, k: int, b: int, seconds: float) -> None:
+        """Pairs a sample of (K, B) with every other K's samples at B of the NEAR rounds
+        before (their median)."""
+        for (j, other), at in self._at.items():
+            if other != b or j == k:
+                continue
+            near = [t for t, r in zip(self._times[(j, b)], at) if self._round - r <= NEAR]
+            if near:
+                self._pairs.setdefault((k, j, b), collections.deque(maxlen=PAIRS)).append(
+                    seconds / max(statistics.median(near), 1e-9))
 
     # What happened -------------------------------------------------------------------------
     def round_done(self, k: int, b: int, now: float, tokens: int) -> None:
@@ -351,10 +402,11 @@ class DraftPolicy:
         if self._run >= (SETTLE if k == 0 else 1):
             if self._warm[(k, b)] >= WARM_ROUNDS:
                 seconds = max(now - self._last[2], 1e-9)
+                self._pair(k, b, seconds)
                 times = self._times.setdefault((k, b), collections.deque(maxlen=WINDOW))
                 times.append(seconds)
+                self._at.setdefault((k, b), collections.deque(maxlen=WINDOW)).append(self._round)
                 self._median[(k, b)] = statistics.median(times)
-
                 self._measured[(k, b)] = self._round
             self._warm[(k, b)] += 1
         self._last = (k, b, now)
