@@ -186,7 +186,8 @@ def _scoring(data: dict) -> tuple[list[Row], str]:
                         ratio=_rounded(m["ratios"]["ours/ours_plain"], 2), unit=unit))
     legend = ("`python scripts/bench.py --suite=scoring`; ours: CausalScoreCore, median "
               "[min-max] over the repetitions; against: transformers (forward + log_softmax + "
-              "gather, padded batches of 16) or our plain path (pack and shared contexts off); "
+              "gather, padded batches of 16), our plain path (pack and shared contexts off), "
+              "an earlier commit's code (BENCH_SCORING_BASELINE) or the matmul floor; "
               "ratio: per round; written by the suite, its printed table in `table`")
     return rows, legend
 
