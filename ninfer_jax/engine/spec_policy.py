@@ -18,9 +18,11 @@ The choice: the K of most committed tokens per second for the round's rows.
   was measured and this one not, its time at the nearest B scaled by the ratio of a K
   measured at both. Ks are compared on times taken close together: every sample is paired
   with the other Ks' samples of the NEAR rounds before it, and a K other than the anchor
-  (the K of the latest sample, mostly the choice) is timed as the anchor's median times the
-  median of their pairs' ratios (a busy stretch of the machine slows both sides of a pair;
-  medians taken at different moments would compare the stretches, not the Ks).
+  (the K of the latest sample, mostly the choice) is timed as the anchor's median times
+  their paired ratio (the geometric mean of the two directions' medians: a busy stretch of
+  the machine slows both sides of a pair; medians taken at different moments would compare
+  the stretches, not the Ks). A drafting choice paired only with rounds of 0 before it is
+  checked by rounds of 0 right after its samples.
 - Tokens: a row with acceptance a_i (the chance draft i is right when drafts 0..i-1 were) and
   a limit of L tokens expects E(K) = 1 + sum_{j=1..min(K, L-1)} prod_{i<j} a_i from a round
   of K. A request's a_i are its own counts on PRIOR_WEIGHT rounds of an anchor: the prior at
@@ -37,8 +39,9 @@ The choice: the K of most committed tokens per second for the round's rows.
 - The first rounds explore every compiled K, largest first, until each has MIN_SAMPLES steady
   rounds; a new B measures its cheapest K first. Then probes of the largest K (acceptance at
   every position) or of the K whose time is the oldest, each until its time has a sample (two
-  rounds; of the cheapest K, MIN_SAMPLES samples), keep the estimates current, spaced so they add at most PROBE_BUDGET of
-  the time (a probe that costs 3 rounds of the chosen K waits about 250 rounds). A request's
+  rounds; of the cheapest K, MIN_SAMPLES samples), keep the estimates current, spaced so they
+  lose at most PROBE_BUDGET of the time (a probe's round loses what its tokens would have
+  taken less at the best's rate: a K that nearly ties the best is probed often). A request's
   counts decay with time (about the last 100 rounds count), so one whose estimate fell below
   the break-even drifts back to the prior's.
 - Rows of requests with speculative="off" expect one token at every K; a round of only such
@@ -196,16 +199,16 @@ class DraftPolicy:
             return made
         prior = self._prior_rates()
         rates = [self._rates(r.acceptance, prior) for r in rows]
+        times = {k: self._time(k, b) for k in ks}
         scores = {k: self._score(rows, [self._row_expected(r, a, k) for r, a in zip(rows, rates)],
-                                 k, ks[0], refill) for k in ks}
+                                 k, ks[0], times, refill) for k in ks}
         best = max(ks, key=lambda k: (scores[k] / (1.0 if k == ks[0] else 1.0 + MARGIN), -k))
         probe = self._probe(best, b, ks)
         # two rounds of the probe's K (the second measures its time) and a change each way
         # (about a round of the best) may add at most PROBE_BUDGET of the time; a probe's round
         # loses what its tokens would have taken less at the best's rate (a probe of a K that
         # nearly ties the best costs almost nothing, and is made more often)
-        lost = self._time(probe, b) / self._time(best, b) * max(1.0 - scores[probe] / scores[best],
-                                                                 0.0)
+        lost = times[probe] / times[best] * max(1.0 - scores[probe] / scores[best], 0.0)
         wait = max(PROBE_EVERY, (2.0 * lost + 1.0) / PROBE_BUDGET)
         if best != ks[0] and not self._pairs.get((ks[0], best, b)) and \
                 self._last is not None and self._last[:2] == (best, b) and self._run >= 2:
@@ -217,15 +220,16 @@ class DraftPolicy:
         return made
 
     def _score(self, rows: Sequence[RowOutlook], expected: list[float], k: int, cheapest: int,
-               refill: bool) -> float:
-        """Expected tokens per second at K for rows expecting expected[i] tokens a round.
+               times: dict[int, float], refill: bool) -> float:
+        """Expected tokens per second at K for rows expecting expected[i] tokens a round
+        (times: each K's round at the rows' B).
         refill: of the round. Else of the rows' work to their ends: row i needs
         budget_i / E_i rounds, and the rows that end first leave rounds of fewer rows (a K
         whose rows progress unevenly leaves a tail of small rounds; a row's budget is its
         tokens left or its cap), with K kept to the end or, if sooner, until the first row
         ends and the cheapest round after it."""
         b = len(rows)
-        t = self._time(k, b)
+        t = times[k]
         if refill:
             return sum(expected) / t
         budgets = [max(r.budget, 1) for r in rows]
@@ -235,7 +239,7 @@ class DraftPolicy:
             first = min(n / e for n, e in zip(budgets, expected))
             left = sorted(n - first * e for n, e in zip(budgets, expected))
             seconds = min(seconds, first * t + self._until_done(
-                cheapest, [n for n in left if n > 1e-6], b, self._time(cheapest, b), cheapest))
+                cheapest, [n for n in left if n > 1e-6], b, times[cheapest], cheapest))
         return sum(budgets) / max(seconds, 1e-12)
 
     def _until_done(self, k: int, rounds: list[float], b: int, t: float,
