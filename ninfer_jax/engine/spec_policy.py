@@ -133,6 +133,7 @@ class DraftPolicy:
         self._at: dict[tuple[int, int], collections.deque] = {}  # (K, B) -> their rounds
         # (K, J, B) -> t(K) / t(J) of samples of K and the J samples of the NEAR rounds before
         self._pairs: dict[tuple[int, int, int], collections.deque] = {}
+        self._ratios: dict[tuple[int, int, int], float | None] = {}  # (K, J, B) -> `_ratio`
         self._measured: dict[tuple[int, int], int] = {}  # (K, B) -> the round of its last
         self._warm: collections.Counter = collections.Counter()  # (K, B) -> steady rounds
         self._ready: set[tuple[int, int]] = set()  # (K, B) whose executable is compiled
@@ -174,7 +175,7 @@ class DraftPolicy:
                 self._known(*key) for key in self._median if key[1] != b):
             return ks[0]  # a new B: its cheapest round's time scales the others'
         for k in reversed(ks):  # explore: the largest first, the Program's fixed choice
-            if self._time(k, b) is None:
+            if not self._estimated(k, b):
                 return k
         made = self._choice_for(rows, ks, refill)
         return made.probe if self._since_probe[b] >= made.wait else made.best
@@ -346,6 +347,14 @@ class DraftPolicy:
     def _known(self, k: int, b: int) -> bool:
         return len(self._times.get((k, b), ())) >= MIN_SAMPLES
 
+    def _estimated(self, k: int, b: int) -> bool:
+        """Whether `_time(k, b)` has an estimate (without computing it: `choose` asks every
+        round)."""
+        return self._known(k, b) or any(
+            kk == k and self._known(k, other) and any(
+                self._known(ref, b) and self._known(ref, other) for ref in self.ks)
+            for (kk, other) in self._median)
+
     def _time(self, k: int, b: int) -> float | None:
         """A round's seconds: measured at this B (for a K other than the anchor, the anchor's
         time times their paired ratio, once there are MIN_SAMPLES pairs), else the time of a K
@@ -368,7 +377,14 @@ class DraftPolicy:
         """t(K) / t(J) at B from their pairs: the geometric mean of the median ratio of K's
         samples to the J samples before them and that of J's samples to the K samples before
         them (a load that changed between the two sides of a pair biases the two directions
-        the opposite way). None before MIN_SAMPLES pairs."""
+        the opposite way). None before MIN_SAMPLES pairs. Kept until a pair of the two
+        comes."""
+        if (k, j, b) in self._ratios:
+            return self._ratios[(k, j, b)]
+        self._ratios[(k, j, b)] = ratio = self._paired_ratio(k, j, b)
+        return ratio
+
+    def _paired_ratio(self, k: int, j: int, b: int) -> float | None:
         after = [*self._pairs.get((k, j, b), ())]
         before = [1.0 / x for x in self._pairs.get((j, k, b), ())]
         if len(after) + len(before) < MIN_SAMPLES:
@@ -386,12 +402,14 @@ class DraftPolicy:
         """Pairs a sample of (K, B) with every other K's samples at B of the NEAR rounds
         before (their median)."""
         for (j, other), at in self._at.items():
-            if other != b or j == k:
+            if other != b or j == k or self._round - at[-1] > NEAR:
                 continue
             near = [t for t, r in zip(self._times[(j, b)], at) if self._round - r <= NEAR]
             if near:
                 self._pairs.setdefault((k, j, b), collections.deque(maxlen=PAIRS)).append(
                     seconds / max(statistics.median(near), 1e-9))
+                self._ratios.pop((k, j, b), None)
+                self._ratios.pop((j, k, b), None)
 
     # What happened -------------------------------------------------------------------------
     def round_done(self, k: int, b: int, now: float, tokens: int) -> None:
@@ -406,7 +424,8 @@ class DraftPolicy:
         if self._run >= (SETTLE if k == 0 else 1):
             if self._warm[(k, b)] >= WARM_ROUNDS:
                 seconds = max(now - self._last[2], 1e-9)
-                self._pair(k, b, seconds)
+                if self.adaptive:  # a fixed K compares nothing
+                    self._pair(k, b, seconds)
                 times = self._times.setdefault((k, b), collections.deque(maxlen=WINDOW))
                 times.append(seconds)
                 self._at.setdefault((k, b), collections.deque(maxlen=WINDOW)).append(self._round)

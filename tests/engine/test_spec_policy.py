@@ -252,3 +252,25 @@ def test_waiting_requests_make_the_round_count_and_none_the_last_rows_end():
     assert policy.choose(rows, lambda k, b: True, refill=True) == 3
     policy._choice.clear()
     assert policy.choose(rows, lambda k, b: True, refill=False) == 0
+
+
+class _CheckedPolicy(DraftPolicy):
+    """Before each choice: every kept ratio equals one computed afresh from the pairs, and the
+    cheap test for an estimate agrees with the estimate."""
+
+    def choose(self, rows, ready, refill=False):
+        for key, ratio in self._ratios.items():
+            assert ratio == self._paired_ratio(*key), key
+        for k, b in itertools.product(self.ks, range(1, 5)):
+            assert self._estimated(k, b) == (self._time(k, b) is not None), (k, b)
+        return super().choose(rows, ready, refill)
+
+
+def test_kept_estimates_equal_fresh_ones():
+    """`choose` runs every round, so the paired ratios are kept until a pair of their two Ks
+    comes; on turns of 1 and 4 rows with bursts of load none of them is ever stale."""
+    cost = lambda k, b: (1 + b) * (1 + 2 * (k > 0) + 0.2 * k)
+    policy = _CheckedPolicy(KS, "mtp")
+    for accept in ([_phases(0.6, 0.97)], [_phases(0.9, 0.9)] * 4, [_phases(0.6, 0.97)]):
+        _turns(policy, cost, accept, 6, load=_bursts)
+    assert policy._ratios and sum(policy.rounds_by_k[k] for k in KS[1:]) > 0
