@@ -40,8 +40,12 @@ The choice: the K of most committed tokens per second for the round's rows.
   rounds; a new B measures its cheapest K first. Then probes of the largest K (acceptance at
   every position) or of the K whose time is the oldest, each until its time has a sample (two
   rounds; of the cheapest K, MIN_SAMPLES samples), keep the estimates current, spaced so they
-  lose at most PROBE_BUDGET of the time (a probe's round loses what its tokens would have
-  taken less at the best's rate: a K that nearly ties the best is probed often). A request's
+  lose at most PROBE_BUDGET of the time. A probe's loss is measured: the time of its rounds
+  and of the SETTLE rounds of the best after it (the change back: a chain of rounds of 0
+  restarts) less what their tokens take at the best's rate, in rounds of the best (the median
+  of the last PROBE_MEMORY probes of that K and B); before one is measured, each of its two
+  rounds loses what its tokens would have taken less at the best's rate, plus a round for the
+  changes (a K that nearly ties the best is probed often). A request's
   counts decay with time (about the last 100 rounds count), so one whose estimate fell below
   the break-even drifts back to the prior's.
 - Rows of requests with speculative="off" expect one token at every K; a round of only such
@@ -71,7 +75,8 @@ REFRESH = 8  # rounds a choice of the cheapest K stands while its rows stay the 
 # more than the steady rounds' times show.
 MARGIN = 0.05
 PROBE_EVERY = 32  # the fewest rounds at a B between probes
-PROBE_BUDGET = 0.02  # the most of the time probes may add (a costlier probe waits longer)
+PROBE_BUDGET = 0.01  # the most of the time probes may add (a costlier probe waits longer)
+PROBE_MEMORY = 5  # measured probes of a (K, B) whose median loss spaces the next
 PRIOR_WEIGHT = 4.0  # rounds of the prior acceptance a request's own counts start from
 # A request's first rounds, whose drafts' counts make the prior: what a request of which nothing
 # is known expects (counts of every round would promise it too much: the policy drafts most in
@@ -117,6 +122,21 @@ class _Choice:
     gain: float  # best's expected tokens per second over a round of 0's
     probe: int  # the next probe's K
     wait: float  # rounds at this B before it
+    rate: float  # tokens per second a round of the best is expected to commit
+    seconds: float  # best's round
+
+
+@dataclasses.dataclass
+class _Probe:
+    """A probe's rounds and the change back, as they land: what it lost."""
+
+    k: int
+    b: int
+    rate: float  # the tokens per second a round of the best was expected to commit
+    round_s: float  # the best's round
+    seconds: float = 0.0
+    tokens: int = 0
+    settle: int = SETTLE  # rounds of another K still to count
 
 
 class DraftPolicy:
@@ -143,6 +163,9 @@ class DraftPolicy:
         self._since_probe: collections.Counter = collections.Counter()  # B -> rounds
         self._probes: collections.Counter = collections.Counter()  # B -> probes made
         self._plan: dict[int, list[int]] = {}  # B -> [K, rounds] of a probe's rounds to come
+        self._probing: _Probe | None = None  # the probe being measured
+        # (K, B) -> the measured losses of its last probes, in rounds of the best
+        self._probe_lost: dict[tuple[int, int], collections.deque] = {}
         self._choice: dict[int, _Choice] = {}  # B -> the last choice
         self._last: tuple[int, int, float] | None = None  # (K, B, time) of the last round
         self._run = 0  # rounds of that K and B in a row
@@ -201,23 +224,29 @@ class DraftPolicy:
         prior = self._prior_rates()
         rates = [self._rates(r.acceptance, prior) for r in rows]
         times = {k: self._time(k, b) for k in ks}
-        scores = {k: self._score(rows, [self._row_expected(r, a, k) for r, a in zip(rows, rates)],
-                                 k, ks[0], times, refill) for k in ks}
+        expected = {k: [self._row_expected(r, a, k) for r, a in zip(rows, rates)] for k in ks}
+        scores = {k: self._score(rows, expected[k], k, ks[0], times, refill) for k in ks}
         best = max(ks, key=lambda k: (scores[k] / (1.0 if k == ks[0] else 1.0 + MARGIN), -k))
         probe = self._probe(best, b, ks)
-        # two rounds of the probe's K (the second measures its time) and a change each way
-        # (about a round of the best) may add at most PROBE_BUDGET of the time; a probe's round
-        # loses what its tokens would have taken less at the best's rate (a probe of a K that
-        # nearly ties the best costs almost nothing, and is made more often)
-        lost = times[probe] / times[best] * max(1.0 - scores[probe] / scores[best], 0.0)
-        wait = max(PROBE_EVERY, (2.0 * lost + 1.0) / PROBE_BUDGET)
+        # a probe may add at most PROBE_BUDGET of the time: what the last ones lost, measured;
+        # before any, two rounds of its K (the second measures its time) that lose what their
+        # tokens would have taken less at the best's rate, and a change each way (about a
+        # round of the best)
+        measured = self._probe_lost.get((probe, b))
+        if measured:
+            lost = statistics.median(measured)
+        else:
+            lost = 2.0 * times[probe] / times[best] * max(
+                1.0 - scores[probe] / scores[best], 0.0) + 1.0
+        wait = max(PROBE_EVERY, lost / PROBE_BUDGET)
         if best != ks[0] and not self._pairs.get((ks[0], best, b)) and \
                 self._last is not None and self._last[:2] == (best, b) and self._run >= 2:
             # a drafting choice timed only against rounds of the cheapest before it (a load
             # that eased in between flatters it): the cheapest runs next, after its samples
             probe, wait = ks[0], 0
         made = self._choice[b] = _Choice(key, self._round, ks, best,
-                                         scores[best] / scores[ks[0]], probe, wait)
+                                         scores[best] / scores[ks[0]], probe, wait,
+                                         sum(expected[best]) / times[best], times[best])
         return made
 
     def _score(self, rows: Sequence[RowOutlook], expected: list[float], k: int, cheapest: int,
@@ -297,6 +326,7 @@ class DraftPolicy:
                 and self._since_probe[b] > made.wait:  # a probe's first round: it runs until
             # its time has a sample (of the cheapest round, MIN_SAMPLES: they cost nothing)
             self._plan[b] = [k, SETTLE + MIN_SAMPLES - 1 if k == made.ks[0] else 1]
+            self._probing = _Probe(k, b, made.rate, made.seconds)
             self._probes[b] += 1
             self._since_probe[b] = 0
             del self._choice[b]  # the next probe is another
@@ -420,6 +450,7 @@ class DraftPolicy:
         carry the change (a round chained ahead lands, a chain of rounds of 0 starts), which
         steady rounds do not; nor are the first WARM_ROUNDS steady ones of a (K, B) (an
         executable's first runs are slower)."""
+        self._count_probe(k, b, now, tokens)
         self._run = self._run + 1 if self._last is not None and self._last[:2] == (k, b) else 0
         if self._run >= (SETTLE if k == 0 else 1):
             if self._warm[(k, b)] >= WARM_ROUNDS:
@@ -433,6 +464,26 @@ class DraftPolicy:
                 self._measured[(k, b)] = self._round
             self._warm[(k, b)] += 1
         self._last = (k, b, now)
+
+    def _count_probe(self, k: int, b: int, now: float, tokens: int) -> None:
+        """Adds a landed round to the probe being measured; after the SETTLE rounds of another
+        K that follow the probe's, records its loss. A probe interrupted (another unit ran, the
+        batch changed) is not measured."""
+        p = self._probing
+        if p is None:
+            return
+        if self._last is None or b != p.b:
+            self._probing = None
+            return
+        p.seconds += now - self._last[2]
+        p.tokens += tokens
+        if k != p.k:
+            p.settle -= 1
+            if not p.settle:
+                lost = (p.seconds - p.tokens / max(p.rate, 1e-12)) / max(p.round_s, 1e-12)
+                self._probe_lost.setdefault((p.k, b), collections.deque(
+                    maxlen=PROBE_MEMORY)).append(lost)
+                self._probing = None
 
     def interrupt(self) -> None:
         """Something other than a decode round ran: the next round's time is not a round's."""

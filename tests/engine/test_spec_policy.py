@@ -74,7 +74,7 @@ def test_the_policy_comes_near_the_best_fixed_k(per_draft, accept, b):
 
 def test_it_explores_every_k_then_settles_and_probes_in_pairs():
     policy = DraftPolicy(KS, "mtp")
-    _, chosen = _simulate(policy, _cost(1.0, 1.0), 0.2, 2400)  # drafts lose: K = 0 wins
+    _, chosen = _simulate(policy, _cost(1.0, 1.0), 0.2, 6000)  # drafts lose: K = 0 wins
     # the largest first; each K runs until it has MIN_SAMPLES steady rounds past its first
     # (the change; SETTLE for a chain of rounds of 0) and WARM_ROUNDS more
     n = 1 + WARM_ROUNDS + MIN_SAMPLES
@@ -85,18 +85,47 @@ def test_it_explores_every_k_then_settles_and_probes_in_pairs():
     assert len(starts) >= 3
     for i in starts:  # two rounds of one K (the second measures it), then back to 0
         assert tail[i] == tail[i + 1] and tail[i + 2] == 0
-    # the largest, then the stalest, each after two rounds of it could cost 2% of the time: a
-    # round of K takes 1 + K + 1 rounds of 0 and commits sum_j 0.2^j tokens, so it loses the
-    # difference (5% slack: the policy's acceptance is estimated)
+    # the largest, then the stalest, each after two rounds of it could cost PROBE_BUDGET of
+    # the time: a round of K takes 1 + K + 1 rounds of 0 and commits sum_j 0.2^j tokens on
+    # average, so it loses the difference (measured: 10% slack for the draws)
     assert [tail[i] for i in starts[:4]] == [3, 2, 3, 1]
     for a, b in itertools.pairwise(starts):
         k = tail[b]
         lost = (k + 2) - sum(0.2**j for j in range(k + 1))
-        assert b - a >= 0.95 * (2 * lost + 1) / PROBE_BUDGET
+        assert b - a >= 0.9 * 2 * lost / PROBE_BUDGET
     stats = policy.stats()
     assert dict(stats.rounds_by_drafts)[0] == chosen.count(0)
     assert {k for k, _, _ in stats.round_ms} == set(KS)
     assert stats.estimated_gain == pytest.approx(1.0, abs=0.05)  # K = 0 chosen: no gain
+
+
+def test_probes_lose_their_budget_with_the_cost_of_a_change():
+    """On the Engine a change of K costs more than the steady rounds' times show (a chain of
+    rounds of 0 stops and restarts): here a round after a change costs 2 rounds of 0 more. A
+    probe's loss is measured, the change back included, so the probes together lose at most
+    about PROBE_BUDGET of the time (1.02 of it; spaced by their estimated loss alone, 1.44)."""
+    policy = DraftPolicy(KS, "mtp")
+    cost, rng = _cost(1.0, 1.0), np.random.default_rng(0)
+    row, outlook = RowAcceptance(max(KS)), None
+    now = lost = start = 0.0
+    last = 0
+    for i in range(12000):
+        if i == 1000:  # past the exploration: what each round loses against a round of 0
+            start = now
+        outlook = [RowOutlook(row, 10**6)]
+        k = policy.choose(outlook, lambda k, b: True)
+        policy.dispatched(k, outlook)
+        seconds = cost(k, 1) + 2.0 * (k != last)
+        produced = 1
+        while produced <= k and rng.random() < 0.2:
+            produced += 1
+        policy.add_row(row, k, k + 1, produced, produced)
+        now += seconds
+        policy.round_done(k, 1, now, produced)
+        if i >= 1000:
+            lost += seconds - produced * cost(0, 1)
+        last = k
+    assert 0 < lost <= 1.2 * PROBE_BUDGET * (now - start), lost / (now - start)
 
 
 def test_a_text_that_becomes_predictable_is_noticed():
