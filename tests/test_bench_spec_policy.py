@@ -31,3 +31,14 @@ def test_settings_from_the_environment(monkeypatch):
         "max_concurrency": 4, "speculative": "dflash", "num_speculative_tokens": 15,
         "draft_policy": "adaptive"}
     assert spec_policy._settings(s, 0, "fixed") == {"max_concurrency": 4}
+
+
+def test_the_ab_script_loads_a_revisions_policy_and_names_a_bad_one():
+    from absl import app
+
+    from scripts import spec_policy_ab
+
+    policy = spec_policy_ab._policy_at("HEAD")((0, 1, 3), "mtp")
+    assert policy.adaptive and policy.choose([], lambda k, b: True) == 0
+    with pytest.raises(app.UsageError, match="--against: no spec_policy.py at 'no-such-rev'"):
+        spec_policy_ab._policy_at("no-such-rev")
