@@ -123,7 +123,7 @@ class _Choice:
     probe: int  # the next probe's K
     wait: float  # rounds at this B before it
     rate: float  # tokens per second a round of the best is expected to commit
-    seconds: float  # best's round
+    round_s: float  # best's round
 
 
 @dataclasses.dataclass
@@ -326,7 +326,7 @@ class DraftPolicy:
                 and self._since_probe[b] > made.wait:  # a probe's first round: it runs until
             # its time has a sample (of the cheapest round, MIN_SAMPLES: they cost nothing)
             self._plan[b] = [k, SETTLE + MIN_SAMPLES - 1 if k == made.ks[0] else 1]
-            self._probing = _Probe(k, b, made.rate, made.seconds)
+            self._probing = _Probe(k, b, made.rate, made.round_s)
             self._probes[b] += 1
             self._since_probe[b] = 0
             del self._choice[b]  # the next probe is another
@@ -380,10 +380,14 @@ class DraftPolicy:
     def _estimated(self, k: int, b: int) -> bool:
         """Whether `_time(k, b)` has an estimate (without computing it: `choose` asks every
         round)."""
-        return self._known(k, b) or any(
-            kk == k and self._known(k, other) and any(
-                self._known(ref, b) and self._known(ref, other) for ref in self.ks)
-            for (kk, other) in self._median)
+        return self._known(k, b) or any(True for _ in self._scales(k, b))
+
+    def _scales(self, k: int, b: int):
+        """(other B, reference K) pairs that scale K's time at another B to this one: K known
+        there, the reference known at both."""
+        return ((other, ref) for (kk, other) in self._median
+                if kk == k and self._known(k, other)
+                for ref in self.ks if self._known(ref, b) and self._known(ref, other))
 
     def _time(self, k: int, b: int) -> float | None:
         """A round's seconds: measured at this B (for a K other than the anchor, the anchor's
@@ -398,9 +402,7 @@ class DraftPolicy:
                     return max(self._median[(anchor, b)] * ratio, 1e-9)
             return max(self._median[(k, b)], 1e-9)
         pairs = [(abs(other - b), self._median[(ref, b)] * self._median[(k, other)]
-                  / max(self._median[(ref, other)], 1e-9))
-                 for (kk, other) in self._median if kk == k and self._known(k, other)
-                 for ref in self.ks if self._known(ref, b) and self._known(ref, other)]
+                  / max(self._median[(ref, other)], 1e-9)) for other, ref in self._scales(k, b)]
         return max(min(pairs)[1], 1e-9) if pairs else None
 
     def _ratio(self, k: int, j: int, b: int) -> float | None:
