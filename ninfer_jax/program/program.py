@@ -20,6 +20,7 @@ import numpy as np
 
 from ninfer_jax import quant
 from ninfer_jax.errors import ConfigError
+from ninfer_jax.host_memory import keep_freed_memory
 from ninfer_jax.models.dflash import DFlashConfig
 from ninfer_jax.models.qwen3_6 import ModelConfig
 from ninfer_jax.models.qwen3_6.model import unstack_layers
@@ -68,6 +69,7 @@ class Program(HostProgram):
         """`executables`: where the steps compile (default a new ExecutableTable).
         `drafter`: the DFlash drafter's config, with
         speculative="dflash" (its weights are `params["dflash"]`)."""
+        keep_freed_memory()
         if pcfg.max_seq_len > cfg.max_position_embeddings:
             raise InfeasibleError(
                 f"max_seq_len {pcfg.max_seq_len} exceeds the model's max_position_embeddings "

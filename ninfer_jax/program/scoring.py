@@ -21,6 +21,7 @@ import numpy as np
 
 from ninfer_jax import quant
 from ninfer_jax.errors import ConfigError
+from ninfer_jax.host_memory import keep_freed_memory
 from ninfer_jax.models.qwen3_6 import ModelConfig
 from ninfer_jax.program.executables import ExecutableTable, StepKey, StepKind, bind
 from ninfer_jax.program.scoring_steps import (
@@ -71,6 +72,7 @@ class ScoringProgram:
         (None: in a notebook only, see `ninfer_jax.progress`)."""
         if not keys:
             raise ConfigError("a ScoringProgram needs at least one window shape")
+        keep_freed_memory()
         self.cfg, self.top_n = cfg, top_n
         self.params = quant.cast_params(params, dtype)
         self.executables = ExecutableTable()

@@ -1,5 +1,6 @@
 """Carried GDN state against transformers: one sequence longer than two GDN chunks
-(`reference_long.npz`, 160 tokens; our `gdn_chunk_size` and transformers' chunk are both 64), so
+(`reference_long.npz`, 160 tokens; our `gdn_chunk_size` and transformers' chunk are both 64, and
+the jnp form on XLA:CPU runs in chunks of 32), so
 the state handed from GDN chunk to GDN chunk, and from prefill chunk to prefill chunk, is checked
 against transformers' logits and greedy tokens rather than only against our own other paths.
 

@@ -119,6 +119,20 @@ def test_chunk_size_does_not_change_the_model():
     assert rel_err(got, model.logits(ids)) <= 1e-5
 
 
+def test_the_cpu_chunk_gives_the_model_of_its_own_chunk(monkeypatch):
+    """On XLA:CPU the jnp chunked form runs in chunks of CPU_CHUNK (32) rather than the model's
+    gdn_chunk_size (64 here): the same logits as in chunks of 64."""
+    from ninfer_jax.models.qwen3_6 import gdn
+
+    model = loaded("dense")
+    assert model.config.gdn_chunk_size == 64 and gdn.reference_chunk(model.config) == 32
+    ids = jnp.asarray(reference("dense")["token_ids"])
+    cpu = jax.jit(lambda p, i: forward(p, model.config, i))(model.params, ids)
+    monkeypatch.setattr(gdn, "CPU_CHUNK", 64)  # a new function: traced again
+    model_chunk = jax.jit(lambda p, i: forward(p, model.config, i))(model.params, ids)
+    assert rel_err(cpu, model_chunk) <= 1e-5
+
+
 @pytest.mark.parametrize("seed,chunk,lens", [
     (0, 16, [5, 19, 1, 13]),  # segments inside a chunk, across one, and of one token
     (1, 8, [8, 8, 16, 7]),  # segments on chunk boundaries

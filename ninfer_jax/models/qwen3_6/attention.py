@@ -41,16 +41,24 @@ class KVAccess(Protocol):
 
 
 def _grouped_attention(q, k, v, mask):
-    """q [B, T, Hq, D]; k, v [B, S, Hkv, D]; mask [B, T, S] bool. Softmax in fp32."""
+    """q [B, T, Hq, D]; k, v [B, S, Hkv, D]; mask [B, T, S] bool (or broadcastable to it).
+    Softmax in fp32.
+
+    The query heads of one K/V head and all T positions are the rows of one [T * G, D] x
+    [D, S] product per K/V head (a [T, D] product per query head took XLA:CPU 3x as long: the
+    demo model's 16 x 256 rows, 17.9 -> 5.7 ms a layer)."""
     b, t, hq, d = q.shape
     hkv = k.shape[2]
-    qg = q.reshape(b, t, hkv, hq // hkv, d)
-    scores = einsum32("btkgd,bskd->bkgts", qg, k) * (d**-0.5)
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    g = hq // hkv
+    rows = jnp.swapaxes(q.reshape(b, t, hkv, g, d), 1, 2).reshape(b, hkv, t * g, d)
+    s = k.shape[1]
+    mask = jnp.broadcast_to(mask[:, :, None], (b, t, g, s)).reshape(b, 1, t * g, s)
+    scores = einsum32("bkqd,bskd->bkqs", rows, k) * (d**-0.5)
+    scores = jnp.where(mask, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(mask[:, None, None].any(-1, keepdims=True), probs, 0.0).astype(v.dtype)
-    out = einsum32("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, hq, d).astype(q.dtype)
+    probs = jnp.where(mask.any(-1, keepdims=True), probs, 0.0).astype(v.dtype)
+    out = einsum32("bkqs,bskd->bkqd", probs, v)
+    return jnp.swapaxes(out.reshape(b, hkv, t, g, d), 1, 2).reshape(b, t, hq, d).astype(q.dtype)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["layers"], meta_fields=[])
