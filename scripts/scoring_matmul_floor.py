@@ -1,7 +1,10 @@
 """The matmul floor of scoring a model on this machine: every weight matrix of the decoder
 stack and the (tied) head applied to TOKENS tokens in one jitted chain of XLA dots, nothing
-else. Scoring tokens/s can at most reach it; `scripts/bench.py --suite=scoring` measures the
-real path (and this floor, in the same turns, on its rolling task).
+else: the matmul work a scoring call cannot avoid, timed as plain dots. It is a yardstick, not
+a strict bound: the MEDIUM rolling call ran at 1.02 of it on 2026-12-05 (a fused call's dots can
+run faster than the chain's, each of which writes its output and sums it).
+`scripts/bench.py --suite=scoring` measures the real path (and this chain, in the same turns, on
+its rolling task).
 
     python -m scripts.scoring_matmul_floor [medium|tiny|demo] [TOKENS]
 """

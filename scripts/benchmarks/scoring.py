@@ -24,7 +24,8 @@ positions that were real tokens (fill), and agreement: ours against transformers
 ours_plain (max log-prob error relative to the largest |log-prob|, greedy flags that agree).
 On the rolling task a `matmul_floor` worker (`workers/scoring_floor.py`) takes its turn too:
 every weight matrix and the head applied to as many rows as the task has targets, as XLA dots
-and nothing else, the most tokens/s any scoring call could reach here.
+and nothing else (a yardstick of the matmul work, not a strict bound: see
+`scripts/scoring_matmul_floor.py`).
 `lm_eval_choice` (below) is the lm-evaluation-harness check of the same sharing and
 `cli_short` times `ninfer score` processes on the short records (the batch job's view).
 

@@ -16,8 +16,10 @@ class ScoringFloor(BenchWorker):
     def setup(self, args: dict) -> dict:
         import jax
 
+        from ninfer_jax.host_memory import keep_freed_memory
         from ninfer_jax.loader import load_model
 
+        keep_freed_memory()  # as our scoring calls have it
         self.params = load_model(args["path"], verify=False).params
         return {"jax": jax.__version__}
 
