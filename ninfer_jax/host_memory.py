@@ -50,4 +50,5 @@ def _apply() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     settings = ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, _TOP_PAD))
-    return all([mallopt(param, value) for param, value in settings])
+    applied = [mallopt(param, value) for param, value in settings]  # each one, none skipped
+    return all(applied)
