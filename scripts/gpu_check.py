@@ -93,7 +93,7 @@ from scripts.benchmarks._spec_sides import RoundSide, _prefill, program_config
 H200_HBM_GBPS = 4800.0  # H200 HBM3e, 4.8 TB/s
 TOLERANCES = {"float32": 1e-5, "bfloat16": 2e-2}  # atol and rtol, as tests/pallas_kernels'
 EXPECTED_DEFAULTS = {
-    "gpu": {"dtype": "bfloat16", "attention_impl": "pallas", "gdn_impl": "pallas",
+    "gpu": {"dtype": "bfloat16", "attention_impl": "pallas", "gdn_impl": "pallas_verify",
             "layer_loop": "unrolled"},
     "cpu": {"dtype": "float32", "attention_impl": "reference", "gdn_impl": "reference",
             "layer_loop": "unrolled"}}
