@@ -352,8 +352,12 @@ class Engine:
 
     def wait_compiled(self, progress: bool | None = None) -> None:
         """Waits until every step executable is compiled (they compile in the background after
-        `open`), with a progress bar (None: in a notebook only)."""
-        self._generation("wait_compiled").program.wait_compiled(progress)
+        `open`), with a progress bar (None: in a notebook only), and, while no request is being
+        served, until the worker has run each decode round once (an executable's first run is
+        several times its steady time: `Program.warm_up_next`)."""
+        core = self._generation("wait_compiled")
+        core.program.wait_compiled(progress)
+        core.wait_warm()
 
     def warm_up(self) -> float:
         """Serves one short request through the Engine (prefill, then decode rounds at B=1)

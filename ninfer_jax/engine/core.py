@@ -175,6 +175,19 @@ class EngineCore:
         if not done.wait(timeout):
             raise TimeoutError("the Engine did not clear its prefix cache in time")
 
+    def _idle(self) -> bool:
+        return not (self._active or self.scheduler.waiting)
+
+    def wait_warm(self, timeout: float = 600.0) -> None:
+        """Returns once the idle worker has run every compiled decode round once
+        (`Program.warm_up_next`), or as soon as requests are being served (their rounds then
+        run the rest), or the worker stopped."""
+        deadline = time.monotonic() + timeout
+        while getattr(self.program, "cold_rounds", 0) and self._idle() \
+                and self._thread.is_alive() and time.monotonic() < deadline:
+            self.wake()
+            time.sleep(0.002)
+
     # Life ------------------------------------------------------------------------------------
     def close(self, timeout: float = 10.0) -> None:
         """Stops the worker; unfinished requests end with an error."""
@@ -210,6 +223,8 @@ class EngineCore:
         try:
             while not self._stop.is_set():
                 if not self._iterate():
+                    if self._idle() and self.program.warm_up_next():
+                        continue  # idle: an executable's first run now, not in a request's
                     reading = self.retention.reads_in_flight
                     self._wake.wait(0.001 if reading else self.config.idle_wait_s)
                     self._wake.clear()

@@ -170,6 +170,7 @@ class DraftPolicy:
         self._last: tuple[int, int, float] | None = None  # (K, B, time) of the last round
         self._run = 0  # rounds of that K and B in a row
         self.rounds_by_k: collections.Counter = collections.Counter()
+        self.rounds_by_kb: collections.Counter = collections.Counter()  # (K, B) -> rounds
         self.rows = 0  # rows of rounds with drafts that committed tokens
         self.tokens = 0  # tokens they committed
         self._cum_attempted = [0] * self.kmax  # per position: the row's limit allowed it
@@ -304,6 +305,7 @@ class DraftPolicy:
     def dispatched(self, k: int, rows: Sequence[RowOutlook]) -> None:
         """Counts a round of K (the one `choose` gave, or the largest for a fixed policy)."""
         self.rounds_by_k[k] += 1
+        self.rounds_by_kb[(k, len(rows))] += 1
         if not self.adaptive:
             return
         b = len(rows)

@@ -150,6 +150,11 @@ class HostProgram(CheckpointCopies):
         """While held, background compiles of executables no step has asked for wait (the
         Engine holds them while it serves requests); the host side compiles none."""
 
+    def warm_up_next(self) -> bool:
+        """Runs one step executable that no step ran yet, touching no sequence's state (the
+        Engine calls it while idle); True if it ran one. The host side has none."""
+        return False
+
     # Feasibility and admission -------------------------------------------------------------
     def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         return -(-(prompt_len + max_new_tokens) // self.limits.page_size)

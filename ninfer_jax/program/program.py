@@ -28,7 +28,7 @@ from ninfer_jax.models.qwen3_6.mrope import rope_index
 from ninfer_jax.models.qwen3_6.vision import vision_layout
 from ninfer_jax.program.checkpoints import CheckpointImage, CheckpointRecord
 from ninfer_jax.program.config import ProgramConfig
-from ninfer_jax.program.errors import InfeasibleError
+from ninfer_jax.program.errors import InfeasibleError, PendingBatchError
 from ninfer_jax.program.executable_specs import (
     PAGE_GROUP,
     image_pools,
@@ -39,7 +39,7 @@ from ninfer_jax.program.executable_specs import (
     vision_on,
 )
 from ninfer_jax.program.executables import ExecutableTable, StepKey, StepKind
-from ninfer_jax.program.host import HostProgram
+from ninfer_jax.program.host import GREEDY, HostProgram
 from ninfer_jax.program.limits import ProgramLimits
 from ninfer_jax.program.pools import Pools
 from ninfer_jax.program.sampling import sampling_arrays
@@ -108,6 +108,11 @@ class Program(HostProgram):
                 prepare=(lambda p: unstack_layers(p, cfg)) if unrolled else (lambda p: p))
         self._pools = pools
         self._deferred: CommitInputs | None = None  # the last commit, applied by the next step
+        # The commit and the decode rounds (by B, then K) that no step has run yet:
+        # `warm_up_next` runs them.
+        self._cold = dict.fromkeys([StepKey(StepKind.COMMIT, pcfg.max_concurrency)] + [
+            round_key(pcfg, b, k) for b in range(1, pcfg.max_concurrency + 1)
+            for k in pcfg.round_drafts])
         self._sampling_key: tuple | None = None  # the rows `_sampling_last` was built for
         self._sampling_last = None
         self.executables = ExecutableTable() if executables is None else executables
@@ -130,6 +135,48 @@ class Program(HostProgram):
 
     def round_ready(self, drafts: int, batch: int) -> bool:
         return self.executables.is_ready(round_key(self.pcfg, batch, drafts))
+
+    def warm_up_next(self) -> bool:
+        """Runs one compiled decode round (or the standalone commit) that no step ran yet, on
+        the sink (`run_idle`), so that a request's first round at a new B or K does not pay
+        an executable's first run: on XLA:CPU 30-140 ms against 3-15 ms steady for the demo
+        model's rounds. Only between steps (with a batch pending nothing runs). True if it
+        ran one."""
+        if self._pending is not None:
+            return False
+        key = next((k for k in self._cold if self.executables.is_ready(k)), None)
+        if key is None:
+            return False
+        self.run_idle(key)
+        return True
+
+    def run_idle(self, key: StepKey) -> None:
+        """Runs the commit or a decode round `key` with every row on the sink slot and the
+        sink pages: no sequence's or checkpoint's state changes (the last commit is applied
+        first). Not while a batch is pending."""
+        if self._pending is not None:
+            raise PendingBatchError("a batch is pending: commit it first")
+        self._cold.pop(key, None)
+        self._flush()
+        if key.kind is StepKind.COMMIT:
+            self._pools = self.executables(key, self._pools, self._no_commit(key.batch))
+            return
+        b, sink = key.batch, self.pcfg.num_slots
+        drafts = key.extra[0] if key.extra else self.pcfg.num_speculative_tokens
+        inputs = DecodeInputs(
+            commit=self._no_commit(b), token_ids=np.zeros(b, np.int32),
+            positions=np.ones(b, np.int32), slots=np.full(b, sink, np.int32),
+            page_tables=np.full((b, self.pcfg.max_pages_per_seq), self.pcfg.num_pages,
+                                np.int32),
+            sampling=sampling_arrays([GREEDY] * b, mask_words=self.limits.mask_words),
+            step_index=np.zeros(b, np.int32), limit=np.full(b, drafts + 1, np.int32),
+            rope_delta=np.zeros(b, np.int32) if self.vision_on else None)
+        self._pools, _ = self.executables(key, self.params, self._pools, inputs)
+
+    @property
+    def cold_rounds(self) -> int:
+        """Decode rounds (B, K) and commits no step has run yet."""
+        return len(self._cold)
 
     def hold_compiles(self, held: bool) -> None:
         self.executables.hold(held)
@@ -172,7 +219,10 @@ class Program(HostProgram):
         padded = self._no_commit(bmax)
         for name in ("slots", "tokens", "num", "count"):
             getattr(padded, name)[: len(commit.slots)] = getattr(commit, name)
-        self._pools = self.executables(StepKey(StepKind.COMMIT, bmax), self._pools, padded)
+        key = StepKey(StepKind.COMMIT, bmax)
+        if self._cold:
+            self._cold.pop(key, None)
+        self._pools = self.executables(key, self._pools, padded)
 
     def _flush(self) -> None:
         commit, self._deferred = self._deferred, None
@@ -297,8 +347,10 @@ class Program(HostProgram):
             step_index=np.array([s.frontier + 1 for s in seqs], np.int32), limit=limits,
             rope_delta=np.array([0 if s.rope is None else s.rope.delta for s in seqs],
                                 np.int32) if self.vision_on else None)
-        self._pools, out = self.executables(round_key(self.pcfg, len(seqs), drafts),
-                                            self.params, self._pools, inputs)
+        key = round_key(self.pcfg, len(seqs), drafts)
+        if self._cold:
+            self._cold.pop(key, None)
+        self._pools, out = self.executables(key, self.params, self._pools, inputs)
         # On the device; the PendingBatch reads them when asked. A round of no drafts
         # proposes one token a row: nothing to read back for that.
         produced = 1 if drafts == 0 else out.num

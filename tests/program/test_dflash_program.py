@@ -28,7 +28,7 @@ from ninfer_jax.program.pools import context_positions, context_ring
 from ninfer_jax.program.program import Program
 from ninfer_jax.sampling_params import SamplingParams
 from ninfer_jax.testing.configs import tiny_drafter
-from tests.program.test_program import COUNTER
+from tests.program.test_program import COUNTER, check_idle_runs_change_nothing
 from tests.program.test_speculative_program import (
     GREEDY,
     PCFG,
@@ -178,6 +178,13 @@ def test_rounds_of_any_draft_count_keep_greedy_output_and_the_ring():
     generated = _check_ring(prog, "trained", ks)[len(prompt):]
     assert len(generated) > 20
     assert generated == generate(spec_program("demo", 0), [prompt], budget=len(generated))[0][0]
+
+
+def test_idle_runs_on_the_sink_keep_the_drafters_ring():
+    """Every round run on the sink slot (`Program.run_idle`, what an idle Engine does to warm
+    them) between a sequence's rounds: its ring, state and output stay as they were."""
+    prog = dflash_program("trained", 7, 1, policy="adaptive")
+    check_idle_runs_change_nothing(prog, _prompts(1, prog.cfg.vocab_size, seed=5), 24)
 
 
 @pytest.mark.slow  # ~60 s; the Engine's DFlash test with reuse on stays in the default run

@@ -18,6 +18,7 @@ from ninfer_jax.program.errors import (
     ResourceError,
     StalePlanError,
 )
+from ninfer_jax.program.executable_specs import round_key
 from ninfer_jax.program.executables import StepKey, StepKind
 from ninfer_jax.sampling_params import SamplingParams
 from tests.models.conftest import reference
@@ -129,10 +130,13 @@ def _committed_state(prog, h):
     pages = np.array(seq.pages)[positions // prog.pcfg.page_size]
     per_layer = prog.pcfg.num_pages + 1
     flat = (np.arange(pools.k.shape[0] // per_layer)[:, None] * per_layer + pages[None, :])
+    ring = () if pools.dk is None else (pools.dk[seq.slot], pools.dv[seq.slot])
     return [np.asarray(a) for a in (
-        pools.conv[seq.slot], pools.rec[seq.slot], pools.output_counts[seq.slot],
-        pools.prompt_mask[seq.slot], pools.k[flat, positions % prog.pcfg.page_size],
-        pools.v[flat, positions % prog.pcfg.page_size])] + [list(seq.tokens), seq.frontier]
+        pools.conv[seq.slot], pools.rec[seq.slot], pools.ctx[seq.slot],
+        pools.output_counts[seq.slot], pools.prompt_mask[seq.slot],
+        pools.k[flat, positions % prog.pcfg.page_size],
+        pools.v[flat, positions % prog.pcfg.page_size], *ring)] + [list(seq.tokens),
+                                                                  seq.frontier]
 
 
 def test_abort_leaves_committed_state_bit_identical_and_commit_advances():
@@ -154,6 +158,72 @@ def test_abort_leaves_committed_state_bit_identical_and_commit_advances():
     assert prog.tokens(h)[-1] == int(proposed[0, 0]) and prog._seq(h).frontier == before[-1] + 1
     with pytest.raises(PendingBatchError, match="not the Program's pending batch"):
         prog.commit(pb, [1])
+    prog.release(h)
+    _assert_all_free(prog)
+
+
+def idle_keys(prog) -> list[StepKey]:
+    """Every executable `Program.run_idle` runs: the commit and each decode round."""
+    pcfg = prog.pcfg
+    return [StepKey(StepKind.COMMIT, pcfg.max_concurrency)] + [
+        round_key(pcfg, b, k) for b in range(1, pcfg.max_concurrency + 1)
+        for k in pcfg.round_drafts]
+
+
+def check_idle_runs_change_nothing(prog, prompts: list[list[int]], budget: int,
+                                   sampling=None) -> list[list[int]]:
+    """Decodes `prompts` together (`sampling` each, default greedy) with a checkpoint of the
+    first; after the third round, with its commit deferred, runs every executable on the
+    sink (`run_idle`): every sequence's committed state and the checkpoint's state stay
+    bit-identical, and the outputs equal a run without them. Returns the outputs."""
+    outputs = []
+    for idle in (False, True):
+        handles = [_admit(prog, p, budget, sampling) for p in prompts]
+        for h in handles:
+            while (pb := prog.prefill(h)) is None:
+                pass
+            prog.commit(pb, [1])
+        ckpt = prog.capture(handles[0])
+        for r in range(budget - 1):
+            pb = prog.decode(handles)
+            prog.commit(pb, [1] * len(handles))
+            if idle and r == 2:
+                before = [_committed_state(prog, h) for h in handles]
+                slot = prog.checkpoints.record(ckpt).slot
+                image = [np.asarray(a[slot]) for a in (prog.pools.ck_conv, prog.pools.ck_rec,
+                                                        prog.pools.ck_ctx)]
+                for key in idle_keys(prog):
+                    prog.run_idle(key)
+                after = [_committed_state(prog, h) for h in handles]
+                for x, y in zip(before, after):
+                    for a, b in zip(x, y):
+                        np.testing.assert_array_equal(np.asarray(a, dtype=object),
+                                                      np.asarray(b, dtype=object))
+                for a, name in zip(image, ("ck_conv", "ck_rec", "ck_ctx")):
+                    np.testing.assert_array_equal(a, np.asarray(getattr(prog.pools, name)[slot]))
+        outputs.append([prog.tokens(h)[len(p):] for h, p in zip(handles, prompts)])
+        for h in handles:
+            prog.release(h)
+        prog.release_checkpoint(ckpt)
+    assert outputs[0] == outputs[1]
+    _assert_all_free(prog)
+    return outputs[0]
+
+
+def test_idle_runs_on_the_sink_change_no_sequence_or_checkpoint():
+    """What the Engine runs while idle to take executables' first runs out of requests."""
+    prog = program()
+    ids = reference("dense")["token_ids"]
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, presence_penalty=0.5, seed=7)
+    check_idle_runs_change_nothing(prog, [ids[0, :11].tolist(), ids[1, :6].tolist(),
+                                          ids[2, :9].tolist()], 8, sampled)
+    assert prog.cold_rounds == 0 and not prog.warm_up_next()  # each ran once: none is cold
+    h = _admit(prog, ids[0, :5].tolist(), 4)
+    while (pb := prog.prefill(h)) is None:
+        pass
+    with pytest.raises(PendingBatchError, match="pending"):
+        prog.run_idle(idle_keys(prog)[1])
+    prog.commit(pb, [1])
     prog.release(h)
     _assert_all_free(prog)
 

@@ -17,7 +17,7 @@ from ninfer_jax.program.program import Program
 from ninfer_jax.sampling_params import SamplingParams
 from ninfer_jax.testing.configs import tiny_dense
 from tests.models.conftest import loaded
-from tests.program.test_program import COUNTER
+from tests.program.test_program import COUNTER, check_idle_runs_change_nothing
 
 GREEDY = SamplingParams(temperature=0.0)
 PCFG = dict(max_concurrency=8, page_size=4, num_pages=200, max_seq_len=72, prefill_chunk=8,
@@ -118,6 +118,13 @@ def _check_greedy_equal(name: str, k: int, max_concurrency: int, n: int) -> list
 def test_greedy_equals_no_speculation_at_every_batch_and_arrival_order():
     produced = _check_greedy_equal("demo", 2, 4, 4)
     assert np.mean(produced) > 1.3  # the trained head's drafts are often right
+
+
+def test_idle_runs_on_the_sink_keep_the_heads_kv():
+    """Every round run on the sink (`Program.run_idle`, what an idle Engine does to warm
+    them) between two sequences' rounds: their state, the MTP head's K/V and output stay."""
+    prog = spec_program("demo", 2, 2, "adaptive")
+    check_idle_runs_change_nothing(prog, _prompts(2, prog.cfg.vocab_size, seed=6), 16)
 
 
 def test_rounds_of_any_draft_count_keep_greedy_output_and_the_heads_kv():
