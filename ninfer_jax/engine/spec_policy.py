@@ -45,7 +45,8 @@ The choice: the K of most committed tokens per second for the round's rows.
   restarts) less what their tokens take at the best's rate, in rounds of the best (the median
   of the last PROBE_MEMORY probes of that K and B); before one is measured, each of its two
   rounds loses what its tokens would have taken less at the best's rate, plus a round for the
-  changes (a K that nearly ties the best is probed often). A request's
+  changes (a K that nearly ties the best is probed often). A probe interrupted (another unit,
+  another B) is dropped. A request's
   counts decay with time (about the last 100 rounds count), so one whose estimate fell below
   the break-even drifts back to the prior's.
 - Rows of requests with speculative="off" expect one token at every K; a round of only such
@@ -472,12 +473,16 @@ class DraftPolicy:
     def _count_probe(self, k: int, b: int, now: float, tokens: int) -> None:
         """Adds a landed round to the probe being measured; after the SETTLE rounds of another
         K that follow the probe's, records its loss. A probe interrupted (another unit ran, the
-        batch changed) is not measured."""
+        batch changed) is not measured, and its rounds still to come are dropped: run later,
+        after a change, they would measure nothing (a probe of the largest K at B = 4 of the
+        demo's DFlash, interrupted by a turn's end, took ~15 ms a round at the next turn)."""
         p = self._probing
         if p is None:
             return
         if self._last is None or b != p.b:
             self._probing = None
+            if self._plan.get(p.b, (None,))[0] == p.k:
+                del self._plan[p.b]
             return
         p.seconds += now - self._last[2]
         p.tokens += tokens

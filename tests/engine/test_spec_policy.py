@@ -137,6 +137,28 @@ def test_a_text_that_becomes_predictable_is_noticed():
     assert chosen[-200:].count(3) > 180
 
 
+def test_a_probe_interrupted_by_a_change_of_batch_is_dropped():
+    """A probe's first round lands, then a round of another B (a request ended): the probe
+    is not measured, and the next round at its B is not the rest of it."""
+    policy = DraftPolicy(KS, "mtp")
+    cost = _cost(1.0, 1.0)
+    rows = [RowAcceptance(max(KS)) for _ in range(2)]
+    now, k = 0.0, 0
+    for i in range(5000):  # past the exploration (drafts lose: K = 0), until a probe starts
+        outlook = [RowOutlook(a, 10**6) for a in rows]
+        k = policy.choose(outlook, lambda k, b: True)
+        policy.dispatched(k, outlook)
+        now += cost(k, 2)
+        policy.round_done(k, 2, now, 2)
+        if k and i > 100:
+            break
+    assert k, "no probe in 5000 rounds"
+    one = [RowOutlook(rows[0], 10**6)]
+    policy.dispatched(policy.choose(one, lambda k, b: True), one)
+    policy.round_done(0, 1, now + cost(0, 1), 1)
+    assert policy.choose([RowOutlook(a, 10**6) for a in rows], lambda k, b: True) == 0
+
+
 def test_rows_that_draft_nothing_and_unready_executables():
     policy = DraftPolicy(KS, "mtp")
     off = [RowOutlook(None, 50), RowOutlook(RowAcceptance(3), 1)]
