@@ -27,9 +27,10 @@ The choice: the K of most committed tokens per second for the round's rows.
   a limit of L tokens expects E(K) = 1 + sum_{j=1..min(K, L-1)} prod_{i<j} a_i from a round
   of K. A request's a_i are its own counts on PRIOR_WEIGHT rounds of an anchor: the prior at
   draft 0, deeper its own rate at the draft before times the prior's ratio of the two. The
-  prior counts drafts in requests' first OPENING rounds (what a request of which nothing is
-  known expects; a position's rate starts from SHRINK rows of the one before it, 0.5 at the
-  first) and forgets by openings counted, not by time.
+  prior counts drafts in requests' first OPENING rounds and in probes (what a request of which
+  nothing is known expects: neither comes when the text is predictable; a request that opens
+  with rounds of 0 adds only its probes; a position's rate starts from SHRINK rows of the one
+  before it, 0.5 at the first) and forgets by rows counted, not by time.
 - With requests waiting (`refill`: a row that ends is replaced) the rate is the round's,
   sum E / t(K, B). Else it is that of the rows' work to their ends with K kept: row i needs
   budget_i / E_i rounds, and rows that end first leave rounds of fewer rows (a K whose rows
@@ -158,7 +159,7 @@ class DraftPolicy:
         self._measured: dict[tuple[int, int], int] = {}  # (K, B) -> the round of its last
         self._warm: collections.Counter = collections.Counter()  # (K, B) -> steady rounds
         self._ready: set[tuple[int, int]] = set()  # (K, B) whose executable is compiled
-        self._attempted = [0.0] * self.kmax  # the prior's: rows in requests' first OPENING rounds
+        self._attempted = [0.0] * self.kmax  # the prior's: rows of openings and probes
         self._accepted = [0.0] * self.kmax
         self._round = 0  # decode rounds dispatched
         self._since_probe: collections.Counter = collections.Counter()  # B -> rounds
@@ -354,8 +355,8 @@ class DraftPolicy:
 
     def _prior_rates(self) -> list[float]:
         """Per position, the chance that draft i is right given drafts 0..i-1 were, in the
-        first OPENING rounds of requests: the counts shrunk toward the position before (few
-        samples reach deep positions)."""
+        first OPENING rounds of requests and in probes: the counts shrunk toward the position
+        before (few samples reach deep positions)."""
         rates, prior = [], UNMEASURED
         for i in range(self.kmax):
             prior = (self._accepted[i] + SHRINK * prior) / (self._attempted[i] + SHRINK)
@@ -509,8 +510,12 @@ class DraftPolicy:
         for i in range(min(k, limit - 1)):
             self._cum_attempted[i] += 1
             self._cum_accepted[i] += produced > i + 1
-        opening = acceptance.age <= OPENING
-        if opening:  # the prior forgets by openings counted, not by time
+        # a request's opening rounds, and a probe's (its rounds come when the budget says, not
+        # when the text is predictable; without them a run of requests that open with rounds
+        # of 0 never updates it): what a request of which nothing is known expects
+        opening = acceptance.age <= OPENING or (
+            self._probing is not None and k == self._probing.k)
+        if opening:  # the prior forgets by rows counted, not by time
             self._attempted = [x * DECAY for x in self._attempted]
             self._accepted = [x * DECAY for x in self._accepted]
         for i in range(min(k, limit - 1, produced)):  # reached: drafts 0..i-1 were right
