@@ -171,7 +171,6 @@ class DraftPolicy:
         self._choice: dict[int, _Choice] = {}  # B -> the last choice
         self._last: tuple[int, int, float] | None = None  # (K, B, time) of the last round
         self._run = 0  # rounds of that K and B in a row
-        self.rounds_by_k: collections.Counter = collections.Counter()
         self.rounds_by_kb: collections.Counter = collections.Counter()  # (K, B) -> rounds
         self.rows = 0  # rows of rounds with drafts that committed tokens
         self.tokens = 0  # tokens they committed
@@ -306,7 +305,6 @@ class DraftPolicy:
 
     def dispatched(self, k: int, rows: Sequence[RowOutlook]) -> None:
         """Counts a round of K (the one `choose` gave, or the largest for a fixed policy)."""
-        self.rounds_by_k[k] += 1
         self.rounds_by_kb[(k, len(rows))] += 1
         if not self.adaptive:
             return
@@ -525,6 +523,14 @@ class DraftPolicy:
                 self._accepted[i] += right
             acceptance.attempted[i] += 1
             acceptance.accepted[i] += right
+
+    @property
+    def rounds_by_k(self) -> collections.Counter:
+        """Rounds dispatched by K, over every B."""
+        out: collections.Counter = collections.Counter()
+        for (k, _), n in self.rounds_by_kb.items():
+            out[k] += n
+        return out
 
     def stats(self):
         from ninfer_jax.engine.spec_stats import SpeculativeStats

@@ -220,8 +220,7 @@ class Program(HostProgram):
         for name in ("slots", "tokens", "num", "count"):
             getattr(padded, name)[: len(commit.slots)] = getattr(commit, name)
         key = StepKey(StepKind.COMMIT, bmax)
-        if self._cold:
-            self._cold.pop(key, None)
+        self._cold.pop(key, None)
         self._pools = self.executables(key, self._pools, padded)
 
     def _flush(self) -> None:
@@ -348,8 +347,7 @@ class Program(HostProgram):
             rope_delta=np.array([0 if s.rope is None else s.rope.delta for s in seqs],
                                 np.int32) if self.vision_on else None)
         key = round_key(self.pcfg, len(seqs), drafts)
-        if self._cold:
-            self._cold.pop(key, None)
+        self._cold.pop(key, None)
         self._pools, out = self.executables(key, self.params, self._pools, inputs)
         # On the device; the PendingBatch reads them when asked. A round of no drafts
         # proposes one token a row: nothing to read back for that.
