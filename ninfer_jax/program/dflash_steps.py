@@ -28,7 +28,13 @@ from ninfer_jax.models.dflash.model import block_hidden, block_logits, select
 from ninfer_jax.models.qwen3_6 import ModelConfig, step
 from ninfer_jax.program.config import ProgramConfig
 from ninfer_jax.program.drafter_context import write_drafter_context
-from ninfer_jax.program.pools import PagedKV, Pools, context_positions, context_ring
+from ninfer_jax.program.pools import (
+    PagedKV,
+    Pools,
+    context_positions,
+    context_ring,
+    context_written,
+)
 from ninfer_jax.program.sampling import SamplingArrays, count_tokens
 from ninfer_jax.program.speculative import accept, draft_keys, draft_token
 from ninfer_jax.program.steps import (
@@ -63,8 +69,9 @@ def dflash_verify_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg:
     embeds = params["embed"][block] * jnp.asarray(drafter.input_embedding_scale,
                                                   params["embed"].dtype)
     ctx_pos, ctx_ok = context_positions(pos, ring, kept)
-    hidden = block_hidden(params["dflash"], drafter, embeds, block_pos, pools.dk[slots],
-                          pools.dv[slots], ctx_pos, ctx_ok)[:, 1:]  # [B, K, H]
+    ctx_k = pools.dk[slots]
+    hidden = block_hidden(params["dflash"], drafter, embeds, block_pos, ctx_k, pools.dv[slots],
+                          ctx_pos, ctx_ok & context_written(ctx_k))[:, 1:]  # [B, K, H]
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     logits = block_logits(drafter, hidden, head)  # [B, K, V]
     if pcfg.draft_head == "selector":

@@ -3,7 +3,8 @@
 Owns the list of (key, step function, example arguments) a Program of (ModelConfig,
 ProgramConfig) compiles, in the order of first need (the prefill chunk alone in the foreground,
 then the commit, the capture, decode B = 1, the vision buckets, the restore, the checkpoint
-images, decode B = 2..max_concurrency, then the rounds of fewer drafts for every B, `round_key`). The Program feeds it to its `ExecutableTable`;
+images, decode B = 2..max_concurrency, then the rounds of fewer drafts for every B and the
+bare rounds of 0, `round_key`). The Program feeds it to its `ExecutableTable`;
 `lower_all` and `aot.compile_all` feed it abstract params and pools (`jax.ShapeDtypeStruct`s), so
 a GPU build can be lowered or compiled on a host that could not hold the weights. Example
 arguments only carry shapes and dtypes: no value here shapes an executable.
@@ -25,7 +26,7 @@ from ninfer_jax.program.dflash_steps import dflash_verify_step
 from ninfer_jax.program.executables import StepKey, StepKind, bind
 from ninfer_jax.program.host import GREEDY
 from ninfer_jax.program.limits import mask_words
-from ninfer_jax.program.pools import Pools
+from ninfer_jax.program.pools import Pools, context_ring
 from ninfer_jax.program.sampling import sampling_arrays
 from ninfer_jax.program.steps import (
     CaptureInputs,
@@ -102,22 +103,23 @@ def program_executables(cfg: ModelConfig, pcfg: ProgramConfig, params: dict, poo
     def sampling(b: int):
         return sampling_arrays([GREEDY] * b, mask_words=words)
 
-    def round_step(k: int) -> Callable:
+    def round_step(k: int, bare: bool = False) -> Callable:
         if k == 0:  # in a speculative Program it keeps the drafter's inputs current
-            return bind(decode_step, cfg=cfg, pcfg=pcfg, drafter=drafter)
+            return bind(decode_step, cfg=cfg, pcfg=pcfg, drafter=drafter, bare=bare)
         if pcfg.speculative == "mtp":
             return bind(verify_step, cfg=cfg, pcfg=pcfg, drafts=k)
         return bind(dflash_verify_step, cfg=cfg, pcfg=pcfg, drafter=drafter, drafts=k)
 
-    def decode(b: int, k: int = pcfg.num_speculative_tokens) -> ExecutableSpec:
+    def decode(b: int, k: int = pcfg.num_speculative_tokens, bare: bool = False
+               ) -> ExecutableSpec:
         example = DecodeInputs(
             commit=no_commit(pcfg, b), token_ids=np.zeros(b, np.int32),
             positions=np.zeros(b, np.int32), slots=np.arange(b, dtype=np.int32),
             page_tables=np.zeros((b, w), np.int32), sampling=sampling(b),
             step_index=np.zeros(b, np.int32), limit=np.ones(b, np.int32),
             rope_delta=np.zeros(b, np.int32) if vision else None)
-        return ExecutableSpec(round_key(pcfg, b, k), round_step(k), (params, pools, example),
-                              background=True)
+        return ExecutableSpec(round_key(pcfg, b, k, bare), round_step(k, bare),
+                              (params, pools, example), background=True)
 
     vision_rows = {}
     if vision:  # MRoPE positions and the vision embeddings at placeholders
@@ -167,13 +169,27 @@ def program_executables(cfg: ModelConfig, pcfg: ProgramConfig, params: dict, poo
         specs += _image_executables(pcfg, pools)
     specs += [decode(b) for b in range(2, bmax + 1)]
     specs += [decode(b, k) for b in range(1, bmax + 1) for k in pcfg.round_drafts[:-1]]
+    if bare_window(pcfg, drafter):
+        specs += [decode(b, 0, bare=True) for b in range(1, bmax + 1)]
     return specs
 
 
-def round_key(pcfg: ProgramConfig, batch: int, drafts: int) -> StepKey:
+def bare_window(pcfg: ProgramConfig, drafter: DFlashConfig | None) -> int:
+    """W when rounds of 0 may skip the drafter's upkeep (`decode_step`'s `bare`): an adaptive
+    DFlash Program whose drafter sees a sliding window of W positions (W rounds of upkeep after
+    the last bare one, its context is whole again); else 0."""
+    if drafter is None or pcfg.speculative != "dflash" or pcfg.draft_policy != "adaptive":
+        return 0
+    ring, kept = context_ring(drafter, pcfg)
+    return 0 if ring >= pcfg.max_seq_len else kept
+
+
+def round_key(pcfg: ProgramConfig, batch: int, drafts: int, bare: bool = False) -> StepKey:
     """The decode round of `batch` rows and `drafts` drafts a row: StepKey(DECODE, B) for the
     Program's num_speculative_tokens, StepKey(DECODE, B, extra=(K,)) for the other
-    `round_drafts`."""
+    `round_drafts`, StepKey(DECODE, B, extra=(0, 1)) for a bare round of 0."""
+    if bare:
+        return StepKey(StepKind.DECODE, batch, extra=(0, 1))
     if drafts == pcfg.num_speculative_tokens:
         return StepKey(StepKind.DECODE, batch)
     return StepKey(StepKind.DECODE, batch, extra=(drafts,))

@@ -82,6 +82,7 @@ class ProgramStats:
     resource_revision: int
     num_checkpoints: int = 0
     free_checkpoint_slots: int = 0
+    bare_rounds: int = 0  # decode rounds of 0 that skipped the drafter's upkeep
 
 
 class HostProgram(CheckpointCopies):
@@ -97,6 +98,7 @@ class HostProgram(CheckpointCopies):
         self.checkpoints = Checkpoints(limits, self.pages, self._ids)
         self._batch_ids = itertools.count()
         self._pending: PendingBatch | None = None
+        self.bare_rounds = 0
         # A committed plain decode round whose tokens stay on the device (`commit`): the next
         # round of the same rows takes them there; anything else reads them first (`_resolve`).
         self._unread: PendingBatch | None = None
@@ -109,7 +111,7 @@ class HostProgram(CheckpointCopies):
 
     @abc.abstractmethod
     def _run_decode(self, seqs: list[SeqRecord], limits: np.ndarray,
-                    last: Any = None, drafts: int | None = None) -> tuple:
+                    last: Any = None, drafts: int | None = None, bare: bool = False) -> tuple:
         """Starts a round of `drafts` drafts a row (one of `limits.round_drafts`; None: the
         most): row b proposes 1..limits[b] tokens (limits <= drafts + 1). Returns
         (tokens [B, verify_width], produced [B], log-probs or None: see PendingBatch), and
@@ -117,7 +119,8 @@ class HostProgram(CheckpointCopies):
         same rows may then be dispatched before this one's tokens are read); any may be
         an array still being computed that np.asarray waits for. `last`: the rows' last
         tokens as the previous round left them ([B], possibly still on the device), or None
-        (each row's `tokens[-1]`)."""
+        (each row's `tokens[-1]`). `bare`: a round of 0 that skips the drafter's upkeep
+        (`limits.context_window`)."""
 
     @abc.abstractmethod
     def _run_commit(self, seqs: list[SeqRecord], accepted: np.ndarray, tokens: np.ndarray,
@@ -381,13 +384,16 @@ class HostProgram(CheckpointCopies):
     def decode(self, handles: Sequence[SequenceHandle],
                caps: Sequence[int | None] | None = None,
                masks: Sequence[np.ndarray | None] | None = None,
-               drafts: int | None = None) -> PendingBatch:
+               drafts: int | None = None, bare: bool = False) -> PendingBatch:
         """A round for each of the B decode-ready sequences (exact B, no padding): one token
         per row, or with speculation up to drafts + 1 (`drafts`: one of limits.round_drafts,
         None: the most; never past a row's max_new_tokens, nor
         past caps[b] when given: the Engine's limit before the row's next forced control).
         `masks[b]`: the tokens row b's next token may be (a [mask_words] uint32 bitmask, or
-        None: any); a masked row proposes exactly one token (drafting is off for it)."""
+        None: any); a masked row proposes exactly one token (drafting is off for it).
+        `bare`: a round of 0 may skip the drafter's upkeep (with `limits.context_window`, once
+        that round is compiled; else ignored): the same tokens, and the rows' drafter
+        contexts lack this position until the window moves past it (`context_stale`)."""
         self._check_idle()
         seqs = [self._seq(h) for h in handles]
         if caps is not None and len(caps) != len(seqs):
@@ -399,6 +405,9 @@ class HostProgram(CheckpointCopies):
         if drafts not in self.limits.round_drafts:
             raise PendingBatchError(f"drafts must be one of the compiled round_drafts "
                                     f"{self.limits.round_drafts}, got {drafts!r}")
+        bare = bool(bare) and drafts == 0 and self.limits.context_window > 0 \
+            and self.round_ready(0, len(seqs), bare=True)
+        self.bare_rounds += bare
         if not seqs or len({s.handle.seq_id for s in seqs}) != len(seqs):
             raise PendingBatchError(f"decode needs distinct sequences, got {list(handles)}")
         if len(seqs) > self.limits.max_concurrency:
@@ -426,17 +435,29 @@ class HostProgram(CheckpointCopies):
         for i, s in enumerate(seqs):
             s.mask = checked[i]
             self._grow(s, s.frontier + int(limits[i]))
+            if bare:  # its entry at the frontier stays empty (even if the round is dropped)
+                s.context_from = s.frontier + 1
         # The step runs on the device after this returns; reading batch.tokens waits for it.
-        tokens, produced, logprobs, *ids = self._run_decode(seqs, limits, last, drafts)
+        tokens, produced, logprobs, *ids = self._run_decode(seqs, limits, last, drafts, bare)
         self._pending = PendingBatch(BatchKind.DECODE, tuple(handles), tokens,
                                      next(self._batch_ids), produced, logprobs,
                                      last=ids[0] if ids else None)
         return self._pending
 
-    def round_ready(self, drafts: int, batch: int) -> bool:
-        """Whether a decode round of `drafts` drafts and `batch` rows runs without waiting for
-        its compile (any thread)."""
+    def round_ready(self, drafts: int, batch: int, bare: bool = False) -> bool:
+        """Whether a decode round of `drafts` drafts and `batch` rows (`bare`: the round of 0
+        that skips the drafter's upkeep) runs without waiting for its compile (any thread)."""
         return True
+
+    def context_stale(self, handle: SequenceHandle) -> int:
+        """Rounds of upkeep until the sequence's drafter context is whole again after its last
+        bare round (0: whole; always 0 without `limits.context_window`). What a restored
+        checkpoint's context lacks is not counted: its blocks still read only written
+        entries."""
+        s = self._seq(handle)
+        if not s.context_from:
+            return 0
+        return max(0, s.context_from + self.limits.context_window - s.frontier)
 
     def control(self, handle: SequenceHandle, forced: Sequence[int],
                 mask: np.ndarray | None = None) -> PendingBatch:
@@ -545,7 +566,7 @@ class HostProgram(CheckpointCopies):
             total_slots=self.slots.num_slots, free_slots=self.slots.num_free,
             num_sequences=len(self._seqs), resource_revision=self.resource_revision,
             num_checkpoints=len(self.checkpoints),
-            free_checkpoint_slots=self.checkpoints.num_free_slots)
+            free_checkpoint_slots=self.checkpoints.num_free_slots, bare_rounds=self.bare_rounds)
 
     # Internals -----------------------------------------------------------------------------
     def _seq(self, handle: SequenceHandle) -> SeqRecord:

@@ -31,6 +31,7 @@ from ninfer_jax.program.config import ProgramConfig
 from ninfer_jax.program.errors import InfeasibleError, PendingBatchError
 from ninfer_jax.program.executable_specs import (
     PAGE_GROUP,
+    bare_window,
     image_pools,
     no_commit,
     page_parts,
@@ -94,7 +95,8 @@ class Program(HostProgram):
             // max(pcfg.num_checkpoint_slots, 1),
             verify_width=pcfg.verify_width,
             rewrites_below_frontier=int(pcfg.speculative == "mtp"),
-            speculative=pcfg.speculative, round_drafts=pcfg.round_drafts))
+            speculative=pcfg.speculative, round_drafts=pcfg.round_drafts,
+            context_window=bare_window(pcfg, drafter)))
         self.cfg, self.pcfg = cfg, pcfg
         # The vision path: a tower whose special tokens are in the vocabulary, and buckets.
         self.vision_on = vision_on(cfg, pcfg, params)
@@ -112,7 +114,9 @@ class Program(HostProgram):
         # `warm_up_next` runs them.
         self._cold = dict.fromkeys([StepKey(StepKind.COMMIT, pcfg.max_concurrency)] + [
             round_key(pcfg, b, k) for b in range(1, pcfg.max_concurrency + 1)
-            for k in pcfg.round_drafts])
+            for k in pcfg.round_drafts] + [
+            round_key(pcfg, b, 0, bare=True) for b in range(1, pcfg.max_concurrency + 1)
+            if self.limits.context_window])
         self._sampling_key: tuple | None = None  # the rows `_sampling_last` was built for
         self._sampling_last = None
         self.executables = ExecutableTable() if executables is None else executables
@@ -133,8 +137,8 @@ class Program(HostProgram):
             b.update(len(keys) - len(self.executables.pending()))
             self.executables.wait(on_ready=lambda key: b.update(1))
 
-    def round_ready(self, drafts: int, batch: int) -> bool:
-        return self.executables.is_ready(round_key(self.pcfg, batch, drafts))
+    def round_ready(self, drafts: int, batch: int, bare: bool = False) -> bool:
+        return self.executables.is_ready(round_key(self.pcfg, batch, drafts, bare))
 
     def warm_up_next(self) -> bool:
         """Runs one compiled decode round (or the standalone commit) that no step ran yet, on
@@ -333,7 +337,7 @@ class Program(HostProgram):
         return int(np.asarray(out.tokens)[0, 0]), _logprobs([seq], out)
 
     def _run_decode(self, seqs: list[SeqRecord], limits: np.ndarray, last=None,
-                    drafts: int | None = None) -> tuple:
+                    drafts: int | None = None, bare: bool = False) -> tuple:
         drafts = self.pcfg.num_speculative_tokens if drafts is None else drafts
         inputs = DecodeInputs(
             commit=self._take_commit(len(seqs)),
@@ -346,7 +350,7 @@ class Program(HostProgram):
             step_index=np.array([s.frontier + 1 for s in seqs], np.int32), limit=limits,
             rope_delta=np.array([0 if s.rope is None else s.rope.delta for s in seqs],
                                 np.int32) if self.vision_on else None)
-        key = round_key(self.pcfg, len(seqs), drafts)
+        key = round_key(self.pcfg, len(seqs), drafts, bare)
         self._cold.pop(key, None)
         self._pools, out = self.executables(key, self.params, self._pools, inputs)
         # On the device; the PendingBatch reads them when asked. A round of no drafts

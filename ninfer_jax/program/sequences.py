@@ -50,6 +50,9 @@ class SeqRecord:
     # Generated tokens committed by a round whose tokens the host has not read yet (a chained
     # decode round took them on the device; `HostProgram._resolve` appends them to `tokens`).
     unread: int = 0
+    # The position after the last one a bare decode round left out of the drafter's context
+    # (0: none since the sequence's start): `HostProgram.context_stale`.
+    context_from: int = 0
 
     def media_before(self, frontier: int) -> tuple[str, ...]:
         """Digests of the media whose placeholders start before `frontier`."""

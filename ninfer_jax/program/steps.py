@@ -39,7 +39,14 @@ from ninfer_jax.models.qwen3_6.mtp import mtp_hidden, mtp_store
 from ninfer_jax.models.qwen3_6.vision import encode
 from ninfer_jax.program.config import ProgramConfig
 from ninfer_jax.program.drafter_context import write_drafter_context
-from ninfer_jax.program.pools import PagedKV, Pools, context_positions, context_ring, write_rows
+from ninfer_jax.program.pools import (
+    PagedKV,
+    Pools,
+    context_positions,
+    context_ring,
+    mark_context_empty,
+    write_rows,
+)
 from ninfer_jax.program.sampling import (
     SamplingArrays,
     apply_penalties,
@@ -322,14 +329,18 @@ def _prefill_mtp(params: dict, cfg: ModelConfig, pools: Pools, hidden: jax.Array
 
 
 def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelConfig,
-                pcfg: ProgramConfig, drafter: DFlashConfig | None = None
+                pcfg: ProgramConfig, drafter: DFlashConfig | None = None, bare: bool = False
                 ) -> tuple[Pools, StepOutputs]:
     """One token for each of B rows, each at its own position with its own pages and slot.
 
     In a speculative Program it is the round of 0 drafts and keeps what the next verify round
     reads current, as a verify round would: the MTP head's K/V at the frontier's last position
     and the new one (`verify_step`), or the drafter's context K/V of the new position. Its
-    tokens then come back [B, verify_width], the sampled one repeated (the commit's width)."""
+    tokens then come back [B, verify_width], the sampled one repeated (the commit's width).
+    `bare` (DFlash with a sliding-window drafter): the new position's ring entry is marked
+    empty instead (`pools.mark_context_empty`), which costs a write, not the drafter's
+    projections; blocks do not read it, and once the window has moved past it the context
+    is the one the upkeep would have left."""
     pools = commit_step(pools, inputs.commit)
     slots, pos = inputs.slots, inputs.positions
     b = slots.shape[0]
@@ -340,7 +351,8 @@ def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
     ctx = pools.ctx[slots][:, None]  # the hidden state at frontier - 1, before this step's
     out = step(params, cfg, inputs.token_ids[:, None], pos,
                gdn_state(pools, slots, pcfg), kv, rope_positions=rope,
-               feature_layers=_feature_layers(drafter), moe_sharding=pcfg.moe_sharding)
+               feature_layers=() if bare else _feature_layers(drafter),
+               moe_sharding=pcfg.moe_sharding)
     pools, outputs = _finish(pools, out, out.logits[:, 0], pools.output_counts[slots],
                              pools.prompt_mask[slots], inputs, out.hidden[:, 0])
     if pcfg.speculative == "mtp":  # positions pos - 1 and pos: (hidden there, token after)
@@ -352,8 +364,11 @@ def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
         pools = pools.with_kv(mkv.layers)
     if drafter is not None:
         ring, _ = context_ring(drafter, pcfg)
-        pools = write_drafter_context(params, drafter, pools, slots, out.features, pos[:, None],
-                                      jnp.ones((b, 1), bool), ring)
+        if bare:
+            pools = dataclasses.replace(pools, dk=mark_context_empty(pools.dk, slots, pos, ring))
+        else:
+            pools = write_drafter_context(params, drafter, pools, slots, out.features,
+                                          pos[:, None], jnp.ones((b, 1), bool), ring)
     return pools, dataclasses.replace(outputs, tokens=widen(outputs.tokens, pcfg.verify_width))
 
 

@@ -203,8 +203,8 @@ class FakeProgram(HostProgram):
     def decode(self, handles: Sequence[SequenceHandle],
                caps: Sequence[int | None] | None = None,
                masks: Sequence[np.ndarray | None] | None = None,
-               drafts: int | None = None) -> PendingBatch:
-        batch = super().decode(handles, caps, masks, drafts)
+               drafts: int | None = None, bare: bool = False) -> PendingBatch:
+        batch = super().decode(handles, caps, masks, drafts, bare)
         self._at("after_decode", [self._seq(h) for h in handles])
         return batch
 
@@ -270,7 +270,7 @@ class FakeProgram(HostProgram):
             else None
 
     def _run_decode(self, seqs: list[SeqRecord], limits: np.ndarray, last=None,
-                    drafts: int | None = None) -> tuple:
+                    drafts: int | None = None, bare: bool = False) -> tuple:
         self._step()
         width = self.limits.verify_width
         drafts = width - 1 if drafts is None else drafts

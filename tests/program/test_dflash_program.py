@@ -130,17 +130,24 @@ def _expected_context(prog: Program, tokens: list[int], frontier: int):
 
 
 def _check_ring(prog: Program, name: str, drafts) -> list[int]:
-    """Decodes one row, round r with drafts[r] drafts, and checks its ring against a full
-    forward; returns its tokens."""
+    """Decodes one row, round r with drafts[r] drafts ("bare": a round of 0 that skips the
+    drafter's upkeep), and checks its ring against a full forward (the positions of bare
+    rounds: empty) and what `context_stale` says; returns its tokens."""
     prompt = _prompts(1, prog.cfg.vocab_size, seed=7)[0]
     h = prog.materialize(prog.plan_admission(len(prompt), 48), prompt, GREEDY)
     while (b := prog.prefill(h)) is None:
         pass
     prog.commit(b, [1])
+    bare = []
     for k in drafts:
         if prog.num_generated(h) == 48:
             break
-        b = prog.decode([h], drafts=k)
+        if k == "bare":
+            if prog.limits.context_window:  # else the round runs the upkeep
+                bare.append(prog._seq(h).frontier)
+            b = prog.decode([h], drafts=0, bare=True)
+        else:
+            b = prog.decode([h], drafts=k)
         prog.commit(b, b.produced.tolist())
     seq = prog._seq(h)
     frontier, tokens = seq.frontier, prog.tokens(h)
@@ -152,8 +159,13 @@ def _check_ring(prog: Program, name: str, drafts) -> list[int]:
     got_k, got_v = (np.asarray(a)[seq.slot] for a in (prog.pools.dk, prog.pools.dv))
     assert held.sum() == min(frontier, kept)
     for i in np.flatnonzero(held):
+        if pos[i] in bare:
+            assert not np.any(got_k[i])
+            continue
         np.testing.assert_allclose(got_k[i], want_k[pos[i]], atol=2e-5)
         np.testing.assert_allclose(got_v[i], want_v[pos[i]], atol=2e-5)
+    stale = max(bare[-1] + 1 + kept - frontier, 0) if bare else 0
+    assert prog.context_stale(h) == stale
     prog.release(h)
     return tokens
 
@@ -178,6 +190,30 @@ def test_rounds_of_any_draft_count_keep_greedy_output_and_the_ring():
     generated = _check_ring(prog, "trained", ks)[len(prompt):]
     assert len(generated) > 20
     assert generated == generate(spec_program("demo", 0), [prompt], budget=len(generated))[0][0]
+
+
+def test_bare_rounds_leave_their_positions_out_of_the_ring_and_the_output_unchanged():
+    """Rounds of 0 that skip the drafter's upkeep (`decode(bare=True)`) between rounds of
+    every K: the greedy tokens of no speculation; the ring holds the target's context at every
+    other held position and nothing at theirs; W rounds of upkeep after the last one, the ring
+    is the one the upkeep would have left (W: the drafter's window)."""
+    prog = dflash_program("random", 7, 1, policy="adaptive")
+    assert prog.limits.context_window == 16
+    prompt = _prompts(1, prog.cfg.vocab_size, seed=7)[0]
+    want = generate(spec_program("demo", 0), [prompt], budget=48)[0][0]
+    gaps = _check_ring(prog, "random", [7, 0, "bare", 3, "bare", "bare", 1] * 6 + ["bare"] * 8)
+    whole = _check_ring(prog, "random", [7, "bare", "bare", 3] * 5 + [0] * 40)
+    assert gaps[len(prompt):] == whole[len(prompt):] == want
+
+
+def test_bare_rounds_are_compiled_only_where_a_window_bounds_the_context():
+    """The trained drafter's window of 64 plus a round spans these sequences' whole length,
+    a fixed K never runs rounds of 0: no bare rounds there (`decode(bare=True)` runs the
+    upkeep, its entry is written)."""
+    assert dflash_program("trained", 7, 1, policy="adaptive").limits.context_window == 0
+    assert dflash_program("random", 3, 2).limits.context_window == 0
+    _check_ring(dflash_program("trained", 7, 1, policy="adaptive"), "trained",
+                [0, "bare", 7] * 12)
 
 
 def test_idle_runs_on_the_sink_keep_the_drafters_ring():
