@@ -48,9 +48,8 @@ from ninfer_jax.engine.publication import Publication, check_rows, preview_rows
 from ninfer_jax.engine.request import RequestRecord, RequestState
 from ninfer_jax.engine.resources import LaneState, ResourceManager
 from ninfer_jax.engine.retention import Retention
-from ninfer_jax.engine.rounds import Rounds, chainable
+from ninfer_jax.engine.rounds import RoundPlan, Rounds, chainable
 from ninfer_jax.engine.scheduler import ControlUnit, DecodeUnit, PrefillUnit, Scheduler
-from ninfer_jax.engine.spec_policy import RowOutlook
 from ninfer_jax.engine.stats import EngineStats
 from ninfer_jax.engine.submission import check_request, open_output, optional_text, seconds
 from ninfer_jax.engine.tiers import ContextTiers, TierStats
@@ -398,17 +397,19 @@ class EngineCore:
             records = list(unit.records)
             if self._ahead is not None:
                 if self._ahead[1] == records and self._chainable(records, ahead=True):
-                    outlooks = self.rounds.chain_outlooks(records, self.program.round_ready,
-                                                          bool(self.scheduler.waiting))
-                    if outlooks is not None:  # the next round drafts nothing either
-                        self._chain(records, outlooks)
+                    plan = self.rounds.chain_plan(records, self.program.round_ready,
+                                                  bool(self.scheduler.waiting),
+                                                  self.program.context_stale)
+                    if plan is not None:  # the next round drafts nothing either
+                        self._chain(records, plan)
                         return
                 self._land()  # the round ahead first; the next iteration plans afresh
                 return
             plan = self.rounds.plan(records, self.publication.queued_previews(),
-                                    self.program.round_ready, bool(self.scheduler.waiting))
+                                    self.program.round_ready, bool(self.scheduler.waiting),
+                                    self.program.context_stale)
             batch = self.program.decode([r.seq for r in records], plan.caps, plan.masks,
-                                        drafts=plan.drafts)
+                                        drafts=plan.drafts, bare=plan.bare)
             self.rounds.dispatched(batch, plan.drafts, plan.outlooks)
             # The round runs on the device now: publish the previous round's committed output
             # meanwhile (its Program commit is done; reading batch.tokens waits for this one).
@@ -431,7 +432,7 @@ class EngineCore:
                 and not self.retention.writes_pending and not self.retention.reads_in_flight
                 and self._chainable(rows, ahead=True))
 
-    def _chain(self, records: list[RequestRecord], outlooks: list[RowOutlook]) -> None:
+    def _chain(self, records: list[RequestRecord], plan: RoundPlan) -> None:
         """Publishes the round before, commits the round ahead in the Program (one token a
         row, not yet read), dispatches the next round of the same rows (it takes those tokens
         on the device), then turns the committed round into events while the next computes.
@@ -440,8 +441,9 @@ class EngineCore:
         check_rows(batch, records)
         self.publication.flush()
         self.program.commit(batch, [1] * len(records))  # DESIGN §6: commit before publish
-        self._ahead = (self.program.decode([r.seq for r in records], drafts=0), records)
-        self.rounds.dispatched(self._ahead[0], 0, outlooks)
+        self._ahead = (self.program.decode([r.seq for r in records], drafts=0,
+                                           bare=plan.bare), records)
+        self.rounds.dispatched(self._ahead[0], 0, plan.outlooks)
         self._commit_and_publish(batch, records, committed=True)
         if any(r.state is not S.DECODE_READY for r in records):
             self._drop_ahead()
@@ -583,7 +585,7 @@ class EngineCore:
             total_slots=ps.total_slots, generated_tokens=self._generated,
             finished_requests=self._finished, backfilled=self.admission.backfilled,
             prefix=self.catalog.stats(*self.program.checkpoint_footprint()),
-            speculative=self.rounds.policy.stats(),
+            speculative=self.rounds.policy.stats(ps.bare_rounds),
             transactions=self.resources.transactions.stats(),
             tiers=self.tiers.stats() if self.tiers is not None else TierStats(()),
             rounds=self.rounds.stats())

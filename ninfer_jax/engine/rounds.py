@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ninfer_jax.program.pending import PendingBatch
 
 Ready = Callable[[int, int], bool]  # (drafts, batch) -> that round's executable is compiled
+Stale = Callable[[Any], int]  # a sequence handle -> `HostProgram.context_stale`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,25 +35,28 @@ class RoundPlan:
 
     drafts: int  # K
     outlooks: list[RowOutlook]  # one a row, for the draft policy
-    caps: list[int] | None  # tokens each row may produce; None: no row has a cap
-    masks: list[np.ndarray | None] | None  # each row's allowed-token bitmask; None: none has one
+    caps: list[int] | None = None  # tokens each row may produce; None: no row has a cap
+    masks: list[np.ndarray | None] | None = None  # allowed-token bitmasks; None: none has one
+    bare: bool = False  # a round of 0 that may skip the drafter's upkeep
 
 
 class Rounds:
     def __init__(self, limits: ProgramLimits):
-        self.policy = DraftPolicy(limits.round_drafts, limits.speculative)
+        self.policy = DraftPolicy(limits.round_drafts, limits.speculative,
+                                  limits.context_window)
         self._positions = limits.verify_width - 1  # draft positions a row's acceptance counts
         self._in_flight: dict[int, tuple[int, list[int]]] = {}  # batch id -> (K, row limits)
         self._rounds = self._rows = 0
         self._host_s = self._wait_s = 0.0
 
     def plan(self, records: Sequence[RequestRecord], queued: dict[int, Preview],
-             ready: Ready, refill: bool = False) -> RoundPlan:
+             ready: Ready, refill: bool = False, stale: Stale | None = None) -> RoundPlan:
         """The next decode round of these rows. A row may not run past the point where its
         Frontend will force control (counting `queued`: its committed round not yet published
         to its session); grammar rows get the mask of their next token (the matcher is at the
         committed output) and, like rows of requests with speculative="off", draft nothing.
-        `refill`: requests are waiting for a row (the draft policy's objective)."""
+        `refill`: requests are waiting for a row (the draft policy's objective). `stale`:
+        rounds until a row's drafter context is whole (None: always)."""
         caps = [r.session.tokens_before_control(queued.get(r.request_id)) for r in records]
         masks = [r.next_mask() for r in records]
         outlooks = []
@@ -62,24 +66,27 @@ class Rounds:
             drafts = mask is None and r.sampling.speculative == "on"
             if drafts and r.acceptance is None:
                 r.acceptance = RowAcceptance(self._positions)
-            outlooks.append(RowOutlook(r.acceptance if drafts else None, budget))
+            outlooks.append(RowOutlook(r.acceptance if drafts else None, budget,
+                                       stale(r.seq) if stale is not None else 0))
         k = self.policy.choose(outlooks, ready, refill)
         if k:  # rows that draft nothing propose one token
             caps = [o.budget if o.acceptance is not None else 1 for o in outlooks]
         return RoundPlan(k, outlooks, None if all(c is None for c in caps) else caps,
-                         None if all(m is None for m in masks) else masks)
+                         None if all(m is None for m in masks) else masks,
+                         bare=not k and self.policy.bare(outlooks, refill))
 
-    def chain_outlooks(self, records: Sequence[RequestRecord], ready: Ready,
-                       refill: bool = False) -> list[RowOutlook] | None:
-        """The rows' outlooks when their next round, chained ahead, drafts nothing (None:
-        the policy would draft). Chainable rows have no control, grammar or thinking budget
-        ahead, so their budgets are their tokens left."""
+    def chain_plan(self, records: Sequence[RequestRecord], ready: Ready,
+                   refill: bool = False, stale: Stale | None = None) -> RoundPlan | None:
+        """The rows' next round, chained ahead, when it drafts nothing (None: the policy
+        would draft). Chainable rows have no control, grammar or thinking budget ahead, so
+        their budgets are their tokens left."""
         outlooks = [RowOutlook(r.acceptance if r.sampling.speculative == "on" else None,
-                               r.sampling.max_new_tokens - r.completion_tokens)
+                               r.sampling.max_new_tokens - r.completion_tokens,
+                               stale(r.seq) if stale is not None else 0)
                     for r in records]
         if self.policy.adaptive and self.policy.choose(outlooks, ready, refill):
             return None
-        return outlooks
+        return RoundPlan(0, outlooks, bare=self.policy.bare(outlooks, refill))
 
     def dispatched(self, batch: PendingBatch, k: int, outlooks: list[RowOutlook]) -> None:
         self.policy.dispatched(k, outlooks)

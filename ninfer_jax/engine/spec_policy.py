@@ -8,6 +8,7 @@ draft position (a prior from requests' first rounds, and per request), the choic
 counts behind `SpeculativeStats`.
 
     k = policy.choose(rows, ready, refill)  # rows: one RowOutlook each
+    bare = not k and policy.bare(rows, refill)  # may a round of 0 skip the drafter's upkeep
     policy.dispatched(k, rows)              # the Program runs the round of k drafts
     policy.round_done(k, len(rows), now, tokens)  # its output read (interrupt(): other units)
     policy.add_row(acceptance, k, limit, produced, committed)
@@ -52,6 +53,14 @@ The choice: the K of most committed tokens per second for the round's rows.
   the break-even drifts back to the prior's.
 - Rows of requests with speculative="off" expect one token at every K; a round of only such
   rows is a round of 0. Only compiled Ks are chosen.
+- Bare rounds (a `window` W > 0: DFlash with a sliding-window drafter, `bare`): a round of 0
+  may skip the drafter's upkeep (the drafter's projections of the new position: 3-4% of a
+  round of the embedded model on these cores) when its rows draft nothing, or when the
+  choice for them is 0 and their B's next probe is more than W rounds away. A row's context
+  then lacks those positions until W rounds of upkeep later (`RowOutlook.stale`); a choice
+  that drafts for a stale row runs rounds of 0 with the upkeep until it is whole, so no
+  probe or drafting round reads a context with holes (the cost: at most W rounds of the
+  gain of a K that was losing until then).
 
 Does not own: which K values exist (`ProgramConfig.round_drafts`, compiled at start), the
 rows' limits (the Program clips them to K + 1), or exactness (every K gives the same greedy
@@ -93,6 +102,11 @@ UNMEASURED = 0.5  # acceptance assumed at a position nobody measured
 SHRINK = 2.0  # rows of the position before that a position's prior rate starts from
 
 
+def _rows_key(rows: Sequence[RowOutlook], refill: bool) -> tuple:
+    """What a choice was made for: refill, then the rows' requests."""
+    return (refill, *(id(r.acceptance) for r in rows))
+
+
 class RowAcceptance:
     """One request's accepted / attempted drafts by position (conditional: attempted when
     every draft before it was accepted), decayed as the prior's counts are."""
@@ -113,6 +127,7 @@ class RowOutlook:
 
     acceptance: RowAcceptance | None  # None: the request speculates nothing ("off", a mask)
     budget: int  # the most tokens the row may commit this round (its max_new_tokens left, cap)
+    stale: int = 0  # rounds of upkeep until its drafter context is whole (after bare rounds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,11 +160,12 @@ class DraftPolicy:
     """Chooses each decode round's K among `round_drafts` (one of them: a fixed K) and counts
     what happened. Only the Engine's worker thread touches it."""
 
-    def __init__(self, round_drafts: Sequence[int], method: str):
+    def __init__(self, round_drafts: Sequence[int], method: str, window: int = 0):
         self.ks = tuple(round_drafts)
         self.kmax = self.ks[-1]
         self.method = method
         self.adaptive = len(self.ks) > 1
+        self.window = window if self.adaptive else 0  # `bare`: ProgramLimits.context_window
         self._times: dict[tuple[int, int], collections.deque] = {}  # (K, B) -> seconds
         self._median: dict[tuple[int, int], float] = {}  # (K, B) -> their median
         self._at: dict[tuple[int, int], collections.deque] = {}  # (K, B) -> their rounds
@@ -194,6 +210,13 @@ class DraftPolicy:
             return ks[0]
         if all(r.acceptance is None or r.budget <= 1 for r in rows):
             return ks[0]  # nothing to draft: the cheapest round
+        k = self._choose(rows, ks, refill)
+        if k != ks[0] and any(r.stale and r.acceptance is not None for r in rows):
+            return ks[0]  # a block would miss what bare rounds left out: the upkeep first
+        return k
+
+    def _choose(self, rows: Sequence[RowOutlook], ks: list[int], refill: bool) -> int:
+        b = len(rows)
         if b in self._plan and self._plan[b][0] in ks:
             return self._plan[b][0]
         if not any(self._known(k, b) for k in ks) and any(
@@ -204,6 +227,23 @@ class DraftPolicy:
                 return k
         made = self._choice_for(rows, ks, refill)
         return made.probe if self._since_probe[b] >= made.wait else made.best
+
+    def bare(self, rows: Sequence[RowOutlook], refill: bool = False) -> bool:
+        """Whether a round of 0 drafts (what `choose` just gave for `rows`) may skip the
+        drafter's upkeep (`HostProgram.decode(bare=True)`; a `window` of W > 0): when its rows
+        draft nothing, or when drafting loses for them (the choice's best is 0) and their B's
+        next probe is more than W rounds away (its rows' contexts whole again by then; a choice
+        that turns to drafting first waits for them, `choose`, which costs at most W rounds of
+        the gain of a K that was losing until then)."""
+        if not self.window:
+            return False
+        if all(r.acceptance is None or r.budget <= 1 for r in rows):
+            return True
+        b = len(rows)
+        made = self._choice.get(b)
+        return made is not None and made.rows == _rows_key(rows, refill) and made.best == 0 \
+            and b not in self._plan and self._probing is None \
+            and self._since_probe[b] + self.window < made.wait
 
     def _check_ready(self, k: int, b: int, ready: Callable[[int, int], bool]) -> bool:
         """Whether a round of K at B may run now (the largest always: it is waited for);
@@ -218,7 +258,7 @@ class DraftPolicy:
         of the cheapest K stands REFRESH rounds while the rows stay the same (its rounds add
         no acceptance counts); one that drafts is made again every round (its rounds do)."""
         b = len(rows)
-        key = (refill, *(id(r.acceptance) for r in rows))
+        key = _rows_key(rows, refill)
         made = self._choice.get(b)
         if made is not None and made.rows == key and made.best == ks[0] and made.ks == ks \
                 and self._round - made.round < REFRESH:
@@ -532,7 +572,8 @@ class DraftPolicy:
             out[k] += n
         return out
 
-    def stats(self):
+    def stats(self, bare_rounds: int = 0):
+        """`bare_rounds`: the Program's count (`ProgramStats.bare_rounds`)."""
         from ninfer_jax.engine.spec_stats import SpeculativeStats
 
         cum = tuple(a / n if n else 0.0 for a, n in zip(self._cum_accepted,
@@ -545,4 +586,4 @@ class DraftPolicy:
             acceptance_by_position=cum, policy="adaptive" if self.adaptive else "fixed",
             rounds_by_drafts=tuple(sorted(self.rounds_by_k.items())),
             estimated_gain=self._gain[0] / self._gain[1] if self._gain[1] else 0.0,
-            round_ms=times)
+            round_ms=times, bare_rounds=bare_rounds)

@@ -11,6 +11,7 @@ tokens alone or in any company; the statistics add up, per draft position.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -133,3 +134,25 @@ def test_stats_add_up_per_block_position():
     assert len(spec.acceptance_by_position) == K
     rates = spec.acceptance_by_position
     assert rates[0] > 0.5 and all(0 <= r <= 1 for r in rates)
+
+
+def test_bare_rounds_keep_greedy_output_and_drafting_resumes_after_them():
+    """An adaptive Engine whose drafter's window (64) is shorter than its sequences: rounds
+    whose rows draft nothing (speculative="off") skip the drafter's upkeep (bare rounds: the
+    Program's count), requests that speculate after them on the same slots draft from whole
+    contexts, and every output equals that of speculation off. (A sequence that drafts after
+    its own bare rounds: tests/program/test_dflash_program.py.)"""
+    opened = _opened(K, "dflash", tuple({**SETTINGS, "draft_policy": "adaptive",
+                                         "max_seq_len": 256, "max_concurrency": 2}.items()))
+    assert opened[0].limits.context_window == 64
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=150, ignore_eos=True)
+    off = dataclasses.replace(greedy, speculative="off")
+    texts = ["Once upon a time", "The dog ran to the"]
+    with engine(K, opened=opened) as (e, _):
+        want = [e.submit(prompt=t, sampling=off).result(120).token_ids for t in texts]
+        bare = e.stats().speculative.bare_rounds
+        assert bare >= 2 * 140
+        handles = [e.submit(prompt=t, sampling=greedy) for t in texts]
+        assert [h.result(120).token_ids for h in handles] == want
+        spec = e.stats().speculative
+    assert spec.verify_rows > 0 and spec.mean_accepted_tokens > 1.5

@@ -194,6 +194,71 @@ def test_probes_teach_the_prior_what_new_requests_expect():
     assert np.mean(firsts) <= 5, firsts
 
 
+def _simulate_bare(policy: DraftPolicy, cost, accept: float, rounds: int, b: int = 1,
+                   accept_after: float | None = None, saving: float = 0.05
+                   ) -> tuple[float, list[int | str]]:
+    """`_simulate` with bare rounds: a round of 0 the policy allows to be bare costs `saving`
+    less and leaves its rows' drafter contexts stale for `policy.window` rounds, during which
+    their drafts are all wrong (the context a block would read lacks the recent positions).
+    Returns the tokens per second and each round's K ("bare" for a bare one)."""
+    rng = np.random.default_rng(0)
+    now, tokens, chosen = 0.0, 0, []
+    rows = [RowAcceptance(max(KS)) for _ in range(b)]
+    stale = [0] * b
+    for i in range(rounds):
+        p = accept if accept_after is None or i < rounds // 2 else accept_after
+        outlook = [RowOutlook(a, 10**6, n) for a, n in zip(rows, stale)]
+        k = policy.choose(outlook, lambda k, b: True)
+        bare = k == 0 and policy.bare(outlook)
+        policy.dispatched(k, outlook)
+        now += cost(k, b) * (1 - saving * bare)
+        round_tokens = 0
+        for r, a in enumerate(rows):
+            produced = 1
+            while produced <= k and not stale[r] and rng.random() < p:
+                produced += 1
+            tokens += produced
+            round_tokens += produced
+            policy.add_row(a, k, k + 1, produced, produced)
+            stale[r] = policy.window if bare else max(stale[r] - produced, 0)
+        policy.round_done(k, b, now, round_tokens)
+        chosen.append("bare" if bare else k)
+    return tokens / now, chosen
+
+
+@pytest.mark.parametrize("b", [1, 4])
+def test_rounds_of_0_are_bare_where_drafting_loses_and_never_before_a_probe(b):
+    """Drafts lose (K = 0 wins): nearly every round of 0 skips the drafter's upkeep, but the
+    W rounds before each probe keep it (no probe drafts from a stale context), and the policy
+    runs faster than rounds of 0 with the upkeep."""
+    window = 16
+    policy = DraftPolicy(KS, "dflash", window=window)
+    cost = _cost(1.0, 1.0)
+    got, chosen = _simulate_bare(policy, cost, 0.2, 6000, b)
+    tail = chosen[1000:]
+    assert tail.count("bare") > 0.9 * len(tail)
+    probes = [i for i in range(1, len(chosen)) if chosen[i] not in (0, "bare")
+              and chosen[i - 1] in (0, "bare")]
+    assert len(probes) >= 3
+    for i in probes[1:]:  # after the exploration: W rounds of upkeep before each
+        assert chosen[i - window:i] == [0] * window
+    assert got > _simulate(0, cost, 0.2, 6000, b)[0]
+    assert DraftPolicy(KS, "dflash").bare([RowOutlook(RowAcceptance(3), 50)]) is False
+
+
+def test_a_predictable_text_after_bare_rounds_waits_for_its_context_then_drafts():
+    """Drafts lose for the first half (bare rounds), then are almost always right: the
+    policy notices (its probes run with whole contexts), never drafts while a row's context
+    is stale, and climbs to the largest K."""
+    policy = DraftPolicy(KS, "dflash", window=16)
+    _, chosen = _simulate_bare(policy, _cost(1.0, 0.3), 0.05, 1600, accept_after=0.97)
+    assert chosen[700:800].count("bare") > 60
+    assert chosen[-200:].count(3) > 180
+    rows = [RowOutlook(RowAcceptance(3), 50, 5)]  # a stale row: drafting waits
+    assert policy.choose(rows, lambda k, b: True) == 0 and not policy.bare(rows)
+    assert policy.bare([RowOutlook(None, 50), RowOutlook(RowAcceptance(3), 1)])
+
+
 def test_rows_that_draft_nothing_and_unready_executables():
     policy = DraftPolicy(KS, "mtp")
     off = [RowOutlook(None, 50), RowOutlook(RowAcceptance(3), 1)]

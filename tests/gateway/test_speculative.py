@@ -116,7 +116,9 @@ def test_metrics_expose_the_speculative_statistics():
         assert spec.policy == "adaptive" and len(spec.rounds_by_drafts) >= 2
         rounds = {f'ninfer_speculative_rounds_total{{drafts="{k}"}}': float(n)
                   for k, n in spec.rounds_by_drafts}
+        assert spec.bare_rounds == 0  # a Program without a drafter's window runs none
         assert _metrics(server.url) == {**rounds,
+            "ninfer_speculative_bare_rounds_total": 0.0,
             "ninfer_speculative_estimated_gain": spec.estimated_gain,
             f'ninfer_speculative_method{{method="{spec.method}"}}': 1.0,
             "ninfer_speculative_tokens": 2.0,
@@ -129,6 +131,7 @@ def test_metrics_expose_the_speculative_statistics():
 
 def test_metrics_without_speculation(server):
     assert _metrics(server.url) == {'ninfer_speculative_method{method="off"}': 1.0,
+                                    "ninfer_speculative_bare_rounds_total": 0.0,
                                     "ninfer_speculative_estimated_gain": 0.0,
                                     "ninfer_speculative_tokens": 0.0,
                                     "ninfer_speculative_verify_rows_total": 0.0,

@@ -113,6 +113,10 @@ class _EngineCollector:
         for k, n in spec.rounds_by_drafts:
             rounds.add_metric([str(k)], n)
         yield rounds
+        yield CounterMetricFamily("ninfer_speculative_bare_rounds",
+                                  "decode rounds of no drafts that skipped the drafter's upkeep "
+                                  "(DFlash: drafting was losing for their rows)",
+                                  value=spec.bare_rounds)
         yield GaugeMetricFamily("ninfer_speculative_estimated_gain",
                                 "chosen rounds' expected tokens/s over rounds of no drafts, "
                                 "as the adaptive policy estimates them (0: not measured)",
