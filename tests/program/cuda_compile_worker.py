@@ -28,14 +28,16 @@ from ninfer_jax.program import hlo
 from ninfer_jax.program.aot import compile_all, gpu_devices
 from ninfer_jax.program.config import ProgramConfig
 from ninfer_jax.testing import tiny_dense, tiny_moe
+from ninfer_jax.testing.configs import tiny_drafter
 
 
 def programs() -> dict:
     """A tiny dense and a tiny MoE Program (MTP K = 2 on the dense one, its rounds of 0 and 1
     drafts too (key "decode[B][K]"), INT8 pages on the MoE
     one; the MoE one with either layer loop: per-layer weights, the GPU's default, and a scan
-    handing kernels their stacked weights), every executable compiled: ok, Triton kernels,
-    expert-by-token tensors."""
+    handing kernels their stacked weights), and a dense one with a DFlash drafter (K = 4: its
+    rounds of 0, 1 and 4 and the bare rounds of 0, "decode[B][0][1]"), every executable
+    compiled: ok, Triton kernels, expert-by-token tensors."""
     out = {}
     base = ProgramConfig(max_concurrency=2, max_seq_len=128, num_pages=32, page_size=16,
                          prefill_chunk=32, dtype="bfloat16", attention_impl="pallas",
@@ -44,7 +46,9 @@ def programs() -> dict:
     cases = {"dense": (tiny_dense(mtp_num_layers=1), dataclasses.replace(
                  base, speculative="mtp", num_speculative_tokens=2)),
              "moe": (tiny_moe(), moe),
-             "moe scan": (tiny_moe(), dataclasses.replace(moe, layer_loop="scan"))}
+             "moe scan": (tiny_moe(), dataclasses.replace(moe, layer_loop="scan")),
+             "dflash": (tiny_dense(), dataclasses.replace(
+                 base, speculative="dflash", num_speculative_tokens=4))}
     for name, (cfg, pcfg) in cases.items():
         def inspect(key, text, cfg=cfg):
             module = hlo.parse(text)
@@ -52,7 +56,8 @@ def programs() -> dict:
                                         {1, 2, 3, 4, 6, 32, 64}) if cfg.num_experts else []
             return {"kernels": hlo.triton_kernels(module), "expert_by_token": found}
 
-        results = compile_all(cfg, pcfg, gpu_devices("h200"), inspect=inspect)
+        drafter = tiny_drafter(cfg) if pcfg.speculative == "dflash" else None
+        results = compile_all(cfg, pcfg, gpu_devices("h200"), inspect=inspect, drafter=drafter)
         out[name] = [{"key": f"{r.key.kind.value}[{r.key.batch}]"
                       + "".join(f"[{x}]" for x in r.key.extra), "ok": r.ok,
                       "error": r.error[:300], "temp_bytes": r.temp_bytes,

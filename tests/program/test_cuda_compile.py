@@ -1,5 +1,5 @@
 """The GPU build compiled for sm_90 (an H200 target, no GPU): a tiny dense and a tiny MoE
-Program, every executable, the kernels across the dtypes, head dims, GQA groups and page
+Program and a dense one with a DFlash drafter, every executable, the kernels across the dtypes, head dims, GQA groups and page
 sizes users run, and the scoring executables. Dev tier: it needs a venv with jax's CUDA plugin, whose python is
 $NINFER_CUDA_PYTHON (`scripts/test_slow.sh` makes one); without it the tests are skipped."""
 
@@ -34,7 +34,9 @@ def test_tiny_programs_compile_for_sm90_with_their_kernels():
         failed = [r for r in rows if not r["ok"]]
         assert not failed, (name, failed)
         steps = {r["key"]: r for r in rows}
-        rounds = ("decode[1][0]", "decode[2][0]", "decode[2][1]") if name == "dense" else ()
+        rounds = {"dense": ("decode[1][0]", "decode[2][0]", "decode[2][1]"),
+                  "dflash": ("decode[1][0]", "decode[2][1]", "decode[1][0][1]",
+                             "decode[2][0][1]")}.get(name, ())
         for key in ("prefill[1]", "decode[1]", "decode[2]", *rounds):
             kernels = steps[key]["kernels"]
             assert any(k.startswith("paged_attention") for k in kernels), (name, key, kernels)
