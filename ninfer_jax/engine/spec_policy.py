@@ -56,7 +56,8 @@ The choice: the K of most committed tokens per second for the round's rows.
 - Bare rounds (a `window` W > 0: DFlash with a sliding-window drafter, `bare`): a round of 0
   may skip the drafter's upkeep (the drafter's projections of the new position: 3-4% of a
   round of the embedded model on these cores) when its rows draft nothing, or when the
-  choice for them is 0 and their B's next probe is more than W rounds away. A row's context
+  choice for them is 0, W rounds of 0 ran in a row at their B and its next probe is more
+  than W rounds away. A row's context
   then lacks those positions until W rounds of upkeep later (`RowOutlook.stale`); a choice
   that drafts for a stale row runs rounds of 0 with the upkeep until it is whole, so no
   probe or drafting round reads a context with holes (the cost: at most W rounds of the
@@ -179,6 +180,7 @@ class DraftPolicy:
         self._accepted = [0.0] * self.kmax
         self._round = 0  # decode rounds dispatched
         self._since_probe: collections.Counter = collections.Counter()  # B -> rounds
+        self._zeros: collections.Counter = collections.Counter()  # B -> rounds of 0 in a row
         self._probes: collections.Counter = collections.Counter()  # B -> probes made
         self._plan: dict[int, list[int]] = {}  # B -> [K, rounds] of a probe's rounds to come
         self._probing: _Probe | None = None  # the probe being measured
@@ -232,9 +234,10 @@ class DraftPolicy:
         """Whether a round of 0 drafts (what `choose` just gave for `rows`) may skip the
         drafter's upkeep (`HostProgram.decode(bare=True)`; a `window` of W > 0): when its rows
         draft nothing, or when drafting loses for them (the choice's best is 0) and their B's
-        next probe is more than W rounds away (its rows' contexts whole again by then; a choice
-        that turns to drafting first waits for them, `choose`, which costs at most W rounds of
-        the gain of a K that was losing until then)."""
+        next probe is more than W rounds away (its rows' contexts whole again by then), after W
+        rounds of 0 in a row at B (a choice that turns to drafting waits for the rows'
+        contexts, `choose`: up to W rounds of its gain, which a choice that hovers near the
+        break-even would pay again and again)."""
         if not self.window:
             return False
         if all(r.acceptance is None or r.budget <= 1 for r in rows):
@@ -242,8 +245,8 @@ class DraftPolicy:
         b = len(rows)
         made = self._choice.get(b)
         return made is not None and made.rows == _rows_key(rows, refill) and made.best == 0 \
-            and b not in self._plan and self._probing is None \
-            and self._since_probe[b] + self.window < made.wait
+            and self._zeros[b] >= self.window and b not in self._plan \
+            and self._probing is None and self._since_probe[b] + self.window < made.wait
 
     def _check_ready(self, k: int, b: int, ready: Callable[[int, int], bool]) -> bool:
         """Whether a round of K at B may run now (the largest always: it is waited for);
@@ -360,6 +363,7 @@ class DraftPolicy:
             self._gain[0] += made.gain
             self._gain[1] += 1
         self._since_probe[b] += 1
+        self._zeros[b] = self._zeros[b] + 1 if k == 0 else 0
         if b in self._plan and self._plan[b][0] == k:  # a probe's later round
             self._plan[b][1] -= 1
             if not self._plan[b][1]:

@@ -242,8 +242,24 @@ def test_rounds_of_0_are_bare_where_drafting_loses_and_never_before_a_probe(b):
     assert len(probes) >= 3
     for i in probes[1:]:  # after the exploration: W rounds of upkeep before each
         assert chosen[i - window:i] == [0] * window
+    for i in range(window, len(chosen)):  # and W rounds of 0 after any drafting round
+        if chosen[i] == "bare":
+            assert all(k in (0, "bare") for k in chosen[i - window:i]), i
     assert got > _simulate(0, cost, 0.2, 6000, b)[0]
     assert DraftPolicy(KS, "dflash").bare([RowOutlook(RowAcceptance(3), 50)]) is False
+
+
+@pytest.mark.parametrize("per_draft,accept", [(0.1, 0.3), (0.3, 0.7), (0.5, 0.5),
+                                               (1.0, 0.8)])
+def test_bare_rounds_never_cost_against_the_upkeep_every_round(per_draft, accept):
+    """Near the break-even (drafting wins by a little or loses by a little), where a choice
+    that flips to drafting after a bare round waits W rounds for its rows' contexts: the policy
+    with bare rounds is at least as fast as the same policy with the upkeep every round."""
+    cost = _cost(1.0, per_draft)
+    for b in (1, 4):
+        bare, _ = _simulate_bare(DraftPolicy(KS, "dflash", window=16), cost, accept, 4000, b)
+        kept, _ = _simulate_bare(DraftPolicy(KS, "dflash"), cost, accept, 4000, b)
+        assert bare >= 0.99 * kept, (b, bare / kept)
 
 
 def test_a_predictable_text_after_bare_rounds_waits_for_its_context_then_drafts():
