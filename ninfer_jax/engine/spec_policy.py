@@ -16,8 +16,8 @@ counts behind `SpeculativeStats`.
 The choice: the K of most committed tokens per second for the round's rows.
 - t(K, B): the median time of the last steady rounds of that (K, B) (a change, the start of a
   chain of rounds of 0 and an executable's first runs are not samples); at a B where some K
-  was measured and this one not, its time at the nearest B scaled by the ratio of a K
-  measured at both. Ks are compared on times taken close together: every sample is paired
+  was measured and this one not, its time at the nearest B scaled by a K measured at both
+  (the larger of their ratio and K's extra over it in proportion to the rows). Ks are compared on times taken close together: every sample is paired
   with the other Ks' samples of the NEAR rounds before it, and a K other than the anchor
   (the K of the latest sample, mostly the choice) is timed as the anchor's median times
   their paired ratio (the geometric mean of the two directions' medians: a busy stretch of
@@ -447,9 +447,20 @@ class DraftPolicy:
                 if ratio is not None:
                     return max(self._median[(anchor, b)] * ratio, 1e-9)
             return max(self._median[(k, b)], 1e-9)
-        pairs = [(abs(other - b), self._median[(ref, b)] * self._median[(k, other)]
-                  / max(self._median[(ref, other)], 1e-9)) for other, ref in self._scales(k, b)]
+        pairs = [(abs(other - b), self._scaled(k, b, other, ref))
+                 for other, ref in self._scales(k, b)]
         return max(min(pairs)[1], 1e-9) if pairs else None
+
+    def _scaled(self, k: int, b: int, other: int, ref: int) -> float:
+        """K's time at B from its time at another B and a reference K known at both: the
+        larger of the reference's time here times their ratio there, and the reference's time
+        here plus K's extra over it there in proportion to the rows (a verify's extra work
+        grows with its rows, a round of 0's less: the ratio alone under-estimated the demo's
+        DFlash K = 3 at B = 4 from B = 1, 5.2 ms against 6.4, so its first rounds there
+        drafted at a loss; the extra alone under-estimates a smaller B)."""
+        here, there, k_there = self._median[(ref, b)], self._median[(ref, other)], \
+            self._median[(k, other)]
+        return max(here * k_there / max(there, 1e-9), here + (k_there - there) * b / other)
 
     def _ratio(self, k: int, j: int, b: int) -> float | None:
         """t(K) / t(J) at B from their pairs: the geometric mean of the median ratio of K's

@@ -315,6 +315,22 @@ def test_a_new_batch_size_measures_its_cheapest_round_and_scales_the_rest():
     assert policy._time(3, 2) == pytest.approx(cost(3, 2), rel=1e-6)  # scaled from B = 1
 
 
+def test_drafting_at_a_new_batch_size_is_not_under_estimated():
+    """A verify's extra work grows with its rows while a round of 0's grows less (as the demo
+    model's on these cores): K = 3 wins at B = 1 and loses at B = 4, where its time scaled by
+    the ratio of rounds of 0 alone would have promised a win; until measured there, the
+    estimate takes the larger scaling and B = 4 runs rounds of 0."""
+    def cost(k, b):
+        return 1.0 + 0.3 * (b - 1) + (k > 0) * 0.4 * (1 + k) * b
+
+    policy = DraftPolicy(KS, "mtp")
+    _, ones = _simulate(policy, cost, 0.9, 300, b=1)
+    assert ones[-50:].count(0) < 10  # drafting wins at B = 1
+    _, fours = _simulate(policy, cost, 0.9, 30, b=4)
+    assert set(fours) == {0}
+    assert policy._time(3, 4) == pytest.approx(cost(3, 4), rel=0.05)
+
+
 def _turns(policy: DraftPolicy | int, cost, accept, turns: int, length: int = 128,
            seed: int = 0, load=None) -> float:
     """Tokens per simulated second over `turns` turns; a turn runs len(accept) fresh requests
