@@ -17,7 +17,8 @@ The choice: the K of most committed tokens per second for the round's rows.
 - t(K, B): the median time of the last steady rounds of that (K, B) (a change, the start of a
   chain of rounds of 0 and an executable's first runs are not samples); at a B where some K
   was measured and this one not, its time at the nearest B scaled by a K measured at both
-  (the larger of their ratio and K's extra over it in proportion to the rows). Ks are compared on times taken close together: every sample is paired
+  (the larger of their ratio and K's extra over it in proportion to the rows). Ks are
+  compared on times taken close together: every sample is paired
   with the other Ks' samples of the NEAR rounds before it, and a K other than the anchor
   (the K of the latest sample, mostly the choice) is timed as the anchor's median times
   their paired ratio (the geometric mean of the two directions' medians: a busy stretch of
@@ -57,8 +58,8 @@ The choice: the K of most committed tokens per second for the round's rows.
   may skip the drafter's upkeep (the drafter's projections of the new position: 3-4% of a
   round of the embedded model on these cores) when its rows draft nothing, or when the
   choice for them is 0, W rounds of 0 ran in a row at their B and its next probe is more
-  than W rounds away. A row's context
-  then lacks those positions until W rounds of upkeep later (`RowOutlook.stale`); a choice
+  than W rounds away. A row's context then lacks those positions until W rounds of upkeep
+  later (`RowOutlook.stale`); a choice
   that drafts for a stale row runs rounds of 0 with the upkeep until it is whole, so no
   probe or drafting round reads a context with holes (the cost: at most W rounds of the
   gain of a K that was losing until then).
