@@ -205,6 +205,10 @@ def _spec_policy(data: dict) -> tuple[list[Row], str]:
                             ratio=_rounded(sides[name]["over_off"], 2), unit="tok/s"))
         rows.append(Row(config=f"{method} B={b}: policy vs the best fixed {policy['best_fixed']}",
                         ratio=_rounded(policy["over_best_fixed"], 2)))
+        if "off_over_base" in batch:  # BENCH_SPECPOL_BASELINE: a checkout's off in the turns
+            rows.append(Row(config=f"{method} B={b}: off vs the baseline checkout's off",
+                            ours=off, against=_rounded(sides["base off"]["tok_s"], 1),
+                            ratio=_rounded(batch["off_over_base"], 3), unit="tok/s"))
         met.append(f"B={b} {'met' if policy['met'] else 'NOT met'}")
     for b, upkeep in sorted(data["measure"]["upkeep"].items(), key=lambda kv: int(kv[0])):
         rows.append(Row(config=f"{method} B={b}: a round of 0 drafts vs plain decode (Program)",

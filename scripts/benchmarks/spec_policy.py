@@ -25,7 +25,9 @@ driven directly (their Engines stopped), ms per round of 0 drafts of the policy'
 
 Settings (environment): BENCH_SPECPOL_METHOD=mtp (or dflash)  BENCH_SPECPOL_KS (mtp: 1,2,3;
 dflash: 4,8,15)  BENCH_SPECPOL_BATCHES=1,4  BENCH_SPECPOL_NEW_TOKENS=128  BENCH_SPECPOL_REPS=5
-BENCH_SPECPOL_WARMUP=2.
+BENCH_SPECPOL_WARMUP=2  BENCH_SPECPOL_BASELINE=DIR (a checkout of an earlier commit, `git
+worktree add DIR COMMIT`: its "off" Engine joins the turns as the side "base off", and "off"
+over it per pair is reported: a change to the Program or the Engine measured in the same turns).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class Settings:
     new_tokens: int = 128
     reps: int = 5
     warmup: int = 2
+    baseline: str | None = None
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -69,7 +72,18 @@ class Settings:
                    new_tokens=env_int("BENCH_SPECPOL_NEW_TOKENS", d.new_tokens, minimum=2,
                                       maximum=1024),
                    reps=env_int("BENCH_SPECPOL_REPS", d.reps),
-                   warmup=env_int("BENCH_SPECPOL_WARMUP", d.warmup, minimum=0))
+                   warmup=env_int("BENCH_SPECPOL_WARMUP", d.warmup, minimum=0),
+                   baseline=_baseline())
+
+
+def _baseline() -> str | None:
+    value = os.environ.get("BENCH_SPECPOL_BASELINE")
+    if not value:
+        return None
+    if not os.path.isdir(os.path.join(value, "ninfer_jax")):
+        raise SettingError(f"BENCH_SPECPOL_BASELINE={value!r:.200}: no ninfer_jax/ in that "
+                           "directory")
+    return os.path.abspath(value)
 
 
 UPKEEP_ROUNDS = 200  # rounds of 0 drafts per upkeep turn, at most
@@ -84,7 +98,7 @@ def _settings(s: Settings, k: int, policy: str) -> dict:
 
 def measure(s: Settings) -> dict:
     sides = [("off", 0, "fixed"), *((f"K={k}", k, "fixed") for k in s.ks),
-             ("policy", max(s.ks), "adaptive")]
+             ("policy", max(s.ks), "adaptive"), *([("base off", 0, "fixed")] if s.baseline else [])]
     out = {"setup": {}, "batches": {}, "upkeep": {}}
     fixed = [f"K={k}" for k in s.ks]
     with contextlib.ExitStack() as stack:
@@ -92,7 +106,8 @@ def measure(s: Settings) -> dict:
         for name, k, policy in sides:
             progress(f"starting {name} ({s.method}; compiling every executable)")
             w = stack.enter_context(Worker(name, "scripts.benchmarks.workers.spec_engine"))
-            out["setup"][name] = w.setup({"settings": _settings(s, k, policy)})
+            code = s.baseline if name == "base off" else None
+            out["setup"][name] = w.setup({"settings": _settings(s, k, policy), "code": code})
             workers[name] = w
         ordered = [workers[name] for name, _, _ in sides]
         for b in s.batches:
@@ -118,6 +133,9 @@ def measure(s: Settings) -> dict:
                 "best_fixed": best, "over_best_fixed": over_best,
                 "met": over_off["median"] >= TARGET_OVER_OFF
                 and over_best["median"] >= TARGET_OVER_BEST}
+            if s.baseline:
+                row["off_over_base"] = spread([x / y for x, y in zip(
+                    off["rates"], r["sides"]["base off"]["rates"])])
             out["batches"][b] = row
             out["policy_stats"] = r["sides"]["policy"]["outputs"][-1]["stats"]
         # The upkeep: rounds of 0 drafts at the Program, off's plain decode and the policy's
@@ -153,6 +171,9 @@ def format_table(result: dict) -> str:
                      f"{fmt_spread(p['over_best_fixed'], 2)}; target >= {TARGET_OVER_OFF}x off "
                      f"and >= {TARGET_OVER_BEST}x best fixed: {'met' if p['met'] else 'NOT met'}"
                      f"; load 1-min {load}")
+        if "off_over_base" in row:
+            lines.append(f"    off / base off ({s['baseline']}) per pair: "
+                         f"{fmt_spread(row['off_over_base'], 3)}")
     for b, u in m["upkeep"].items():
         lines.append(f"upkeep at the Program, B={b}: a round of 0 drafts "
                      f"{fmt_spread(u['round_ms']['policy'], 3)} ms ({s['method']}) against "

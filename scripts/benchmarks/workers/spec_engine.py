@@ -15,6 +15,7 @@ turn. Measurements:
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 
 from scripts.benchmarks._worker import BenchWorker, serve
@@ -22,6 +23,8 @@ from scripts.benchmarks._worker import BenchWorker, serve
 
 class SpecEngine(BenchWorker):
     def setup(self, args: dict) -> dict:
+        if args.get("code"):  # a checkout's ninfer_jax instead (before its first import)
+            sys.path.insert(0, args["code"])
         import jax
 
         from ninfer_jax.api import Engine
@@ -33,7 +36,10 @@ class SpecEngine(BenchWorker):
         self.engine.wait_compiled()
         self.program = self.engine.core.program
         self.handles = []
-        return {"open_s": time.perf_counter() - start, "jax": jax.__version__}
+        import ninfer_jax
+
+        return {"open_s": time.perf_counter() - start, "jax": jax.__version__,
+                "ninfer_jax": ninfer_jax.__file__}
 
     def prepare(self, name: str, args: dict) -> None:
         from ninfer_jax.sampling_params import SamplingParams
