@@ -166,18 +166,10 @@ def write_context(pool: jax.Array, slots: jax.Array, positions: jax.Array, valid
                                                mode="promise_in_bounds")
 
 
-def mark_context_empty(dk: jax.Array, slots: jax.Array, positions: jax.Array,
-                       ring: int) -> jax.Array:
-    """dk [S + 1, R + 1, ...] with the entries of (slots[b], positions[b] % R) zeroed: empty
-    (`context_written`), for a round that skips the drafter's upkeep."""
-    entry = jnp.mod(positions, ring)
-    return dk.at[slots, entry].set(jnp.zeros((), dk.dtype), mode="promise_in_bounds")
-
-
 def context_written(dk: jax.Array) -> jax.Array:
     """Which ring entries hold a position's K [B, R + 1] of dk [B, R + 1, Ld, Hkv, D]: an
     entry of K is normed and rotated, never all zeros (its norm weights are not), so zeros
-    mark an entry a round left empty (`mark_context_empty`). A block reads an entry only
+    mark an entry a bare round of 0 left empty (`steps.decode_step`). A block reads an entry only
     where both this and `context_positions` hold."""
     return jnp.any(dk[:, :, 0] != 0, axis=(-2, -1))
 

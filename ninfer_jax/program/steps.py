@@ -44,7 +44,7 @@ from ninfer_jax.program.pools import (
     Pools,
     context_positions,
     context_ring,
-    mark_context_empty,
+    write_context,
     write_rows,
 )
 from ninfer_jax.program.sampling import (
@@ -338,7 +338,7 @@ def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
     and the new one (`verify_step`), or the drafter's context K/V of the new position. Its
     tokens then come back [B, verify_width], the sampled one repeated (the commit's width).
     `bare` (DFlash with a sliding-window drafter): the new position's ring entry is marked
-    empty instead (`pools.mark_context_empty`), which costs a write, not the drafter's
+    empty instead (zeros), which costs a write, not the drafter's
     projections; blocks do not read it, and once the window has moved past it the context
     is the one the upkeep would have left."""
     pools = commit_step(pools, inputs.commit)
@@ -364,8 +364,10 @@ def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
         pools = pools.with_kv(mkv.layers)
     if drafter is not None:
         ring, _ = context_ring(drafter, pcfg)
-        if bare:
-            pools = dataclasses.replace(pools, dk=mark_context_empty(pools.dk, slots, pos, ring))
+        if bare:  # the entry left empty: zeros, which blocks skip (`pools.context_written`)
+            empty = jnp.zeros((b, 1, *pools.dk.shape[2:]), pools.dk.dtype)
+            pools = dataclasses.replace(pools, dk=write_context(
+                pools.dk, slots, pos[:, None], jnp.ones((b, 1), bool), ring, empty))
         else:
             pools = write_drafter_context(params, drafter, pools, slots, out.features,
                                           pos[:, None], jnp.ones((b, 1), bool), ring)

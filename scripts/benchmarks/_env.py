@@ -64,6 +64,18 @@ def env_choice(name: str, default: str, choices: Sequence[str]) -> str:
     return raw or default
 
 
+def env_checkout(name: str) -> str | None:
+    """$name: a checkout's directory whose ninfer_jax a baseline worker runs (`git worktree
+    add DIR COMMIT`), resolved; None when unset or empty."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    path = os.path.realpath(raw)
+    if not os.path.isfile(os.path.join(path, "ninfer_jax", "__init__.py")):
+        raise SettingError(f"{name}={raw!r:.200}: no ninfer_jax/ in that directory")
+    return path
+
+
 def torch_worker_env() -> dict[str, str]:
     """Environment for a worker running torch: OMP_WAIT_POLICY from
     $BENCH_TORCH_OMP_WAIT_POLICY (passive, the default; active; or inherit = leave as is).

@@ -63,7 +63,7 @@ from scripts.benchmarks._abab import (
     strip_outputs,
 )
 from scripts.benchmarks._checkpoint import write_demo_checkpoint, write_random_checkpoint
-from scripts.benchmarks._env import env_choices, env_int, torch_worker_env
+from scripts.benchmarks._env import env_checkout, env_choices, env_int, torch_worker_env
 
 CONFIGS = ("demo", "tiny", "medium")
 TASKS = ("rolling", "choice", "short")
@@ -107,23 +107,12 @@ class Settings:
                    lm_eval=bool(env_int("BENCH_SCORING_LM_EVAL", 1, minimum=0, maximum=1)),
                    cli=bool(env_int("BENCH_SCORING_CLI", 1, minimum=0, maximum=1)),
                    timeout_s=env_int("BENCH_TIMEOUT_S", d.timeout_s),
-                   torch_env=torch_worker_env(), baseline=_baseline())
+                   torch_env=torch_worker_env(), baseline=env_checkout("BENCH_SCORING_BASELINE"))
 
     def tasks_of(self, config: str) -> tuple[str, ...]:
         if self.tasks is not None:
             return self.tasks
         return ("rolling",) if config in SMALL else TASKS
-
-
-def _baseline() -> str | None:
-    """BENCH_SCORING_BASELINE: a checkout's directory (it must hold ninfer_jax/), or None."""
-    value = os.environ.get("BENCH_SCORING_BASELINE")
-    if not value:
-        return None
-    path = pathlib.Path(value).resolve()
-    if not (path / "ninfer_jax" / "__init__.py").is_file():
-        raise SystemExit(f"BENCH_SCORING_BASELINE={value}: no ninfer_jax/ in that directory")
-    return str(path)
 
 
 def _commit(checkout: str) -> str:

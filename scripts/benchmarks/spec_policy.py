@@ -39,7 +39,7 @@ import time
 
 from scripts.benchmarks._abab import Worker, alternate, fmt_spread, progress, spread
 from scripts.benchmarks._engine_vs_program import PROMPTS
-from scripts.benchmarks._env import SettingError, env_int, env_ints
+from scripts.benchmarks._env import SettingError, env_checkout, env_int, env_ints
 
 TARGET_OVER_OFF = 0.97
 TARGET_OVER_BEST = 0.9
@@ -73,17 +73,7 @@ class Settings:
                                       maximum=1024),
                    reps=env_int("BENCH_SPECPOL_REPS", d.reps),
                    warmup=env_int("BENCH_SPECPOL_WARMUP", d.warmup, minimum=0),
-                   baseline=_baseline())
-
-
-def _baseline() -> str | None:
-    value = os.environ.get("BENCH_SPECPOL_BASELINE")
-    if not value:
-        return None
-    if not os.path.isdir(os.path.join(value, "ninfer_jax")):
-        raise SettingError(f"BENCH_SPECPOL_BASELINE={value!r:.200}: no ninfer_jax/ in that "
-                           "directory")
-    return os.path.abspath(value)
+                   baseline=env_checkout("BENCH_SPECPOL_BASELINE"))
 
 
 UPKEEP_ROUNDS = 200  # rounds of 0 drafts per upkeep turn, at most
