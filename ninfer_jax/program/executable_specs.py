@@ -4,7 +4,7 @@ Owns the list of (key, step function, example arguments) a Program of (ModelConf
 ProgramConfig) compiles, in the order of first need (the prefill chunk alone in the foreground,
 then the commit, the capture, decode B = 1, the vision buckets, the restore, the checkpoint
 images, decode B = 2..max_concurrency, then the rounds of fewer drafts for every B and the
-bare rounds of 0, `round_key`). The Program feeds it to its `ExecutableTable`;
+bare or lean rounds of 0, `round_key`). The Program feeds it to its `ExecutableTable`;
 `lower_all` and `aot.compile_all` feed it abstract params and pools (`jax.ShapeDtypeStruct`s), so
 a GPU build can be lowered or compiled on a host that could not hold the weights. Example
 arguments only carry shapes and dtypes: no value here shapes an executable.
@@ -103,22 +103,23 @@ def program_executables(cfg: ModelConfig, pcfg: ProgramConfig, params: dict, poo
     def sampling(b: int):
         return sampling_arrays([GREEDY] * b, mask_words=words)
 
-    def round_step(k: int, bare: bool = False) -> Callable:
+    def round_step(k: int, bare: bool = False, lean: bool = False) -> Callable:
         if k == 0:  # in a speculative Program it keeps the drafter's inputs current
-            return bind(decode_step, cfg=cfg, pcfg=pcfg, drafter=drafter, bare=bare)
+            return bind(decode_step, cfg=cfg, pcfg=pcfg, drafter=drafter, bare=bare,
+                        lean=lean)
         if pcfg.speculative == "mtp":
             return bind(verify_step, cfg=cfg, pcfg=pcfg, drafts=k)
         return bind(dflash_verify_step, cfg=cfg, pcfg=pcfg, drafter=drafter, drafts=k)
 
-    def decode(b: int, k: int = pcfg.num_speculative_tokens, bare: bool = False
-               ) -> ExecutableSpec:
+    def decode(b: int, k: int = pcfg.num_speculative_tokens, bare: bool = False,
+               lean: bool = False) -> ExecutableSpec:
         example = DecodeInputs(
             commit=no_commit(pcfg, b), token_ids=np.zeros(b, np.int32),
             positions=np.zeros(b, np.int32), slots=np.arange(b, dtype=np.int32),
             page_tables=np.zeros((b, w), np.int32), sampling=sampling(b),
             step_index=np.zeros(b, np.int32), limit=np.ones(b, np.int32),
             rope_delta=np.zeros(b, np.int32) if vision else None)
-        return ExecutableSpec(round_key(pcfg, b, k, bare), round_step(k, bare),
+        return ExecutableSpec(round_key(pcfg, b, k, bare, lean), round_step(k, bare, lean),
                               (params, pools, example), background=True)
 
     vision_rows = {}
@@ -171,7 +172,15 @@ def program_executables(cfg: ModelConfig, pcfg: ProgramConfig, params: dict, poo
     specs += [decode(b, k) for b in range(1, bmax + 1) for k in pcfg.round_drafts[:-1]]
     if bare_window(pcfg, drafter):
         specs += [decode(b, 0, bare=True) for b in range(1, bmax + 1)]
+    if lean_rounds(pcfg):
+        specs += [decode(b, 0, lean=True) for b in range(1, bmax + 1)]
     return specs
+
+
+def lean_rounds(pcfg: ProgramConfig) -> bool:
+    """Whether rounds of 0 after a decode round write only their own position's MTP head K/V
+    (`decode_step`'s `lean`): an MTP Program that has rounds of 0."""
+    return pcfg.speculative == "mtp" and 0 in pcfg.round_drafts
 
 
 def bare_window(pcfg: ProgramConfig, drafter: DFlashConfig | None) -> int:
@@ -184,12 +193,14 @@ def bare_window(pcfg: ProgramConfig, drafter: DFlashConfig | None) -> int:
     return 0 if ring >= pcfg.max_seq_len else kept
 
 
-def round_key(pcfg: ProgramConfig, batch: int, drafts: int, bare: bool = False) -> StepKey:
+def round_key(pcfg: ProgramConfig, batch: int, drafts: int, bare: bool = False,
+              lean: bool = False) -> StepKey:
     """The decode round of `batch` rows and `drafts` drafts a row: StepKey(DECODE, B) for the
     Program's num_speculative_tokens, StepKey(DECODE, B, extra=(K,)) for the other
-    `round_drafts`, StepKey(DECODE, B, extra=(0, 1)) for a bare round of 0."""
-    if bare:
-        return StepKey(StepKind.DECODE, batch, extra=(0, 1))
+    `round_drafts`, StepKey(DECODE, B, extra=(0, 1)) for a bare round of 0 and (0, 2) for a
+    lean one."""
+    if bare or lean:
+        return StepKey(StepKind.DECODE, batch, extra=(0, 1 if bare else 2))
     if drafts == pcfg.num_speculative_tokens:
         return StepKey(StepKind.DECODE, batch)
     return StepKey(StepKind.DECODE, batch, extra=(drafts,))

@@ -510,6 +510,7 @@ class HostProgram(CheckpointCopies):
                 seq.frontier += 1
                 seq.unread += 1
                 seq.state = SeqState.ACTIVE
+                seq.after_decode = True
             self._unread = batch
             return
         tokens = batch.tokens
@@ -529,6 +530,7 @@ class HostProgram(CheckpointCopies):
                 seq.frontier += a
             seq.tokens.extend(int(t) for t in toks[:a])
             seq.state = SeqState.ACTIVE
+            seq.after_decode = batch.kind is BatchKind.DECODE
 
     def abort_pending(self, batch: PendingBatch) -> None:
         """Drops the batch: committed state stays exactly as before the step."""

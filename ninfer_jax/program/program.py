@@ -33,6 +33,7 @@ from ninfer_jax.program.executable_specs import (
     PAGE_GROUP,
     bare_window,
     image_pools,
+    lean_rounds,
     no_commit,
     page_parts,
     program_executables,
@@ -116,7 +117,11 @@ class Program(HostProgram):
             round_key(pcfg, b, k) for b in range(1, pcfg.max_concurrency + 1)
             for k in pcfg.round_drafts] + [
             round_key(pcfg, b, 0, bare=True) for b in range(1, pcfg.max_concurrency + 1)
-            if self.limits.context_window])
+            if self.limits.context_window] + [
+            round_key(pcfg, b, 0, lean=True) for b in range(1, pcfg.max_concurrency + 1)
+            if lean_rounds(pcfg)])
+        self._lean = lean_rounds(pcfg)
+        self.lean_rounds = 0  # rounds of 0 that wrote only their own position's head K/V
         self._sampling_key: tuple | None = None  # the rows `_sampling_last` was built for
         self._sampling_last = None
         self.executables = ExecutableTable() if executables is None else executables
@@ -351,6 +356,11 @@ class Program(HostProgram):
             rope_delta=np.array([0 if s.rope is None else s.rope.delta for s in seqs],
                                 np.int32) if self.vision_on else None)
         key = round_key(self.pcfg, len(seqs), drafts, bare)
+        if self._lean and drafts == 0 and all(s.after_decode for s in seqs):
+            lean = round_key(self.pcfg, len(seqs), 0, lean=True)
+            if self.executables.is_ready(lean):
+                key = lean  # the same tokens; the head's K/V at frontier - 1 is written
+                self.lean_rounds += 1
         self._cold.pop(key, None)
         self._pools, out = self.executables(key, self.params, self._pools, inputs)
         # On the device; the PendingBatch reads them when asked. A round of no drafts

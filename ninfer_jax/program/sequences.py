@@ -53,6 +53,10 @@ class SeqRecord:
     # The position after the last one a bare decode round left out of the drafter's context
     # (0: none since the sequence's start): `HostProgram.context_stale`.
     context_from: int = 0
+    # Its last committed step was a decode round (not a prefill chunk or forced control), so
+    # with MTP the head's K/V at frontier - 1 holds the token at the frontier (the Program's
+    # lean rounds of 0 write only their own position's).
+    after_decode: bool = False
 
     def media_before(self, frontier: int) -> tuple[str, ...]:
         """Digests of the media whose placeholders start before `frontier`."""

@@ -33,7 +33,8 @@ from ninfer_jax.testing.configs import tiny_drafter
 
 def programs() -> dict:
     """A tiny dense and a tiny MoE Program (MTP K = 2 on the dense one, its rounds of 0 and 1
-    drafts too (key "decode[B][K]"), INT8 pages on the MoE
+    drafts too (key "decode[B][K]") and the lean rounds of 0 ("decode[B][0][2]"), INT8 pages
+    on the MoE
     one; the MoE one with either layer loop: per-layer weights, the GPU's default, and a scan
     handing kernels their stacked weights), and a dense one with a DFlash drafter (K = 4: its
     rounds of 0, 1 and 4 and the bare rounds of 0, "decode[B][0][1]"), every executable

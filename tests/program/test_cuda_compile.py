@@ -34,7 +34,8 @@ def test_tiny_programs_compile_for_sm90_with_their_kernels():
         failed = [r for r in rows if not r["ok"]]
         assert not failed, (name, failed)
         steps = {r["key"]: r for r in rows}
-        rounds = {"dense": ("decode[1][0]", "decode[2][0]", "decode[2][1]"),
+        rounds = {"dense": ("decode[1][0]", "decode[2][0]", "decode[2][1]", "decode[1][0][2]",
+                            "decode[2][0][2]"),
                   "dflash": ("decode[1][0]", "decode[2][1]", "decode[1][0][1]",
                              "decode[2][0][1]")}.get(name, ())
         for key in ("prefill[1]", "decode[1]", "decode[2]", *rounds):

@@ -163,11 +163,14 @@ def test_abort_leaves_committed_state_bit_identical_and_commit_advances():
 
 
 def idle_keys(prog) -> list[StepKey]:
-    """Every executable `Program.run_idle` runs: the commit and each decode round."""
+    """Every executable `Program.run_idle` runs: the commit and each decode round (every K,
+    and the bare or lean rounds of 0)."""
     pcfg = prog.pcfg
-    return [StepKey(StepKind.COMMIT, pcfg.max_concurrency)] + [
-        round_key(pcfg, b, k) for b in range(1, pcfg.max_concurrency + 1)
-        for k in pcfg.round_drafts]
+    rounds = [round_key(pcfg, b, k) for b in range(1, pcfg.max_concurrency + 1)
+              for k in pcfg.round_drafts]
+    return [StepKey(StepKind.COMMIT, pcfg.max_concurrency)] + rounds + sorted(
+        (k for k in prog.executables.keys() if k.kind is StepKind.DECODE and k not in rounds),
+        key=str)
 
 
 def check_idle_runs_change_nothing(prog, prompts: list[list[int]], budget: int,

@@ -130,15 +130,19 @@ def test_idle_runs_on_the_sink_keep_the_heads_kv():
 def test_rounds_of_any_draft_count_keep_greedy_output_and_the_heads_kv():
     """An adaptive Program decodes each round with any compiled K (0 = the plain step): the
     same greedy tokens as no speculation, and a round of 0 drafts leaves the MTP head's K/V at
-    every committed position as verify rounds do (what later drafts read)."""
+    every committed position as verify rounds do (what later drafts read): after a prefill or
+    forced control it writes the position before its own too, after a decode round (lean,
+    whatever that round committed) only its own."""
     prog = spec_program("demo", 2, 2, "adaptive")
     assert prog.pcfg.round_drafts == (0, 1, 2)
     prompts = _prompts(3, prog.cfg.vocab_size, seed=3)
     want = generate(spec_program("demo", 0, 2), prompts)[0]
     ks = np.random.default_rng(0).integers(0, 3, size=400).tolist()
+    lean = prog.lean_rounds
     got, produced = generate(prog, prompts, drafts=lambda r: ks[r % 400])
     assert got == want
     assert max(produced) == 3 and min(produced) == 1
+    assert prog.lean_rounds > lean
 
     def head_kv(k: int) -> np.ndarray:  # the head's K at every committed position of a row
         plan = prog.plan_admission(len(prompts[0]), BUDGET, None)
@@ -146,9 +150,19 @@ def test_rounds_of_any_draft_count_keep_greedy_output_and_the_heads_kv():
         while (b := prog.prefill(h)) is None:
             pass
         prog.commit(b, [1])
-        while prog.num_generated(h) < 12:
-            b = prog.decode([h], drafts=k)
-            prog.commit(b, [min(n, 12 - prog.num_generated(h)) for n in b.produced.tolist()])
+        rounds, controlled = 0, False
+        while prog.num_generated(h) < 16:
+            if prog.num_generated(h) == 6 and not controlled:  # forced control, its token
+                b, controlled = prog.control(h, [5, 9]), True
+                prog.commit(b, [1])
+                continue
+            # before the control, every other round commits one token less than it proposes
+            b = prog.decode([h], drafts=(k, 0, 1)[rounds % 3] if k else 0)
+            rounds += 1
+            short = int(not controlled and rounds % 2 == 1)
+            end = 16 if controlled else 6
+            prog.commit(b, [max(1, min(n - short, end - prog.num_generated(h)))
+                            for n in b.produced.tolist()])
         seq, per_layer = prog._seq(h), prog.pcfg.num_pages + 1
         first = prog.cfg.num_attention_layers  # the head's layers follow the model's
         k_pool = np.asarray(prog.pools.kv[0])
@@ -159,7 +173,10 @@ def test_rounds_of_any_draft_count_keep_greedy_output_and_the_heads_kv():
         prog.release(h)
         return kv
 
-    np.testing.assert_allclose(head_kv(0), head_kv(2), atol=2e-4)
+    lean = prog.lean_rounds
+    only_zeros = head_kv(0)
+    assert prog.lean_rounds > lean
+    np.testing.assert_allclose(only_zeros, head_kv(2), atol=2e-4)
 
 
 @pytest.mark.slow  # ~50 s; the Engine's MTP greedy test (reuse on and off) stays by default
