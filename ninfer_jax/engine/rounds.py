@@ -57,6 +57,7 @@ class Rounds:
         committed output) and, like rows of requests with speculative="off", draft nothing.
         `refill`: requests are waiting for a row (the draft policy's objective). `stale`:
         rounds until a row's drafter context is whole (None: always)."""
+        stale = stale if self.policy.window else None  # no bare rounds: never stale
         caps = [r.session.tokens_before_control(queued.get(r.request_id)) for r in records]
         masks = [r.next_mask() for r in records]
         outlooks = []
@@ -80,6 +81,7 @@ class Rounds:
         """The rows' next round, chained ahead, when it drafts nothing (None: the policy
         would draft). Chainable rows have no control, grammar or thinking budget ahead, so
         their budgets are their tokens left."""
+        stale = stale if self.policy.window else None
         outlooks = [RowOutlook(r.acceptance if r.sampling.speculative == "on" else None,
                                r.sampling.max_new_tokens - r.completion_tokens,
                                stale(r.seq) if stale is not None else 0)

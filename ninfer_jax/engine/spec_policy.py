@@ -82,7 +82,10 @@ SETTLE = 2  # rounds of 0 after a change that are not samples (their chain takes
 WINDOW = 9  # the rounds a (K, B)'s time is the median of
 NEAR = 8  # rounds within which two Ks' samples are a pair (taken under the same load)
 PAIRS = 2 * WINDOW  # the pairs' ratios of two Ks a ratio is the median of
-REFRESH = 8  # rounds a choice of the cheapest K stands while its rows stay the same
+# Rounds a choice of the cheapest K stands while its rows stay the same: meanwhile only the
+# cheapest round's time changes (no round adds acceptance counts; a probe makes a new choice),
+# and scoring every K anew every 8 rounds took ~1% of the demo's 1 ms rounds of 0.
+REFRESH = 32
 # How much more a K that drafts must promise than the cheapest to be chosen: its estimate is the
 # noisier (a request's acceptance from few rounds) and leaving the cheapest round's chain costs
 # more than the steady rounds' times show.
@@ -177,6 +180,7 @@ class DraftPolicy:
         self._measured: dict[tuple[int, int], int] = {}  # (K, B) -> the round of its last
         self._warm: collections.Counter = collections.Counter()  # (K, B) -> steady rounds
         self._ready: set[tuple[int, int]] = set()  # (K, B) whose executable is compiled
+        self._all_ready: dict[int, list[int]] = {}  # B -> every K, once all are compiled
         self._attempted = [0.0] * self.kmax  # the prior's: rows of openings and probes
         self._accepted = [0.0] * self.kmax
         self._round = 0  # decode rounds dispatched
@@ -191,11 +195,13 @@ class DraftPolicy:
         self._last: tuple[int, int, float] | None = None  # (K, B, time) of the last round
         self._run = 0  # rounds of that K and B in a row
         self.rounds_by_kb: collections.Counter = collections.Counter()  # (K, B) -> rounds
+        self.rounds_by_k: collections.Counter = collections.Counter()  # K -> rounds, every B
         self.rows = 0  # rows of rounds with drafts that committed tokens
         self.tokens = 0  # tokens they committed
         self._cum_attempted = [0] * self.kmax  # per position: the row's limit allowed it
         self._cum_accepted = [0] * self.kmax  # and drafts 0..i were all accepted
         self._gain = [0.0, 0]  # sum of estimated gains of chosen K over K = 0, rounds
+        self._round_ms: tuple | None = None  # `stats`' (K, B, ms) until a median changes
 
     # The choice ----------------------------------------------------------------------------
     def choose(self, rows: Sequence[RowOutlook], ready: Callable[[int, int], bool],
@@ -208,7 +214,11 @@ class DraftPolicy:
         b = len(rows)
         if not self.adaptive:
             return self.kmax
-        ks = [k for k in self.ks if (k, b) in self._ready or self._check_ready(k, b, ready)]
+        ks = self._all_ready.get(b)
+        if ks is None:
+            ks = [k for k in self.ks if (k, b) in self._ready or self._check_ready(k, b, ready)]
+            if len(ks) == len(self.ks):  # an executable stays compiled
+                self._all_ready[b] = ks
         if len(ks) == 1:  # the others still compiling
             return ks[0]
         if all(r.acceptance is None or r.budget <= 1 for r in rows):
@@ -222,6 +232,12 @@ class DraftPolicy:
         b = len(rows)
         if b in self._plan and self._plan[b][0] in ks:
             return self._plan[b][0]
+        made = self._choice.get(b)
+        if made is not None and made.best == ks[0] and made.ks == ks \
+                and self._round - made.round < REFRESH and made.rows == _rows_key(rows, refill):
+            # the cheapest standing (`_choice_for`), once every K has an estimate at B: the
+            # steady path of a Program where drafting loses, every round
+            return made.probe if self._since_probe[b] >= made.wait else made.best
         if not any(self._known(k, b) for k in ks) and any(
                 self._known(*key) for key in self._median if key[1] != b):
             return ks[0]  # a new B: its cheapest round's time scales the others'
@@ -350,6 +366,7 @@ class DraftPolicy:
     def dispatched(self, k: int, rows: Sequence[RowOutlook]) -> None:
         """Counts a round of K (the one `choose` gave, or the largest for a fixed policy)."""
         self.rounds_by_kb[(k, len(rows))] += 1
+        self.rounds_by_k[k] += 1
         if not self.adaptive:
             return
         b = len(rows)
@@ -520,7 +537,10 @@ class DraftPolicy:
                 times = self._times.setdefault((k, b), collections.deque(maxlen=WINDOW))
                 times.append(seconds)
                 self._at.setdefault((k, b), collections.deque(maxlen=WINDOW)).append(self._round)
-                self._median[(k, b)] = statistics.median(times)
+                median = statistics.median(times)
+                if self._median.get((k, b)) != median:
+                    self._median[(k, b)] = median
+                    self._round_ms = None
                 self._measured[(k, b)] = self._round
             self._warm[(k, b)] += 1
         self._last = (k, b, now)
@@ -580,21 +600,15 @@ class DraftPolicy:
             acceptance.attempted[i] += 1
             acceptance.accepted[i] += right
 
-    @property
-    def rounds_by_k(self) -> collections.Counter:
-        """Rounds dispatched by K, over every B."""
-        out: collections.Counter = collections.Counter()
-        for (k, _), n in self.rounds_by_kb.items():
-            out[k] += n
-        return out
-
     def stats(self, bare_rounds: int = 0):
         """`bare_rounds`: the Program's count (`ProgramStats.bare_rounds`)."""
         from ninfer_jax.engine.spec_stats import SpeculativeStats
 
         cum = tuple(a / n if n else 0.0 for a, n in zip(self._cum_accepted,
                                                          self._cum_attempted))
-        times = tuple(sorted((k, b, round(1e3 * t, 3)) for (k, b), t in self._median.items()))
+        if self._round_ms is None:
+            self._round_ms = tuple(sorted((k, b, round(1e3 * t, 3))
+                                          for (k, b), t in self._median.items()))
         return SpeculativeStats(
             method=self.method, num_speculative_tokens=self.kmax, verify_rows=self.rows,
             committed_tokens=self.tokens,
@@ -602,4 +616,4 @@ class DraftPolicy:
             acceptance_by_position=cum, policy="adaptive" if self.adaptive else "fixed",
             rounds_by_drafts=tuple(sorted(self.rounds_by_k.items())),
             estimated_gain=self._gain[0] / self._gain[1] if self._gain[1] else 0.0,
-            round_ms=times, bare_rounds=bare_rounds)
+            round_ms=self._round_ms, bare_rounds=bare_rounds)
