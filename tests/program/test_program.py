@@ -168,9 +168,9 @@ def idle_keys(prog) -> list[StepKey]:
     pcfg = prog.pcfg
     rounds = [round_key(pcfg, b, k) for b in range(1, pcfg.max_concurrency + 1)
               for k in pcfg.round_drafts]
+    compiled = prog.executables.keys()
     return [StepKey(StepKind.COMMIT, pcfg.max_concurrency)] + rounds + sorted(
-        (k for k in prog.executables.keys() if k.kind is StepKind.DECODE and k not in rounds),
-        key=str)
+        (k for k in compiled if k.kind is StepKind.DECODE and k not in rounds), key=str)
 
 
 def check_idle_runs_change_nothing(prog, prompts: list[list[int]], budget: int,
