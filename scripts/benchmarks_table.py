@@ -209,6 +209,11 @@ def _spec_policy(data: dict) -> tuple[list[Row], str]:
             rows.append(Row(config=f"{method} B={b}: off vs the baseline checkout's off",
                             ours=off, against=_rounded(sides["base off"]["tok_s"], 1),
                             ratio=_rounded(batch["off_over_base"], 3), unit="tok/s"))
+        if "policy_over_base" in batch:
+            rows.append(Row(config=f"{method} B={b}: policy vs the baseline checkout's policy",
+                            ours=_rounded(sides["policy"]["tok_s"], 1),
+                            against=_rounded(sides["base policy"]["tok_s"], 1),
+                            ratio=_rounded(batch["policy_over_base"], 3), unit="tok/s"))
         met.append(f"B={b} {'met' if policy['met'] else 'NOT met'}")
     for b, upkeep in sorted(data["measure"]["upkeep"].items(), key=lambda kv: int(kv[0])):
         rows.append(Row(config=f"{method} B={b}: a round of 0 drafts vs plain decode (Program)",

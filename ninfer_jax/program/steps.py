@@ -342,8 +342,8 @@ def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
     projections; blocks do not read it, and once the window has moved past it the context
     is the one the upkeep would have left. `lean` (MTP): every row's last committed step was
     a decode round, which wrote the head's K/V at frontier - 1 with the token at the frontier
-    (`SeqRecord.after_decode`), so only the new position's is written: 4-6% of the embedded
-    model's round at B = 1 on 2 CPU cores (`scripts/bench.py --suite=spec_policy`'s upkeep)."""
+    (`SeqRecord.after_decode`), so only the new position's is written (what that saves:
+    docs/speculative.md, lean rounds)."""
     pools = commit_step(pools, inputs.commit)
     slots, pos = inputs.slots, inputs.positions
     b = slots.shape[0]

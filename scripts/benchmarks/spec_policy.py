@@ -26,8 +26,9 @@ driven directly (their Engines stopped), ms per round of 0 drafts of the policy'
 Settings (environment): BENCH_SPECPOL_METHOD=mtp (or dflash)  BENCH_SPECPOL_KS (mtp: 1,2,3;
 dflash: 4,8,15)  BENCH_SPECPOL_BATCHES=1,4  BENCH_SPECPOL_NEW_TOKENS=128  BENCH_SPECPOL_REPS=5
 BENCH_SPECPOL_WARMUP=2  BENCH_SPECPOL_BASELINE=DIR (a checkout of an earlier commit, `git
-worktree add DIR COMMIT`: its "off" Engine joins the turns as the side "base off", and "off"
-over it per pair is reported: a change to the Program or the Engine measured in the same turns).
+worktree add DIR COMMIT`: its "off" and "policy" Engines join the turns as the sides "base
+off" and "base policy", and "off" and "policy" over them per pair are reported: a change to the
+Program, the Engine or the policy measured in the same turns).
 """
 
 from __future__ import annotations
@@ -88,7 +89,9 @@ def _settings(s: Settings, k: int, policy: str) -> dict:
 
 def measure(s: Settings) -> dict:
     sides = [("off", 0, "fixed"), *((f"K={k}", k, "fixed") for k in s.ks),
-             ("policy", max(s.ks), "adaptive"), *([("base off", 0, "fixed")] if s.baseline else [])]
+             ("policy", max(s.ks), "adaptive"),
+             *([("base off", 0, "fixed"), ("base policy", max(s.ks), "adaptive")]
+               if s.baseline else [])]
     out = {"setup": {}, "batches": {}, "upkeep": {}}
     fixed = [f"K={k}" for k in s.ks]
     with contextlib.ExitStack() as stack:
@@ -96,7 +99,7 @@ def measure(s: Settings) -> dict:
         for name, k, policy in sides:
             progress(f"starting {name} ({s.method}; compiling every executable)")
             w = stack.enter_context(Worker(name, "scripts.benchmarks.workers.spec_engine"))
-            code = s.baseline if name == "base off" else None
+            code = s.baseline if name.startswith("base ") else None
             out["setup"][name] = w.setup({"settings": _settings(s, k, policy), "code": code})
             workers[name] = w
         ordered = [workers[name] for name, _, _ in sides]
@@ -126,6 +129,8 @@ def measure(s: Settings) -> dict:
             if s.baseline:
                 row["off_over_base"] = spread([x / y for x, y in zip(
                     off["rates"], r["sides"]["base off"]["rates"])])
+                row["policy_over_base"] = spread([x / y for x, y in zip(
+                    pol, r["sides"]["base policy"]["rates"])])
             out["batches"][b] = row
             out["policy_stats"] = r["sides"]["policy"]["outputs"][-1]["stats"]
         # The upkeep: rounds of 0 drafts at the Program, off's plain decode and the policy's
@@ -164,6 +169,9 @@ def format_table(result: dict) -> str:
         if "off_over_base" in row:
             lines.append(f"    off / base off ({s['baseline']}) per pair: "
                          f"{fmt_spread(row['off_over_base'], 3)}")
+        if "policy_over_base" in row:
+            lines.append(f"    policy / base policy per pair: "
+                         f"{fmt_spread(row['policy_over_base'], 3)}")
     for b, u in m["upkeep"].items():
         lines.append(f"upkeep at the Program, B={b}: a round of 0 drafts "
                      f"{fmt_spread(u['round_ms']['policy'], 3)} ms ({s['method']}) against "
