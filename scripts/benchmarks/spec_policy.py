@@ -155,10 +155,10 @@ def format_table(result: dict) -> str:
     lines = [(f"{s['method']} on the embedded model, through the Engine: {s['new_tokens']} "
               f"greedy tokens per request, B requests together, {s['warmup']} warm-up + "
               f"{s['reps']} turns per side in turn"),
-             f"{'B':>3}{'side':>8}{'tok/s':>24}{'/off per pair':>20}{'same as off':>13}"]
+             f"{'B':>3}{'side':>12}{'tok/s':>24}{'/off per pair':>20}{'same as off':>13}"]
     for b, row in m["batches"].items():
         for name, v in row["sides"].items():
-            lines.append(f"{b:>3}{name:>8}{fmt_spread(v['tok_s']):>24}"
+            lines.append(f"{b:>3}{name:>12}{fmt_spread(v['tok_s']):>24}"
                          f"{fmt_spread(v['over_off'], 2):>20}"
                          f"{'yes' if v['same_tokens_as_off'] else 'NO':>13}")
         p, load = row["policy"], row["load_1min"]
