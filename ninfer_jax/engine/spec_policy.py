@@ -38,7 +38,9 @@ The choice: the K of most committed tokens per second for the round's rows.
   budget_i / E_i rounds, and rows that end first leave rounds of fewer rows (a K whose rows
   progress unevenly leaves a tail of small rounds in which the last row runs nearly alone).
 - A K that drafts must promise MARGIN more than the cheapest round. A choice that drafts is
-  made again every round (each adds counts); one of the cheapest stands REFRESH rounds.
+  made again every round (each adds counts); one of the cheapest stands REFRESH rounds
+  (REFRESH_FAR where every K that drafts is expected to commit under 1 - FAR of the
+  cheapest's tokens per second).
 - The first rounds explore every compiled K, largest first, until each has MIN_SAMPLES steady
   rounds; a new B measures its cheapest K first. Then probes of the largest K (acceptance at
   every position) or of the K whose time is the oldest, each until its time has a sample (two
@@ -83,9 +85,14 @@ WINDOW = 9  # the rounds a (K, B)'s time is the median of
 NEAR = 8  # rounds within which two Ks' samples are a pair (taken under the same load)
 PAIRS = 2 * WINDOW  # the pairs' ratios of two Ks a ratio is the median of
 # Rounds a choice of the cheapest K stands while its rows stay the same: meanwhile only the
-# cheapest round's time changes (no round adds acceptance counts; a probe makes a new choice),
-# and scoring every K anew every 8 rounds took ~1% of the demo's 1 ms rounds of 0.
-REFRESH = 32
+# cheapest round's time changes and the rows' acceptance decays (no round adds counts; a probe
+# makes a new choice). Near the break-even it is scored again every REFRESH rounds; where every
+# K that drafts is expected to commit under 1 - FAR of the cheapest's tokens per second, every
+# REFRESH_FAR (scoring every K anew every 8 rounds took ~1% of the demo's 1 ms rounds of 0,
+# where MTP drafting commits ~0.7 of it).
+REFRESH = 8
+REFRESH_FAR = 32
+FAR = 0.15
 # How much more a K that drafts must promise than the cheapest to be chosen: its estimate is the
 # noisier (a request's acceptance from few rounds) and leaving the cheapest round's chain costs
 # more than the steady rounds' times show.
@@ -143,6 +150,7 @@ class _Choice:
     best: int
     gain: float  # best's expected tokens per second over a round of 0's
     probe: int  # the next probe's K
+    stands: int  # rounds it stands while it is the cheapest and the rows stay the same
     wait: float  # rounds at this B before it
     rate: float  # tokens per second a round of the best is expected to commit
     round_s: float  # best's round
@@ -234,7 +242,8 @@ class DraftPolicy:
             return self._plan[b][0]
         made = self._choice.get(b)
         if made is not None and made.best == ks[0] and made.ks == ks \
-                and self._round - made.round < REFRESH and made.rows == _rows_key(rows, refill):
+                and self._round - made.round < made.stands \
+                and made.rows == _rows_key(rows, refill):
             # the cheapest standing (`_choice_for`), once every K has an estimate at B: the
             # steady path of a Program where drafting loses, every round
             return made.probe if self._since_probe[b] >= made.wait else made.best
@@ -275,13 +284,14 @@ class DraftPolicy:
 
     def _choice_for(self, rows: Sequence[RowOutlook], ks: list[int], refill: bool) -> _Choice:
         """The K of most expected tokens per second for these rows and the next probe. A choice
-        of the cheapest K stands REFRESH rounds while the rows stay the same (its rounds add
-        no acceptance counts); one that drafts is made again every round (its rounds do)."""
+        of the cheapest K stands REFRESH (far from the break-even REFRESH_FAR) rounds while the
+        rows stay the same (its rounds add no acceptance counts); one that drafts is made again
+        every round (its rounds do)."""
         b = len(rows)
         key = _rows_key(rows, refill)
         made = self._choice.get(b)
         if made is not None and made.rows == key and made.best == ks[0] and made.ks == ks \
-                and self._round - made.round < REFRESH:
+                and self._round - made.round < made.stands:
             return made
         prior = self._prior_rates()
         rates = [self._rates(r.acceptance, prior) for r in rows]
@@ -306,8 +316,10 @@ class DraftPolicy:
             # a drafting choice timed only against rounds of the cheapest before it (a load
             # that eased in between flatters it): the cheapest runs next, after its samples
             probe, wait = ks[0], 0
+        far = max(scores[k] for k in ks[1:]) < (1.0 - FAR) * scores[ks[0]]
         made = self._choice[b] = _Choice(key, self._round, ks, best,
-                                         scores[best] / scores[ks[0]], probe, wait,
+                                         scores[best] / scores[ks[0]], probe,
+                                         REFRESH_FAR if far else REFRESH, wait,
                                          sum(expected[best]) / times[best], times[best])
         return made
 

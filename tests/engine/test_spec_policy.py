@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from ninfer_jax.engine.spec_policy import (
     MIN_SAMPLES,
     PROBE_BUDGET,
+    REFRESH,
+    REFRESH_FAR,
     SETTLE,
     WARM_ROUNDS,
     DraftPolicy,
@@ -97,6 +99,34 @@ def test_it_explores_every_k_then_settles_and_probes_in_pairs():
     assert dict(stats.rounds_by_drafts)[0] == chosen.count(0)
     assert {k for k, _, _ in stats.round_ms} == set(KS)
     assert stats.estimated_gain == pytest.approx(1.0, abs=0.05)  # K = 0 chosen: no gain
+
+
+def test_a_choice_of_0_far_from_drafting_is_scored_less_often():
+    """Scoring every K anew is host time in every round it runs: a choice of 0 near the
+    break-even (drafting would commit ~0.93 of its tokens per second; the row's estimate moves
+    across FAR now and then) is made again every REFRESH rounds, one far from it (~0.4) every
+    REFRESH_FAR."""
+    made = {}
+    for name, per_draft, accept in (("near", 0.3, 0.5), ("far", 1.0, 0.2)):
+        policy, cost = DraftPolicy(KS, "mtp"), _cost(1.0, per_draft)
+        row, rng, now = RowAcceptance(max(KS)), np.random.default_rng(0), 0.0
+        choices = set()
+        for i in range(3000):
+            outlook = [RowOutlook(row, 10**6)]
+            k = policy.choose(outlook, lambda k, b: True)
+            policy.dispatched(k, outlook)
+            produced = 1
+            while produced <= k and rng.random() < accept:
+                produced += 1
+            policy.add_row(row, k, k + 1, produced, produced)
+            now += cost(k, 1)
+            policy.round_done(k, 1, now, produced)
+            if i >= 1000 and k == 0:
+                choices.add(policy._choice[1].round)
+        assert policy.rounds_by_k[0] > 0.9 * 3000, name
+        made[name] = len(choices)
+    assert made["far"] <= 1.3 * 2000 / REFRESH_FAR
+    assert made["near"] >= 0.6 * 2000 / REFRESH > 2 * made["far"], made
 
 
 def test_probes_lose_their_budget_with_the_cost_of_a_change():
