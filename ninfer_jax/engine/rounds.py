@@ -57,7 +57,6 @@ class Rounds:
         committed output) and, like rows of requests with speculative="off", draft nothing.
         `refill`: requests are waiting for a row (the draft policy's objective). `stale`:
         rounds until a row's drafter context is whole (None: always)."""
-        stale = stale if self.policy.window else None  # no bare rounds: never stale
         caps = [r.session.tokens_before_control(queued.get(r.request_id)) for r in records]
         masks = [r.next_mask() for r in records]
         outlooks = []
@@ -68,7 +67,7 @@ class Rounds:
             if drafts and r.acceptance is None:
                 r.acceptance = RowAcceptance(self._positions)
             outlooks.append(RowOutlook(r.acceptance if drafts else None, budget,
-                                       stale(r.seq) if stale is not None else 0))
+                                       self._stale(r, stale)))
         k = self.policy.choose(outlooks, ready, refill)
         if k:  # rows that draft nothing propose one token
             caps = [o.budget if o.acceptance is not None else 1 for o in outlooks]
@@ -81,14 +80,17 @@ class Rounds:
         """The rows' next round, chained ahead, when it drafts nothing (None: the policy
         would draft). Chainable rows have no control, grammar or thinking budget ahead, so
         their budgets are their tokens left."""
-        stale = stale if self.policy.window else None
         outlooks = [RowOutlook(r.acceptance if r.sampling.speculative == "on" else None,
                                r.sampling.max_new_tokens - r.completion_tokens,
-                               stale(r.seq) if stale is not None else 0)
+                               self._stale(r, stale))
                     for r in records]
         if self.policy.adaptive and self.policy.choose(outlooks, ready, refill):
             return None
         return RoundPlan(0, outlooks, bare=self.policy.bare(outlooks, refill))
+
+    def _stale(self, r: RequestRecord, stale: Stale | None) -> int:
+        """Rounds until the row's drafter context is whole (0 without bare rounds)."""
+        return stale(r.seq) if stale is not None and self.policy.window else 0
 
     def dispatched(self, batch: PendingBatch, k: int, outlooks: list[RowOutlook]) -> None:
         self.policy.dispatched(k, outlooks)

@@ -240,12 +240,8 @@ class DraftPolicy:
         b = len(rows)
         if b in self._plan and self._plan[b][0] in ks:
             return self._plan[b][0]
-        made = self._choice.get(b)
-        if made is not None and made.best == ks[0] and made.ks == ks \
-                and self._round - made.round < made.stands \
-                and made.rows == _rows_key(rows, refill):
-            # the cheapest standing (`_choice_for`), once every K has an estimate at B: the
-            # steady path of a Program where drafting loses, every round
+        made = self._standing(rows, ks, refill)
+        if made is not None:  # before the checks below: the steady path where drafting loses
             return made.probe if self._since_probe[b] >= made.wait else made.best
         if not any(self._known(k, b) for k in ks) and any(
                 self._known(*key) for key in self._median if key[1] != b):
@@ -282,6 +278,18 @@ class DraftPolicy:
             return True
         return False
 
+    def _standing(self, rows: Sequence[RowOutlook], ks: list[int],
+                  refill: bool) -> _Choice | None:
+        """The last choice at the rows' B when it chose the cheapest K among the same `ks` for
+        the same rows less than its `stands` rounds ago (made once every K had an estimate
+        there, so it stands without them), else None."""
+        made = self._choice.get(len(rows))
+        if made is not None and made.best == ks[0] and made.ks == ks \
+                and self._round - made.round < made.stands \
+                and made.rows == _rows_key(rows, refill):
+            return made
+        return None
+
     def _choice_for(self, rows: Sequence[RowOutlook], ks: list[int], refill: bool) -> _Choice:
         """The K of most expected tokens per second for these rows and the next probe. A choice
         of the cheapest K stands REFRESH (far from the break-even REFRESH_FAR) rounds while the
@@ -289,9 +297,8 @@ class DraftPolicy:
         every round (its rounds do)."""
         b = len(rows)
         key = _rows_key(rows, refill)
-        made = self._choice.get(b)
-        if made is not None and made.rows == key and made.best == ks[0] and made.ks == ks \
-                and self._round - made.round < made.stands:
+        made = self._standing(rows, ks, refill)
+        if made is not None:
             return made
         prior = self._prior_rates()
         rates = [self._rates(r.acceptance, prior) for r in rows]
