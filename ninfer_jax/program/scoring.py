@@ -23,6 +23,8 @@ from ninfer_jax import quant
 from ninfer_jax.errors import ConfigError
 from ninfer_jax.host_memory import keep_freed_memory
 from ninfer_jax.models.qwen3_6 import ModelConfig
+from ninfer_jax.models.qwen3_6.model import unstack_layers
+from ninfer_jax.program.config import LAYER_LOOPS, platform_defaults
 from ninfer_jax.program.executables import ExecutableTable, StepKey, StepKind, bind
 from ninfer_jax.program.scoring_steps import (
     SharedInputs,
@@ -67,14 +69,23 @@ class ScoringProgram:
     """Compiled scoring windows over one model's device weights (see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig, params: dict, keys: Sequence[Key], *,
-                 dtype: str = "float32", top_n: int = 0, progress: bool | None = False):
+                 dtype: str = "float32", top_n: int = 0, progress: bool | None = False,
+                 layer_loop: str = "auto"):
         """Compiles every key's executable before returning; `progress`: a bar over them
-        (None: in a notebook only, see `ninfer_jax.progress`)."""
+        (None: in a notebook only, see `ninfer_jax.progress`). `layer_loop`: as
+        `ProgramConfig.layer_loop` ("auto": `platform_defaults`, unrolled on CPU and GPU; a
+        scan copied each layer's weights out of the stacked buffer before its matmuls)."""
         if not keys:
             raise ConfigError("a ScoringProgram needs at least one window shape")
+        if layer_loop not in LAYER_LOOPS:
+            raise ConfigError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
         keep_freed_memory()
         self.cfg, self.top_n = cfg, top_n
-        self.params = quant.cast_params(params, dtype)
+        if layer_loop == "auto":
+            layer_loop = platform_defaults(jax.default_backend())["layer_loop"]
+        self.layer_loop = layer_loop
+        self.params = quant.cast_params(
+            unstack_layers(params, cfg) if layer_loop == "unrolled" else params, dtype)
         self.executables = ExecutableTable()
         steps = {WindowKey: bind(score_window_step, cfg=cfg, top_n=top_n),
                  SharedKey: bind(score_shared_step, cfg=cfg, top_n=top_n)}

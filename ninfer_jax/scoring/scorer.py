@@ -105,7 +105,10 @@ class Scorer:
         the model's tokenizer; a directory without one scores token ids only."""
         from ninfer_jax.compile_cache import ensure_persistent_cache
         from ninfer_jax.frontend import load_tokenizer
-        from ninfer_jax.loader import load_model
+        import jax
+
+        from ninfer_jax.loader import host_placement, load_model
+        from ninfer_jax.program.config import platform_defaults
 
         known = {f.name for f in dataclasses.fields(ScoringConfig)}
         unknown = sorted(set(config) - known)
@@ -113,7 +116,11 @@ class Scorer:
             raise ConfigError(f"unknown Scorer setting(s) {unknown}; known: {sorted(known)}")
         scfg = ScoringConfig(**config)
         ensure_persistent_cache()  # see Engine.open
-        loaded = load_model(model, dtype=scfg.dtype, verify=verify_weights, quantize=quantize)
+        # Kept on the host for an unrolled layer loop (see Engine.open): the ScoringProgram
+        # sends each layer's weights to the device as their own arrays.
+        unrolled = platform_defaults(jax.default_backend())["layer_loop"] == "unrolled"
+        loaded = load_model(model, dtype=scfg.dtype, verify=verify_weights, quantize=quantize,
+                            placement=host_placement if unrolled else None)
         try:
             tokenizer = load_tokenizer(loaded.path)
         except FileNotFoundError:

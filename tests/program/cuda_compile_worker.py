@@ -134,8 +134,10 @@ def kernels() -> dict:
 
 def scoring() -> dict:
     """The CausalScoring executables (a packed window call and a shared-context call) of the
-    tiny dense and MoE models in fp32 and bf16: compiled for sm_90, with the temporary bytes and
-    any expert-by-token tensor in the compiled HLO."""
+    tiny dense and MoE models in fp32 and bf16, over per-layer weights as a ScoringProgram
+    holds them on a GPU (an unrolled layer loop): compiled for sm_90, with the temporary bytes
+    and any expert-by-token tensor in the compiled HLO."""
+    from ninfer_jax.models.qwen3_6.model import unstack_layers
     from ninfer_jax.models.qwen3_6.weights import init_params
     from ninfer_jax.program.executables import bind
     from ninfer_jax.program.scoring import SharedKey, WindowKey, _example
@@ -145,7 +147,8 @@ def scoring() -> dict:
     out = {}
     for (name, cfg), dtype in itertools.product((("dense", tiny_dense()), ("moe", tiny_moe())),
                                                 ("float32", "bfloat16")):
-        shapes = jax.eval_shape(lambda cfg=cfg: init_params(cfg, jax.random.key(0)))
+        shapes = jax.eval_shape(lambda cfg=cfg: unstack_layers(
+            init_params(cfg, jax.random.key(0)), cfg))
         params = jax.tree.map(lambda a, dtype=dtype: jax.ShapeDtypeStruct(
             a.shape, dtype if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype,
             sharding=device), shapes)

@@ -69,13 +69,15 @@ def test_greedy_flags_follow_argmax_on_ties():
     hidden = rng.normal(size=(n, cfg.hidden_size)).astype(np.float32)
     tied = [1, n - 2]  # one row in the first chunk, one in the last
     hidden[tied] = 4.0 * head[5]  # logit 5 (and 200) is the maximum there
-    logits = hidden @ head.T
+    normed = hidden / np.sqrt((hidden * hidden).mean(-1, keepdims=True) + cfg.rms_norm_eps)
+    logits = normed @ head.T  # the final norm runs inside the chunks (its weight 0: a factor 1)
     targets = logits.argmax(-1)
     targets[tied[0]] = 5  # the first index of the maximum: greedy
     targets[tied[1]] = 200  # the later one: not greedy
     targets[3] = (targets[3] + 1) % cfg.vocab_size
     logprobs, greedy, _, _ = jax.jit(lambda h, t: target_scores(
-        {"embed": jnp.asarray(head)}, cfg, h, t))(hidden, targets)
+        {"embed": jnp.asarray(head), "final_norm": jnp.zeros(cfg.hidden_size)}, cfg, h, t))(
+        hidden, targets)
     want = logits.argmax(-1) == targets
     assert want[tied[0]] and not want[tied[1]] and not want[3] and want.sum() == n - 2
     np.testing.assert_array_equal(np.asarray(greedy), want)

@@ -152,3 +152,29 @@ def test_bad_scoring_settings_name_the_field(field, value, match):
 
     with pytest.raises(ConfigError, match=match):
         ScoringConfig(**{field: value})
+
+
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_a_scanned_layer_loop_scores_as_the_unrolled_one(name, monkeypatch):
+    """On CPU a ScoringProgram runs its layers unrolled over per-layer weights
+    (`platform_defaults`); the scan over stacked weights (TPU's loop) gives the same packed and
+    shared scores. An unknown loop is refused by name."""
+    from ninfer_jax.errors import ConfigError
+    from ninfer_jax.program.scoring import ScoringProgram
+    from tests.models.conftest import loaded
+
+    rng = np.random.default_rng(3)
+    requests = _choices(rng, [20, 24], 4, [1, 6])  # shared contexts
+    requests += [ScoreRequest(rng.integers(0, 320, n), 1) for n in (3, 9, 17, 30)]  # packed
+    c = core(name)
+    assert c.program.layer_loop == "unrolled" and "layers" in c.program.params
+    unrolled = c.score(requests)
+    m = loaded(name)
+    scan = ScoringProgram(m.config, m.params, c.program.keys(), layer_loop="scan")
+    assert "layers" not in scan.params
+    monkeypatch.setattr(c, "program", scan)
+    calls = _spy(monkeypatch, c)
+    _assert_same(c.score(requests), unrolled)
+    assert {kind for kind, _, _ in calls} == {"score_windows", "score_shared"}
+    with pytest.raises(ConfigError, match="layer_loop must be one of"):
+        ScoringProgram(m.config, m.params, c.program.keys(), layer_loop="loop")

@@ -147,7 +147,7 @@ def unstack_layers(params: dict, cfg: ModelConfig) -> dict:
 def run_layers_unrolled(params: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Array,
                         gdn: GDNState, kv: KVAccess, num_valid: jax.Array | None,
                         keep_states: bool = False, feature_layers: tuple[int, ...] = (),
-                        moe_sharding: str = "intermediate"):
+                        moe_sharding: str = "intermediate", segments: jax.Array | None = None):
     """`run_layers` over per-layer params (`unstack_layers`): a Python loop, so every layer's
     weights are separate operands and every layer index is static."""
     cos, sin = rope_cos_sin(positions, cfg)
@@ -162,7 +162,7 @@ def run_layers_unrolled(params: dict, cfg: ModelConfig, h: jax.Array, positions:
             i_att += 1
         else:
             y, c, r = gdn_mixer(p["mixer"], x, gdn.conv[i_lin], gdn.recurrent[i_lin], num_valid,
-                                cfg, keep_states, gdn.impl)
+                                cfg, keep_states, gdn.impl, segments)
             convs.append(c)
             recs.append(r)
             i_lin += 1
@@ -173,6 +173,12 @@ def run_layers_unrolled(params: dict, cfg: ModelConfig, h: jax.Array, positions:
                                   recurrent=jnp.stack(recs) if recs else gdn.recurrent)
     return h, new_gdn, kv.with_layers(kv_layers), _features(
         [outputs[layer] for layer in feature_layers], feature_layers)
+
+
+def layer_loop(params: dict):
+    """The decoder stack's loop for params in either layout: `run_layers_unrolled` for
+    per-layer params (`unstack_layers`), `run_layers` (a scan) for stacked ones."""
+    return run_layers_unrolled if "layers" in params else run_layers
 
 
 def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
@@ -212,9 +218,8 @@ def step(params: dict, cfg: ModelConfig, token_ids: jax.Array, start_pos: jax.Ar
     h = embed_rows(params["embed"], token_ids)
     if vision_embeds is not None:
         h = jnp.where(vision_mask[..., None], vision_embeds.astype(h.dtype), h)
-    layers_fn = run_layers_unrolled if "layers" in params else run_layers
-    h, gdn, kv, features = layers_fn(params, cfg, h, positions, gdn, kv, num_valid,
-                                     keep_states, tuple(feature_layers), moe_sharding)
+    h, gdn, kv, features = layer_loop(params)(params, cfg, h, positions, gdn, kv, num_valid,
+                                              keep_states, tuple(feature_layers), moe_sharding)
     hidden = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     head_in = hidden if logits_at is None else jnp.take_along_axis(
         hidden, logits_at[:, None, None], axis=1)
