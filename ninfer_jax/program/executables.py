@@ -190,6 +190,11 @@ class ExecutableTable:
         return {"argument": int(m.argument_size_in_bytes), "output": int(m.output_size_in_bytes),
                 "temp": int(m.temp_size_in_bytes)}
 
+    def hlo_text(self, key: StepKey) -> str:
+        """The compiled executable's optimized HLO (`program/hlo.py` reads it). Waits for its
+        compile."""
+        return self._get(key).as_text()
+
     def __call__(self, key: StepKey, *args: Any) -> Any:
         return self._get(key)(*args)
 

@@ -103,10 +103,10 @@ class Scorer:
         `verify`); progress (a bar over the compiles; None: in a notebook only); quantize
         (see `Engine.open`). Texts need
         the model's tokenizer; a directory without one scores token ids only."""
-        from ninfer_jax.compile_cache import ensure_persistent_cache
-        from ninfer_jax.frontend import load_tokenizer
         import jax
 
+        from ninfer_jax.compile_cache import ensure_persistent_cache
+        from ninfer_jax.frontend import load_tokenizer
         from ninfer_jax.loader import host_placement, load_model
         from ninfer_jax.program.config import platform_defaults
 
