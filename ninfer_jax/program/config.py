@@ -50,6 +50,15 @@ def platform_defaults(platform: str, dtype: str | None = None) -> dict[str, str]
             "layer_loop": "scan"}
 
 
+def resolve_layer_loop(layer_loop: str) -> str:
+    """`layer_loop`, with "auto" replaced by the running backend's default."""
+    if layer_loop != AUTO:
+        return layer_loop
+    import jax
+
+    return platform_defaults(jax.default_backend())["layer_loop"]
+
+
 def resolve_dtype(dtype: str) -> str:
     """`dtype`, with "auto" replaced by the running backend's default."""
     if dtype != AUTO:
@@ -187,11 +196,7 @@ class ProgramConfig:
                 raise ConfigError(f"{name} must be {limits[name]}, got {value!r:.60}")
 
     def resolved_layer_loop(self) -> str:
-        if self.layer_loop != "auto":
-            return self.layer_loop
-        import jax  # resolved when the Program is built, on the backend it will run on
-
-        return platform_defaults(jax.default_backend())["layer_loop"]
+        return resolve_layer_loop(self.layer_loop)  # when the Program is built
 
     @property
     def page_dtype(self) -> str:

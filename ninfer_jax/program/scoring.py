@@ -24,7 +24,7 @@ from ninfer_jax.errors import ConfigError
 from ninfer_jax.host_memory import keep_freed_memory
 from ninfer_jax.models.qwen3_6 import ModelConfig
 from ninfer_jax.models.qwen3_6.model import unstack_layers
-from ninfer_jax.program.config import LAYER_LOOPS, platform_defaults
+from ninfer_jax.program.config import LAYER_LOOPS, resolve_layer_loop
 from ninfer_jax.program.executables import ExecutableTable, StepKey, StepKind, bind
 from ninfer_jax.program.scoring_steps import (
     SharedInputs,
@@ -81,11 +81,9 @@ class ScoringProgram:
             raise ConfigError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
         keep_freed_memory()
         self.cfg, self.top_n = cfg, top_n
-        if layer_loop == "auto":
-            layer_loop = platform_defaults(jax.default_backend())["layer_loop"]
-        self.layer_loop = layer_loop
+        self.layer_loop = resolve_layer_loop(layer_loop)
         self.params = quant.cast_params(
-            unstack_layers(params, cfg) if layer_loop == "unrolled" else params, dtype)
+            unstack_layers(params, cfg) if self.layer_loop == "unrolled" else params, dtype)
         self.executables = ExecutableTable()
         steps = {WindowKey: bind(score_window_step, cfg=cfg, top_n=top_n),
                  SharedKey: bind(score_shared_step, cfg=cfg, top_n=top_n)}

@@ -103,12 +103,10 @@ class Scorer:
         `verify`); progress (a bar over the compiles; None: in a notebook only); quantize
         (see `Engine.open`). Texts need
         the model's tokenizer; a directory without one scores token ids only."""
-        import jax
-
         from ninfer_jax.compile_cache import ensure_persistent_cache
         from ninfer_jax.frontend import load_tokenizer
         from ninfer_jax.loader import host_placement, load_model
-        from ninfer_jax.program.config import platform_defaults
+        from ninfer_jax.program.config import resolve_layer_loop
 
         known = {f.name for f in dataclasses.fields(ScoringConfig)}
         unknown = sorted(set(config) - known)
@@ -118,7 +116,7 @@ class Scorer:
         ensure_persistent_cache()  # see Engine.open
         # Kept on the host for an unrolled layer loop (see Engine.open): the ScoringProgram
         # sends each layer's weights to the device as their own arrays.
-        unrolled = platform_defaults(jax.default_backend())["layer_loop"] == "unrolled"
+        unrolled = resolve_layer_loop("auto") == "unrolled"
         loaded = load_model(model, dtype=scfg.dtype, verify=verify_weights, quantize=quantize,
                             placement=host_placement if unrolled else None)
         try:
