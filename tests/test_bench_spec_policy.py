@@ -42,3 +42,14 @@ def test_the_ab_script_loads_a_revisions_policy_and_names_a_bad_one():
     assert policy.adaptive and policy.choose([], lambda k, b: True) == 0
     with pytest.raises(app.UsageError, match="--against: no spec_policy.py at 'no-such-rev'"):
         spec_policy_ab._policy_at("no-such-rev")
+
+
+def test_the_policys_rounds_by_k_per_turn_are_the_differences_of_its_counts():
+    def out(counts):
+        return {"stats": {"rounds_by_drafts": [[k, n] for k, n in counts.items()]}}
+
+    side = {"warmup_outputs": [out({15: 6, 0: 20}), out({15: 6, 0: 20, 3: 38})],
+            "outputs": [out({15: 6, 0: 20, 3: 76}), out({15: 8, 0: 21, 3: 110, 7: 2})]}
+    assert spec_policy._rounds_by_turn(side) == [{3: 38}, {15: 2, 0: 1, 3: 34, 7: 2}]
+    side = {"warmup_outputs": [], "outputs": [out({0: 20}), out({0: 30, 3: 5})]}
+    assert spec_policy._rounds_by_turn(side) == [{0: 20}, {0: 10, 3: 5}]

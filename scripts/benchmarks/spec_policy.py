@@ -18,10 +18,11 @@ turns, explore every K).
 
 Reported per B: each side's tok/s (median [min-max] over turns), its ratio to "off" per turn
 pair, "policy" over the best fixed K per turn pair, whether every side's tokens equal "off"'s,
-the policy's rounds by K, and the 1-minute load average. Then the upkeep: the same Programs
-driven directly (their Engines stopped), ms per round of 0 drafts of the policy's Program
-(plain decode plus the drafter's upkeep) against "off"'s plain decode, in turn. Targets ([spec-policy]): policy >=
-0.97x off and >= 0.9x the best fixed K at every B.
+the policy's rounds by K (in all and per turn), and the 1-minute load average. Then the
+upkeep: the same Programs driven directly (their Engines stopped), ms per round of 0 drafts
+of the policy's Program (plain decode plus the drafter's upkeep) against "off"'s plain
+decode, in turn. Targets ([spec-policy]): policy >= 0.97x off and >= 0.9x the best fixed K
+at every B.
 
 Settings (environment): BENCH_SPECPOL_METHOD=mtp (or dflash)  BENCH_SPECPOL_KS (mtp: 1,2,3;
 dflash: 4,8,15)  BENCH_SPECPOL_BATCHES=1,4  BENCH_SPECPOL_NEW_TOKENS=128  BENCH_SPECPOL_REPS=5
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import time
 
@@ -131,6 +133,7 @@ def measure(s: Settings) -> dict:
                     off["rates"], r["sides"]["base off"]["rates"])])
                 row["policy_over_base"] = spread([x / y for x, y in zip(
                     pol, r["sides"]["base policy"]["rates"])])
+            row["policy_rounds_by_turn"] = _rounds_by_turn(r["sides"]["policy"])
             out["batches"][b] = row
             out["policy_stats"] = r["sides"]["policy"]["outputs"][-1]["stats"]
         # The upkeep: rounds of 0 drafts at the Program, off's plain decode and the policy's
@@ -150,6 +153,16 @@ def measure(s: Settings) -> dict:
     return out
 
 
+def _rounds_by_turn(side: dict) -> list[dict[int, int]]:
+    """The policy's decode rounds by K in each measured turn (the differences of its Engine's
+    cumulative counts, every B's rounds: a turn runs one B)."""
+    cumulative = [{}] + [dict(o["stats"]["rounds_by_drafts"])
+                         for o in side["warmup_outputs"] + side["outputs"]]
+    turns = [{k: n - before.get(k, 0) for k, n in after.items() if n - before.get(k, 0)}
+             for before, after in itertools.pairwise(cumulative)]
+    return turns[-len(side["outputs"]):]
+
+
 def format_table(result: dict) -> str:
     s, m = result["settings"], result["measure"]
     lines = [(f"{s['method']} on the embedded model, through the Engine: {s['new_tokens']} "
@@ -166,6 +179,10 @@ def format_table(result: dict) -> str:
                      f"{fmt_spread(p['over_best_fixed'], 2)}; target >= {TARGET_OVER_OFF}x off "
                      f"and >= {TARGET_OVER_BEST}x best fixed: {'met' if p['met'] else 'NOT met'}"
                      f"; load 1-min {load}")
+        turns = row.get("policy_rounds_by_turn", [])
+        lines.append("    policy rounds by K per turn: " + "; ".join(
+            " ".join(f"{k}:{n}" for k, n in sorted(t.items(), key=lambda x: int(x[0])))
+            for t in turns))
         if "off_over_base" in row:
             lines.append(f"    off / base off ({s['baseline']}) per pair: "
                          f"{fmt_spread(row['off_over_base'], 3)}")
