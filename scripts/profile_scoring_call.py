@@ -36,13 +36,10 @@ def _define_flags() -> None:
 
 def _hlo_names(hlo_text: str) -> dict[str, tuple[str, str]]:
     """instruction name -> (output shape, the jax op it came from) in an optimized HLO text."""
-    names = {}
-    for line in hlo_text.splitlines():
-        m = re.match(r"\s+(?:ROOT )?%?(\S+) = (\S+) (\w[\w-]*)\(", line)
-        if m:
-            op = re.search(r'op_name="([^"]+)"', line)
-            names[m.group(1)] = (m.group(2), op.group(1).split("/")[-1] if op else m.group(3))
-    return names
+    from ninfer_jax.program import hlo
+
+    return {i.name: (i.shape, i.op_name.split("/")[-1] or i.opcode)
+            for instrs in hlo.parse(hlo_text).computations.values() for i in instrs}
 
 
 def _wall_shares(events: list[dict], key) -> collections.Counter:

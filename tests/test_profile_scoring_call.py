@@ -18,9 +18,10 @@ def test_concurrent_operations_share_each_instant():
 
 
 def test_hlo_names_give_shape_and_op():
-    text = ('  %ynn_fusion.3 = f32[4096,1024]{1,0} fusion(%p.1, %w.2), kind=kCustom, '
+    text = ('ENTRY %main.1 (p.1: f32[4096,64], w.2: f32[1024,64]) -> f32[8] {\n'
+            '  %ynn_fusion.3 = f32[4096,1024]{1,0} fusion(%p.1, %w.2), kind=kCustom, '
             'metadata={op_name="jit(f)/while/body/...i,oi->...o/dot_general"}\n'
-            '  ROOT %add.1 = f32[8]{0} add(%x, %y)\n')
+            '  ROOT %add.1 = f32[8]{0} add(%x, %y)\n}\n')
     assert _hlo_names(text) == {"ynn_fusion.3": ("f32[4096,1024]{1,0}", "dot_general"),
                                 "add.1": ("f32[8]{0}", "add")}
 

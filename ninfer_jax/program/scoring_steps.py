@@ -169,8 +169,8 @@ def score_shared_step(params: dict, inputs: SharedInputs, *, cfg: ModelConfig,
     dtype = params["embed"].dtype
     positions = jnp.broadcast_to(jnp.arange(lc, dtype=jnp.int32), (c, lc))
     kv = ContiguousKV.zeros(cfg, c, lc + lk, dtype)
-    run_layers = layer_loop(params)
-    h, gdn, kv, _ = run_layers(params, cfg, params["embed"][inputs.context_ids], positions,
+    layers = layer_loop(params)
+    h, gdn, kv, _ = layers(params, cfg, params["embed"][inputs.context_ids], positions,
                                GDNState.zeros(cfg, c, dtype), kv, inputs.context_len)
     last = h[jnp.arange(c), inputs.context_len - 1][inputs.context_of]  # [B, H]
 
@@ -179,7 +179,7 @@ def score_shared_step(params: dict, inputs: SharedInputs, *, cfg: ModelConfig,
     gdn = jax.tree.map(lambda a: a[:, rows], gdn)
     kv = ContiguousKV(layers=jax.tree.map(lambda a: a[:, rows], kv.layers), lengths=start)
     positions = start[:, None] + jnp.arange(lk, dtype=jnp.int32)[None, :]
-    h, _, _, _ = run_layers(params, cfg, params["embed"][inputs.token_ids], positions, gdn, kv,
-                            inputs.num_valid)
+    h, _, _, _ = layers(params, cfg, params["embed"][inputs.token_ids], positions, gdn, kv,
+                        inputs.num_valid)
     h = jnp.concatenate([last[:, None], h[:, : lk - 1]], axis=1)
     return _scores(params, cfg, h, inputs.target_ids, inputs.target_mask, top_n)
