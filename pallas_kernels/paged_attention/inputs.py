@@ -35,7 +35,7 @@ class PoolDims:
     jax.tree_util.register_dataclass,
     data_fields=["k_pages", "v_pages", "page_tables", "cached_lens", "k_scales", "v_scales",
                  "chunk_k", "chunk_v", "chunk_lens"],
-    meta_fields=[],
+    meta_fields=["skip_empty"],
 )
 @dataclasses.dataclass(frozen=True)
 class PagedAttentionInputs:
@@ -48,6 +48,15 @@ class PagedAttentionInputs:
     Decode leaves the chunk fields None; prefill sets all three. Float pages leave the scales
     None; INT8 pages (`quant.py`) come with both. A None field is an empty pytree, so the
     inputs pass through `jax.jit` and `lax.platform_dependent` either way.
+
+    `skip_empty` (static): a cached position whose logit for a query is exactly zero is
+    masked for that query, as a position past the row's length is. An empty entry, which a
+    writer leaves on purpose, holds zeros as its key and its value, so every query skips it;
+    a written key's logit is exactly zero only by chance (a query then skips that position:
+    for the MTP head's attention, the one user, a draft may change, never an output).
+    Checking the logit costs nothing; a check of the keys themselves, a second pass over
+    them, slowed the CPU reference's decode attention by about a third (demo shapes). The
+    chunk's own keys are always read.
     """
 
     k_pages: jax.Array  # [P, page_size, H_kv, D] one layer's page pool: float, or int8 with scales
@@ -59,6 +68,7 @@ class PagedAttentionInputs:
     chunk_k: jax.Array | None = None  # [B, T, H_kv, D] prefill: the chunks' own keys (floats)
     chunk_v: jax.Array | None = None  # [B, T, H_kv, D] prefill: the chunks' own values
     chunk_lens: jax.Array | None = None  # [B] int32 prefill: valid chunk tokens per row (0..T)
+    skip_empty: bool = False  # mask cached positions whose logit is exactly zero
 
     def check_decode(self, q: jax.Array) -> PoolDims:
         """Checks a decode call: q `[B, H_q, D]` and no chunk."""

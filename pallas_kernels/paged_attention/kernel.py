@@ -87,6 +87,12 @@ def load_block(pages_refs, scales_refs, table_ref, start, block_k: int, num_page
     return k, v, positions < length
 
 
+def skipping(mask: jax.Array, logits: jax.Array, skip_empty: bool) -> jax.Array:
+    """mask, and with `skip_empty` not where the cached keys' logits are exactly zero
+    (`PagedAttentionInputs.skip_empty`)."""
+    return mask & (logits != 0) if skip_empty else mask
+
+
 def decode_shared_bytes(block_k: int, head_dim: int, block_h: int, itemsize: int) -> int:
     """Shared memory Triton gives the decode kernel (ptxas's figure on sm_90 for fp32 and bf16,
     head_dim 64..256, block_k 128..512: two stages of the K tile, one of V, the query tile and
@@ -114,6 +120,7 @@ def _decode_kernel(
     scale: float,
     block_k: int,
     num_pages: int,
+    skip_empty: bool,
 ):
     *scale_refs, o_ref = refs
     k_scales_ref, v_scales_ref = scale_refs or (None, None)
@@ -128,7 +135,7 @@ def _decode_kernel(
                                  page_ids_ref, start, block_k, num_pages, length, q.dtype)
 
         logits = plgpu.dot(q, k, trans_b=True, precision=_PRECISION) * scale  # [block_h, block_k]
-        logits = jnp.where(valid, logits, _MASK_VALUE)
+        logits = jnp.where(skipping(valid, logits, skip_empty), logits, _MASK_VALUE)
         new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
         correction = jnp.exp(row_max - new_max)
         probs = jnp.exp(logits - new_max[:, None])
@@ -164,8 +171,9 @@ def paged_attention_decode_pallas(
     Args:
       q: `[B, H_q, D]` queries, not pre-scaled; `D` a power of two.
       inputs: the pages, with no chunk; `page_size` a power of two. Row `b` attends to its
-        first `cached_lens[b]` positions (0 gives a zero output row); int8 pages are
-        dequantized to q's dtype as they are loaded.
+        first `cached_lens[b]` positions (0 gives a zero output row; `skip_empty`: not those
+        whose logit is exactly zero); int8 pages are dequantized to q's dtype as they are
+        loaded.
       scale: logit scale, default `D**-0.5`.
       block_k: key positions per loop step, a power of two >= 16 (whole pages, or part of
         one); default: the largest up to `TARGET_BLOCK_K` that fits the target's shared
@@ -206,6 +214,7 @@ def paged_attention_decode_pallas(
         scale=default_scale(head_dim, scale),
         block_k=block_k,
         num_pages=dims.num_pages,
+        skip_empty=inputs.skip_empty,
     )
     pool_spec = pl.BlockSpec(
         (dims.num_pages, dims.page_size, None, head_dim), lambda b, h: (0, 0, h, 0)

@@ -13,7 +13,7 @@ covers consecutive tokens and every row of the block shares its kv head. The gri
 sum, fp32 accumulator) into one accumulator:
   1. over the row's cached pages, `block_k` positions per step gathered in the kernel through
      the page table (`kernel.load_block`, `load_keys`; scalar prefetch being TPU-only), `cdiv(cached_lens[b],
-     block_k)` steps;
+     block_k)` steps (with `skip_empty`, keys whose logit is exactly zero masked);
   2. over the chunk's keys, `block_c` per step, up to the block's last token (keys above the
      causal diagonal of every row of the block are never read).
 Masked logits never reach the sums (`where` on the probabilities), masked values are zeroed
@@ -43,6 +43,7 @@ from pallas_kernels.paged_attention.kernel import (
     _is_pow2,
     fitting_block_k,
     load_block,
+    skipping,
 )
 from pallas_kernels.paged_attention.reference import default_scale
 from pallas_kernels.target import gpu_limits
@@ -60,10 +61,12 @@ def prefill_shared_bytes(block_k: int, block_c: int, block_m: int, head_dim: int
     return (4 * max(block_k, block_c) + block_m) * head_dim * itemsize
 
 
-def _online_update(carry, q, k, v, mask, scale):
-    """One online-softmax step of `q [M, D]` over `k, v [N, D]` where `mask [M, N]`."""
+def _online_update(carry, q, k, v, mask, scale, skip_empty: bool = False):
+    """One online-softmax step of `q [M, D]` over `k, v [N, D]` where `mask [M, N]`
+    (`skip_empty`: and where the logit is not exactly zero, `kernel.skipping`)."""
     acc, row_max, row_sum = carry
     logits = plgpu.dot(q, k, trans_b=True, precision=_PRECISION) * scale  # [M, N]
+    mask = skipping(mask, logits, skip_empty)
     logits = jnp.where(mask, logits, -jnp.inf)
     new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
     correction = jnp.exp(row_max - new_max)
@@ -87,6 +90,7 @@ def _prefill_kernel(
     block_k: int,
     block_c: int,
     num_pages: int,
+    skip_empty: bool,
 ):
     *scale_refs, o_ref = refs
     k_scales_ref, v_scales_ref = scale_refs or (None, None)
@@ -107,7 +111,7 @@ def _prefill_kernel(
                                  page_ids_ref, start, block_k, num_pages, prior_len, q.dtype)
         v = jnp.where(valid.reshape(block_k, 1), v, jnp.zeros_like(v))
         mask = jnp.broadcast_to(valid, (block_m, block_k))
-        return _online_update(carry, q, k, v, mask, scale)
+        return _online_update(carry, q, k, v, mask, scale, skip_empty)
 
     def own(step, carry):
         k = chunk_k_ref[pl.ds(step * block_c, block_c), :]
@@ -198,7 +202,8 @@ def paged_attention_prefill_pallas(
 
     kernel = functools.partial(
         _prefill_kernel, scale=default_scale(head_dim, scale), group=group,
-        block_k=block_k, block_c=block_c, num_pages=dims.num_pages)
+        block_k=block_k, block_c=block_c, num_pages=dims.num_pages,
+        skip_empty=inputs.skip_empty)
     per_row = pl.BlockSpec((None, 1), lambda b, h, m: (b, 0))
     pool = pl.BlockSpec((dims.num_pages, dims.page_size, None, head_dim),
                         lambda b, h, m: (0, 0, h, 0))

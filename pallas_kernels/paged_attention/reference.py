@@ -9,7 +9,8 @@ Layout (DESIGN §10): one attention layer's pool is `k_pages, v_pages: [P, page_
 Query head `h` reads kv head `h // (H_q // H_kv)` (GQA). Logits are `scale * q·k` with
 `scale = D**-0.5` unless given; softmax and accumulation run in float32 and the result is cast to
 q's dtype. Key positions at or beyond a row's length are masked and their K/V contents, whatever
-they are (stale data, NaN), never reach the output. INT8 pools (`quant.py`) come with
+they are (stale data, NaN), never reach the output. With `inputs.skip_empty` a cached position
+whose logit is exactly zero is masked for that query (`PagedAttentionInputs.skip_empty`). INT8 pools (`quant.py`) come with
 `k_scales, v_scales: [P, page_size, H_kv]`; each gathered page is dequantized to q's dtype (the
 compute dtype, as the kernels do: `quant.dequantize`), then used as float pages are.
 """
@@ -44,6 +45,16 @@ def _gather_rows(pages: jax.Array, page_ids: jax.Array, dims: PoolDims,
     return gathered.reshape(
         *lead, page_ids.shape[-1] * dims.page_size, dims.num_kv_heads, dims.head_dim
     )
+
+
+def _skipping(mask: jax.Array, logits: jax.Array, cached: jax.Array | None,
+              skip_empty: bool) -> jax.Array:
+    """mask, and with `skip_empty` not where a cached key's logit is exactly zero (`cached`:
+    which keys of the last axis are cached, None: all)."""
+    if not skip_empty:
+        return mask
+    empty = logits == 0
+    return mask & ~(empty if cached is None else empty & cached)
 
 
 def _masked_softmax_weights(logits: jax.Array, mask: jax.Array) -> jax.Array:
@@ -83,7 +94,8 @@ def paged_attention_decode_reference(
     qg = q.astype(jnp.float32).reshape(batch, dims.num_kv_heads, group, head_dim)
     logits = jnp.einsum("bhgd,blhd->bhgl", qg, keys, precision=_HIGHEST)
     logits = logits * default_scale(head_dim, scale)
-    weights = _masked_softmax_weights(logits, valid[:, None, None, :])
+    mask = _skipping(valid[:, None, None, :], logits, None, inputs.skip_empty)
+    weights = _masked_softmax_weights(logits, mask)
     out = jnp.einsum("bhgl,blhd->bhgd", weights, values, precision=_HIGHEST)
     return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
@@ -95,7 +107,8 @@ def paged_attention_prefill_reference(
 
     Query `i` of row `b` sits at absolute position `cached_lens[b] + i`. It attends to the
     `cached_lens[b]` positions read from the row's pages and to chunk keys `j <= i` with
-    `j < chunk_lens[b]`. The chunk's own K/V come from `chunk_k/chunk_v`, so the pages need not
+    `j < chunk_lens[b]` (with `skip_empty`, not a cached key whose logit is exactly zero).
+    The chunk's own K/V come from `chunk_k/chunk_v`, so the pages need not
     hold them yet (and page contents at positions `>= cached_lens[b]` are ignored). With int8
     pages the chunk's own K/V are floats all the same; a writer of int8 pages passes their
     dequantized values (in q's dtype), so the chunk sees what its pages will hold.
@@ -135,7 +148,9 @@ def paged_attention_prefill_reference(
         qg = q.astype(jnp.float32).reshape(num_tokens, dims.num_kv_heads, group, head_dim)
         logits = jnp.einsum("thgd,shd->hgts", qg, keys, precision=_HIGHEST)
         logits = logits * default_scale(head_dim, scale)
-        weights = _masked_softmax_weights(logits, valid[None, None, :, :])
+        cached = jnp.arange(num_cached + num_tokens) < num_cached
+        mask = _skipping(valid[None, None, :, :], logits, cached, inputs.skip_empty)
+        weights = _masked_softmax_weights(logits, mask)
         out = jnp.einsum("hgts,shd->thgd", weights, values, precision=_HIGHEST)
         return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
