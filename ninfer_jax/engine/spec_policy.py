@@ -56,15 +56,16 @@ The choice: the K of most committed tokens per second for the round's rows.
   the break-even drifts back to the prior's.
 - Rows of requests with speculative="off" expect one token at every K; a round of only such
   rows is a round of 0. Only compiled Ks are chosen.
-- Bare rounds (a `window` W > 0: DFlash with a sliding-window drafter, `bare`): a round of 0
-  may skip the drafter's upkeep (the drafter's projections of the new position: 3-4% of a
-  round of the embedded model on these cores) when its rows draft nothing, or when the
-  choice for them is 0, W rounds of 0 ran in a row at their B and its next probe is more
-  than W rounds away. A row's context then lacks those positions until W rounds of upkeep
-  later (`RowOutlook.stale`); a choice
-  that drafts for a stale row runs rounds of 0 with the upkeep until it is whole, so no
-  probe or drafting round reads a context with holes (the cost: at most W rounds of the
-  gain of a K that was losing until then).
+- Bare rounds (a `window` W > 0, `bare`): a round of 0 may skip the drafter's upkeep (DFlash
+  with a sliding-window drafter: its projections of the new position, 3-4% of a round of the
+  embedded model on these cores; MTP: the head's K/V of it, 5-10% there) when its rows draft
+  nothing, or when the choice for them is 0, W rounds of 0 ran in a row at their B and its
+  next probe is more than W rounds away. A row's context then lacks those positions: DFlash's
+  until W rounds of upkeep later, MTP's for good (the head's attention skips them) but its
+  last W positions whole after W rounds of upkeep (`RowOutlook.stale`). A choice that drafts
+  for a stale row runs rounds of 0 with the upkeep first, so no probe or drafting round reads
+  a context whose recent positions have holes (the cost: at most W rounds of the gain of a K
+  that was losing until then).
 
 Does not own: which K values exist (`ProgramConfig.round_drafts`, compiled at start), the
 rows' limits (the Program clips them to K + 1), or exactness (every K gives the same greedy

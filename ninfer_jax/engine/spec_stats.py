@@ -27,4 +27,4 @@ class SpeculativeStats:
     # estimated them (0.0 before it measured both)
     estimated_gain: float = 0.0
     round_ms: tuple[tuple[int, int, float], ...] = ()  # (K, B, median round milliseconds)
-    bare_rounds: int = 0  # rounds of 0 drafts that skipped the drafter's upkeep (DFlash)
+    bare_rounds: int = 0  # rounds of 0 drafts that skipped the drafter's upkeep (DFlash, MTP)

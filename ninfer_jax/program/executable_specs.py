@@ -183,11 +183,21 @@ def lean_rounds(pcfg: ProgramConfig) -> bool:
     return pcfg.speculative == "mtp" and 0 in pcfg.round_drafts
 
 
+# Rounds of upkeep after an MTP row's last bare round before it drafts again: the head's
+# context then holds its last MTP_UPKEEP positions whole (the empty ones before are not read).
+MTP_UPKEEP = 8
+
+
 def bare_window(pcfg: ProgramConfig, drafter: DFlashConfig | None) -> int:
-    """W when rounds of 0 may skip the drafter's upkeep (`decode_step`'s `bare`): an adaptive
-    DFlash Program whose drafter sees a sliding window of W positions (W rounds of upkeep after
-    the last bare one, its context is whole again); else 0."""
-    if drafter is None or pcfg.speculative != "dflash" or pcfg.draft_policy != "adaptive":
+    """W when rounds of 0 may skip the drafter's upkeep (`decode_step`'s `bare`), in an
+    adaptive Program: with DFlash whose drafter sees a sliding window of W positions (W rounds
+    of upkeep after the last bare one, its context is whole again); with MTP, MTP_UPKEEP (the
+    head's last W positions whole again); else 0."""
+    if pcfg.draft_policy != "adaptive":
+        return 0
+    if pcfg.speculative == "mtp":
+        return MTP_UPKEEP
+    if drafter is None or pcfg.speculative != "dflash":
         return 0
     ring, kept = context_ring(drafter, pcfg)
     return 0 if ring >= pcfg.max_seq_len else kept

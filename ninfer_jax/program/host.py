@@ -392,8 +392,10 @@ class HostProgram(CheckpointCopies):
         `masks[b]`: the tokens row b's next token may be (a [mask_words] uint32 bitmask, or
         None: any); a masked row proposes exactly one token (drafting is off for it).
         `bare`: a round of 0 may skip the drafter's upkeep (with `limits.context_window`, once
-        that round is compiled; else ignored): the same tokens, and the rows' drafter
-        contexts lack this position until the window moves past it (`context_stale`)."""
+        that round is compiled, and with MTP when every row's last step was a decode round;
+        else ignored): the same tokens, and the rows' drafter contexts lack this position
+        (DFlash: until the window moves past it; MTP: for good, the head's attention skips
+        it) with `context_stale` rounds of upkeep to go."""
         self._check_idle()
         seqs = [self._seq(h) for h in handles]
         if caps is not None and len(caps) != len(seqs):
@@ -405,14 +407,17 @@ class HostProgram(CheckpointCopies):
         if drafts not in self.limits.round_drafts:
             raise PendingBatchError(f"drafts must be one of the compiled round_drafts "
                                     f"{self.limits.round_drafts}, got {drafts!r}")
-        bare = bool(bare) and drafts == 0 and self.limits.context_window > 0 \
-            and self.round_ready(0, len(seqs), bare=True)
-        self.bare_rounds += bare
         if not seqs or len({s.handle.seq_id for s in seqs}) != len(seqs):
             raise PendingBatchError(f"decode needs distinct sequences, got {list(handles)}")
         if len(seqs) > self.limits.max_concurrency:
             raise PendingBatchError(
                 f"decode of {len(seqs)} rows exceeds max_concurrency {self.limits.max_concurrency}")
+        # MTP: the entry at frontier - 1 is written by the round after a prefill or a
+        # verify, never left as the pages held it
+        bare = bool(bare) and drafts == 0 and self.limits.context_window > 0 \
+            and (self.limits.speculative != "mtp" or all(s.after_decode for s in seqs)) \
+            and self.round_ready(0, len(seqs), bare=True)
+        self.bare_rounds += bare
         limits = np.zeros(len(seqs), np.int32)
         for i, s in enumerate(seqs):
             if s.state is not SeqState.ACTIVE:
@@ -451,7 +456,8 @@ class HostProgram(CheckpointCopies):
 
     def context_stale(self, handle: SequenceHandle) -> int:
         """Rounds of upkeep until the sequence's drafter context is whole again after its last
-        bare round (0: whole; always 0 without `limits.context_window`). What a restored
+        bare round (MTP: over its last `limits.context_window` positions) (0: whole; always 0
+        without `limits.context_window`). What a restored
         checkpoint's context lacks is not counted: its blocks still read only written
         entries."""
         s = self._seq(handle)

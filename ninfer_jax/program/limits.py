@@ -39,9 +39,11 @@ class ProgramLimits:
     # The draft counts a decode round may have (ascending; the last is verify_width - 1): a
     # round of K proposes up to K + 1 tokens a row (`decode(drafts=K)`). None: only the last.
     round_drafts: tuple[int, ...] | None = None
-    # W > 0: a round of 0 may be bare (`decode(bare=True)`: the DFlash drafter's context entry
-    # of its position left empty); W rounds of upkeep after a row's last bare one, its drafter
-    # context is whole again (`HostProgram.context_stale`). 0: no bare rounds.
+    # W > 0: a round of 0 may be bare (`decode(bare=True)`: the drafter's context entry of its
+    # position left empty, the DFlash drafter's or the MTP head's); W rounds of upkeep after a
+    # row's last bare one, its drafter context is whole again (DFlash) or whole over its last
+    # W positions (MTP, whose head skips the empty entries before) (`HostProgram.
+    # context_stale`). 0: no bare rounds.
     context_window: int = 0
 
     def __post_init__(self):

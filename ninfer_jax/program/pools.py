@@ -186,7 +186,7 @@ def write_rows(pool: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["layers", "page_tables", "lengths", "num_valid"],
-                   meta_fields=["impl", "pages_per_layer", "first_layer"])
+                   meta_fields=["impl", "pages_per_layer", "first_layer", "skip_empty"])
 @dataclasses.dataclass(frozen=True)
 class PagedKV:
     """`KVAccess` over the page pool.
@@ -206,6 +206,9 @@ class PagedKV:
     impl: str  # decode attention: "reference" | "pallas"
     pages_per_layer: int  # P + 1: the pool's pages per attention layer, the sink included
     first_layer: int = 0  # pool layer of this access's layer 0 (the MTP head's follow the model's)
+    # Cached positions whose key is all zeros are not read (`PagedAttentionInputs.skip_empty`):
+    # the MTP head's entries a bare round left empty
+    skip_empty: bool = False
 
     def with_layers(self, layers):
         return dataclasses.replace(self, layers=layers)
@@ -215,12 +218,13 @@ class PagedKV:
         k_scales, v_scales = scales or (None, None)
         if q.shape[1] == 1:  # the new token is in the pages already
             out = attention(paged_attention_decode, self.impl, q[:, 0], 1, PagedAttentionInputs(
-                k_flat, v_flat, tables, self.lengths + self.num_valid, k_scales, v_scales))
+                k_flat, v_flat, tables, self.lengths + self.num_valid, k_scales, v_scales,
+                skip_empty=self.skip_empty))
             out = out[:, None]
         else:
             chunks = PagedAttentionInputs(k_flat, v_flat, tables, self.lengths, k_scales,
                                           v_scales, chunk_k=k, chunk_v=v,
-                                          chunk_lens=self.num_valid)
+                                          chunk_lens=self.num_valid, skip_empty=self.skip_empty)
             out = attention(paged_attention_prefill, self.impl, q, 2, chunks)
         return out.astype(q.dtype), (k_flat, v_flat, *scales)
 

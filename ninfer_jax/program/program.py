@@ -356,7 +356,7 @@ class Program(HostProgram):
             rope_delta=np.array([0 if s.rope is None else s.rope.delta for s in seqs],
                                 np.int32) if self.vision_on else None)
         key = round_key(self.pcfg, len(seqs), drafts, bare)
-        if self._lean and drafts == 0 and all(s.after_decode for s in seqs):
+        if self._lean and not bare and drafts == 0 and all(s.after_decode for s in seqs):
             lean = round_key(self.pcfg, len(seqs), 0, lean=True)
             if self.executables.is_ready(lean):
                 key = lean  # the same tokens; the head's K/V at frontier - 1 is written

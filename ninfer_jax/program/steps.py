@@ -257,9 +257,10 @@ def write_provisional(pools: Pools, kv_layers, gdn: GDNState, ctx: jax.Array) ->
 
 
 def _mtp_kv(kv: PagedKV, cfg: ModelConfig, lengths: jax.Array, num_valid: jax.Array) -> PagedKV:
-    """The same pools and page tables, addressed at the MTP head's attention layers."""
+    """The same pools and page tables, addressed at the MTP head's attention layers, which do
+    not read the entries bare rounds left empty (`decode_step`)."""
     return dataclasses.replace(kv, lengths=lengths, num_valid=num_valid,
-                               first_layer=cfg.num_attention_layers)
+                               first_layer=cfg.num_attention_layers, skip_empty=True)
 
 
 def prefill_step(params: dict, pools: Pools, inputs: PrefillInputs, *, cfg: ModelConfig,
@@ -340,7 +341,10 @@ def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
     `bare` (DFlash with a sliding-window drafter): the new position's ring entry is marked
     empty instead (zeros), which costs a write, not the drafter's
     projections; blocks do not read it, and once the window has moved past it the context
-    is the one the upkeep would have left. `lean` (MTP): every row's last committed step was
+    is the one the upkeep would have left. `bare` (MTP, every row after a decode round): the
+    head's K/V at the new position are zeros, which its attention does not read
+    (`PagedKV.skip_empty`): the head's context lacks that position for good (what that
+    costs the drafts: docs/speculative.md, bare rounds). `lean` (MTP): every row's last committed step was
     a decode round, which wrote the head's K/V at frontier - 1 with the token at the frontier
     (`SeqRecord.after_decode`), so only the new position's is written (what that saves:
     docs/speculative.md, lean rounds)."""
@@ -350,6 +354,11 @@ def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
     kv = PagedKV(layers=pools.kv, page_tables=inputs.page_tables,
                  lengths=pos, num_valid=jnp.ones((b,), jnp.int32),
                  impl=pcfg.attention_impl, pages_per_layer=pcfg.num_pages + 1)
+    if pcfg.speculative == "mtp" and bare:
+        # before the model reads the pools: written after that read (on which zeros do not
+        # wait), the write made XLA copy both pools
+        kv = kv.with_layers(_empty_mtp_entries(params, cfg, kv, pos))
+        pools = pools.with_kv(kv.layers)
     rope = None if inputs.rope_delta is None else (pos + inputs.rope_delta)[:, None]
     ctx = pools.ctx[slots][:, None]  # the hidden state at frontier - 1, before this step's
     out = step(params, cfg, inputs.token_ids[:, None], pos,
@@ -358,7 +367,7 @@ def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
                moe_sharding=pcfg.moe_sharding)
     pools, outputs = _finish(pools, out, out.logits[:, 0], pools.output_counts[slots],
                              pools.prompt_mask[slots], inputs, out.hidden[:, 0])
-    if pcfg.speculative == "mtp":  # (hidden at a position, the token after it)
+    if pcfg.speculative == "mtp" and not bare:  # (hidden at a position, the token after it)
         if lean:  # the new position
             hidden, after, start = out.hidden, outputs.last[:, None], pos
         else:  # positions pos - 1 and pos
@@ -379,6 +388,19 @@ def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
             pools = write_drafter_context(params, drafter, pools, slots, out.features,
                                           pos[:, None], jnp.ones((b, 1), bool), ring)
     return pools, dataclasses.replace(outputs, tokens=widen(outputs.tokens, pcfg.verify_width))
+
+
+def _empty_mtp_entries(params: dict, cfg: ModelConfig, kv: PagedKV,
+                       pos: jax.Array) -> tuple[jax.Array, ...]:
+    """kv's layers with the MTP head's K/V at each row's position pos[b] zeros (an entry its
+    attention skips)."""
+    b = pos.shape[0]
+    mkv = _mtp_kv(kv, cfg, pos, jnp.ones((b,), jnp.int32))
+    empty = jnp.zeros((b, 1, *kv.layers[0].shape[2:]), jnp.float32)
+    layers = kv.layers
+    for layer in range(params["mtp"]["layers"]["input_norm"].shape[0]):
+        layers = mkv.store(layers, jnp.int32(layer), empty, empty)
+    return layers
 
 
 def round_rope(inputs: DecodeInputs, t: int) -> jax.Array | None:

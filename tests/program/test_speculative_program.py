@@ -179,6 +179,61 @@ def test_rounds_of_any_draft_count_keep_greedy_output_and_the_heads_kv():
     np.testing.assert_allclose(only_zeros, head_kv(2), atol=2e-4)
 
 
+def test_bare_rounds_leave_the_heads_entries_empty_and_the_output_unchanged():
+    """Rounds of 0 that skip the MTP head's upkeep (`decode(bare=True)`) between rounds of
+    any K: the same greedy tokens as no speculation; the head's K/V at a bare round's position
+    are zeros (an entry its attention skips) unless a verify round right after it rewrites
+    that position (frontier - 1), and equal the upkeep's everywhere else; a bare round is
+    taken only after a decode round (after a prefill or a verify the round keeps the upkeep,
+    which writes frontier - 1); `context_stale` counts the upkeep rounds still to go."""
+    prog = spec_program("demo", 2, 2, "adaptive")
+    window = prog.limits.context_window
+    assert window > 0
+    prompt = _prompts(1, prog.cfg.vocab_size, seed=5)[0]
+    want = generate(spec_program("demo", 0, 2), [prompt], budget=40)[0][0]
+    plan = ["bare", 2, "bare", "bare", 0, "bare", 1, "bare", "bare", "bare", 2, 0] * 4
+
+    def run(rounds: list) -> tuple:
+        h = prog.materialize(prog.plan_admission(len(prompt), 40, None), prompt, GREEDY)
+        while (b := prog.prefill(h)) is None:
+            pass
+        prog.commit(b, [1])
+        holes, after_decode, stale = set(), False, []
+        for k in rounds:
+            if prog.num_generated(h) >= 40:
+                break
+            bare = k == "bare"
+            before, frontier = prog.bare_rounds, prog._seq(h).frontier
+            b = prog.decode([h], drafts=0 if bare else k, bare=bare)
+            assert prog.bare_rounds - before == int(bare and after_decode)
+            if bare and after_decode:
+                holes.add(frontier)
+            elif k:  # a verify round rewrites frontier - 1
+                holes.discard(frontier - 1)
+            prog.commit(b, [min(n, 40 - prog.num_generated(h)) for n in b.produced.tolist()])
+            after_decode = True
+            stale.append(prog.context_stale(h))
+        seq, per_layer = prog._seq(h), prog.pcfg.num_pages + 1
+        first = prog.cfg.num_attention_layers
+        k_pool = np.asarray(prog.pools.kv[0])
+        head = np.concatenate([k_pool[first * per_layer + p] for p in seq.pages])
+        tokens, pages = prog.tokens(h)[len(prompt):], list(seq.pages)
+        prog.release(h)
+        return tokens, holes, head[: seq.frontier - 1], stale, pages
+
+    # the upkeep's run first: its pages, written, are the bare run's (zeros are written)
+    whole_tokens, _, whole, _, pages = run([0 if k == "bare" else k for k in plan])
+    assert whole_tokens == want
+    got, holes, head, stale, reused = run(plan)
+    assert got == want and holes and set(reused) == set(pages)
+    empty = np.zeros(len(head), bool)
+    empty[sorted(holes)] = True
+    assert not head[empty].any()
+    assert np.abs(head[~empty]).min(axis=(1, 2)).max() > 0  # written entries are not zeros
+    np.testing.assert_allclose(head[~empty], whole[~empty], atol=2e-4)
+    assert max(stale) == window  # right after a bare round; one less per round of upkeep
+
+
 @pytest.mark.slow  # ~50 s; the Engine's MTP greedy test (reuse on and off) stays by default
 def test_greedy_equals_no_speculation_on_a_fixture_with_mtp_weights():
     """Random weights: drafts are mostly wrong, so the correction path carries the output."""
