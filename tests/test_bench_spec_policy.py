@@ -53,3 +53,11 @@ def test_the_policys_rounds_by_k_per_turn_are_the_differences_of_its_counts():
     assert spec_policy._rounds_by_turn(side) == [{3: 38}, {15: 2, 0: 1, 3: 34, 7: 2}]
     side = {"warmup_outputs": [], "outputs": [out({0: 20}), out({0: 30, 3: 5})]}
     assert spec_policy._rounds_by_turn(side) == [{0: 20}, {0: 10, 3: 5}]
+
+
+def test_the_policys_bare_rounds_per_turn_are_the_differences_of_its_count():
+    def out(bare):
+        return {"stats": {"rounds_by_drafts": [[0, 100]], "bare_rounds": bare}}
+
+    side = {"warmup_outputs": [out(40), out(90)], "outputs": [out(190), out(230)]}
+    assert spec_policy._bare_by_turn(side) == [100, 40]

@@ -21,7 +21,8 @@ pair, "policy" over the best fixed K per turn pair, whether every side's tokens 
 the policy's rounds by K (in all and per turn), and the 1-minute load average. Then the
 upkeep: the same Programs driven directly (their Engines stopped), ms per round of 0 drafts
 of the policy's Program (plain decode plus the drafter's upkeep) against "off"'s plain
-decode, in turn. Targets ([spec-policy]): policy >= 0.97x off and >= 0.9x the best fixed K
+decode, in turn; and of its bare round of 0 (the upkeep skipped, `HostProgram.decode(bare=
+True)`) where it has one. The policy's bare rounds are counted per turn. Targets ([spec-policy]): policy >= 0.97x off and >= 0.9x the best fixed K
 at every B.
 
 Settings (environment): BENCH_SPECPOL_METHOD=mtp (or dflash)  BENCH_SPECPOL_KS (mtp: 1,2,3;
@@ -94,7 +95,7 @@ def measure(s: Settings) -> dict:
              ("policy", max(s.ks), "adaptive"),
              *([("base off", 0, "fixed"), ("base policy", max(s.ks), "adaptive")]
                if s.baseline else [])]
-    out = {"setup": {}, "batches": {}, "upkeep": {}}
+    out = {"setup": {}, "batches": {}, "upkeep": {}, "upkeep_bare": {}}
     fixed = [f"K={k}" for k in s.ks]
     with contextlib.ExitStack() as stack:
         workers = {}
@@ -134,6 +135,7 @@ def measure(s: Settings) -> dict:
                 row["policy_over_base"] = spread([x / y for x, y in zip(
                     pol, r["sides"]["base policy"]["rates"])])
             row["policy_rounds_by_turn"] = _rounds_by_turn(r["sides"]["policy"])
+            row["policy_bare_by_turn"] = _bare_by_turn(r["sides"]["policy"])
             out["batches"][b] = row
             out["policy_stats"] = r["sides"]["policy"]["outputs"][-1]["stats"]
         # The upkeep: rounds of 0 drafts at the Program, off's plain decode and the policy's
@@ -141,15 +143,17 @@ def measure(s: Settings) -> dict:
         pair = [workers["off"], workers["policy"]]
         rounds = min(UPKEEP_ROUNDS, UPKEEP_TOKENS // (s.reps + s.warmup))
         budget = rounds * (s.reps + s.warmup) + 2
+        bare = out["setup"]["policy"].get("bare_window", 0) > 0
         for b in s.batches:
-            progress(f"upkeep: B={b}, rounds of 0 drafts, off and {s.method} in turn")
-            r = alternate(pair, f"upkeep_b{b}", {"prompts": list(PROMPTS[:b]),
-                                                 "budget": budget, "rounds": rounds},
-                          reps=s.reps, warmup=s.warmup)
-            rates = {n: r["sides"][n]["rates"] for n in r["sides"]}
-            out["upkeep"][b] = {
-                "round_ms": {n: spread([1000 / x for x in v]) for n, v in rates.items()},
-                "over_off": spread([x / y for x, y in zip(rates["off"], rates["policy"])])}
+            for kind in ("upkeep", "upkeep_bare") if bare else ("upkeep",):
+                progress(f"{kind}: B={b}, rounds of 0 drafts, off and {s.method} in turn")
+                r = alternate(pair, f"{kind}_b{b}", {
+                    "prompts": list(PROMPTS[:b]), "budget": budget, "rounds": rounds,
+                    "bare": kind == "upkeep_bare"}, reps=s.reps, warmup=s.warmup)
+                rates = {n: r["sides"][n]["rates"] for n in r["sides"]}
+                out[kind][b] = {
+                    "round_ms": {n: spread([1000 / x for x in v]) for n, v in rates.items()},
+                    "over_off": spread([x / y for x, y in zip(rates["off"], rates["policy"])])}
     return out
 
 
@@ -160,6 +164,14 @@ def _rounds_by_turn(side: dict) -> list[dict[int, int]]:
                          for o in side["warmup_outputs"] + side["outputs"]]
     turns = [{k: n - before.get(k, 0) for k, n in after.items() if n - before.get(k, 0)}
              for before, after in itertools.pairwise(cumulative)]
+    return turns[-len(side["outputs"]):]
+
+
+def _bare_by_turn(side: dict) -> list[int]:
+    """The policy's bare rounds of 0 in each measured turn."""
+    cumulative = [0] + [o["stats"].get("bare_rounds", 0)
+                        for o in side["warmup_outputs"] + side["outputs"]]
+    turns = [after - before for before, after in itertools.pairwise(cumulative)]
     return turns[-len(side["outputs"]):]
 
 
@@ -183,17 +195,21 @@ def format_table(result: dict) -> str:
         lines.append("    policy rounds by K per turn: " + "; ".join(
             " ".join(f"{k}:{n}" for k, n in sorted(t.items(), key=lambda x: int(x[0])))
             for t in turns))
+        if any(row.get("policy_bare_by_turn", ())):
+            lines.append("    of them bare rounds of 0 per turn: " + " ".join(
+                str(n) for n in row["policy_bare_by_turn"]))
         if "off_over_base" in row:
             lines.append(f"    off / base off ({s['baseline']}) per pair: "
                          f"{fmt_spread(row['off_over_base'], 3)}")
         if "policy_over_base" in row:
             lines.append(f"    policy / base policy per pair: "
                          f"{fmt_spread(row['policy_over_base'], 3)}")
-    for b, u in m["upkeep"].items():
-        lines.append(f"upkeep at the Program, B={b}: a round of 0 drafts "
-                     f"{fmt_spread(u['round_ms']['policy'], 3)} ms ({s['method']}) against "
-                     f"{fmt_spread(u['round_ms']['off'], 3)} ms (off): "
-                     f"{fmt_spread(u['over_off'], 2)}x its time per pair")
+    for kind, what in (("upkeep", "a round of 0 drafts"), ("upkeep_bare", "a bare round of 0")):
+        for b, u in m.get(kind, {}).items():
+            lines.append(f"upkeep at the Program, B={b}: {what} "
+                         f"{fmt_spread(u['round_ms']['policy'], 3)} ms ({s['method']}) against "
+                         f"{fmt_spread(u['round_ms']['off'], 3)} ms (off): "
+                         f"{fmt_spread(u['over_off'], 2)}x its time per pair")
     st = m["policy_stats"]
     lines.append(f"policy rounds by K {dict(st['rounds_by_drafts'])}; acceptance by position "
                  f"{[round(a, 2) for a in st['acceptance_by_position']]}; median round ms "

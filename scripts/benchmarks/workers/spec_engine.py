@@ -6,10 +6,11 @@ turn. Measurements:
 - "b<B>" (prepare args {"prompts": [text, ...], "new_tokens": n}): a repetition submits every
   prompt together, greedy with ignore_eos, and waits for the last result; its work is the
   tokens generated; outputs the token ids and the Engine's speculative statistics.
-- "upkeep_b<B>" (prepare args {"prompts": [...], "budget": n, "rounds": r}): the Engine's
-  worker stops (its Program stays usable) and a repetition runs r rounds of 0 drafts on B
-  prefilled sequences through the Program (`decode(drafts=0)` + commit, chained on the device
-  as the Engine's are); work: rounds.
+- "upkeep_b<B>" (prepare args {"prompts": [...], "budget": n, "rounds": r, "bare": bool}):
+  the Engine's worker stops (its Program stays usable) and a repetition runs r rounds of 0
+  drafts on B prefilled sequences through the Program (`decode(drafts=0, bare=bare)` +
+  commit, chained on the device as the Engine's are; the sequences of an earlier upkeep
+  measurement released first); work: rounds.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class SpecEngine(BenchWorker):
         import ninfer_jax
 
         return {"open_s": time.perf_counter() - start, "jax": jax.__version__,
-                "ninfer_jax": ninfer_jax.__file__}
+                "ninfer_jax": ninfer_jax.__file__,
+                "bare_window": getattr(self.program.limits, "context_window", 0)}
 
     def prepare(self, name: str, args: dict) -> None:
         from ninfer_jax.sampling_params import SamplingParams
@@ -50,7 +52,10 @@ class SpecEngine(BenchWorker):
                                            ignore_eos=True)
             return
         self.engine.close()  # stops its worker: the Program is driven from here on
-        prog, self.rounds = self.program, args["rounds"]
+        prog, self.rounds, self.bare = self.program, args["rounds"], args.get("bare", False)
+        for h in self.handles:
+            prog.release(h)
+        self.handles = []
         for text in self.prompts:
             ids = list(self.engine.frontend.prepare(prompt=text).token_ids)
             h = prog.materialize(prog.plan_admission(len(ids), args["budget"]), ids)
@@ -63,7 +68,7 @@ class SpecEngine(BenchWorker):
         if name.startswith("upkeep"):
             prog, start = self.program, time.perf_counter()
             for _ in range(self.rounds):
-                batch = prog.decode(self.handles, drafts=0)
+                batch = prog.decode(self.handles, drafts=0, bare=self.bare)
                 prog.commit(batch, [1] * len(self.handles))
             prog.tokens(self.handles[0])  # waits for the last round
             return {"seconds": time.perf_counter() - start, "work": self.rounds,
