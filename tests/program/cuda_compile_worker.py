@@ -33,7 +33,8 @@ from ninfer_jax.testing.configs import tiny_drafter
 
 def programs() -> dict:
     """A tiny dense and a tiny MoE Program (MTP K = 2 on the dense one, its rounds of 0 and 1
-    drafts too (key "decode[B][K]") and the lean rounds of 0 ("decode[B][0][2]"), INT8 pages
+    drafts too (key "decode[B][K]"), the lean rounds of 0 ("decode[B][0][2]") and the bare
+    ones ("decode[B][0][1]"), INT8 pages
     on the MoE
     one; the MoE one with either layer loop: per-layer weights, the GPU's default, and a scan
     handing kernels their stacked weights), and a dense one with a DFlash drafter (K = 4: its
@@ -117,6 +118,16 @@ def kernels() -> dict:
             lambda *a: paged_attention_decode(*a, impl="pallas"), spec((2, 16, 256), dt),
             PagedAttentionInputs(int8, int8, spec((2, 16), jnp.int32), spec((2,), jnp.int32),
                                  scales, scales))
+        # skip_empty (the MTP head's attention): both kernels, the largest tiles
+        pool, lens = spec((40, 128, 2, 256), dt), spec((2,), jnp.int32)
+        chunk = spec((2, 32, 2, 256), dt)
+        out[f"decode skip_empty {dtype} D=256 G=8 page=128"] = compiles(
+            lambda *a: paged_attention_decode(*a, impl="pallas"), spec((2, 16, 256), dt),
+            PagedAttentionInputs(pool, pool, spec((2, 16), jnp.int32), lens, skip_empty=True))
+        out[f"prefill skip_empty {dtype} D=256 G=8 page=128"] = compiles(
+            lambda *a: paged_attention_prefill(*a, impl="pallas"), spec((2, 32, 16, 256), dt),
+            PagedAttentionInputs(pool, pool, spec((2, 16), jnp.int32), lens, chunk_k=chunk,
+                                 chunk_v=chunk, chunk_lens=lens, skip_empty=True))
     e, n, k = 16, 128, 256
     for method in (None, "int8", "int4", "fp8"):
         w = jnp.zeros((2, e, n, k), jnp.float32)

@@ -35,7 +35,7 @@ def test_tiny_programs_compile_for_sm90_with_their_kernels():
         assert not failed, (name, failed)
         steps = {r["key"]: r for r in rows}
         rounds = {"dense": ("decode[1][0]", "decode[2][0]", "decode[2][1]", "decode[1][0][2]",
-                            "decode[2][0][2]"),
+                            "decode[2][0][2]", "decode[1][0][1]", "decode[2][0][1]"),
                   "dflash": ("decode[1][0]", "decode[2][1]", "decode[1][0][1]",
                              "decode[2][0][1]")}.get(name, ())
         for key in ("prefill[1]", "decode[1]", "decode[2]", *rounds):
@@ -51,7 +51,7 @@ def test_kernels_fit_the_sm_at_every_dtype_head_dim_group_and_page_size():
     results = _run("kernels")
     failed = {case: why for case, why in results.items() if why != "ok"}
     assert not failed, failed
-    assert len(results) == 2 * 24 + 2 + 8
+    assert len(results) == 2 * 24 + 2 + 4 + 8
 
 
 def test_scoring_windows_and_shared_contexts_compile_for_sm90():
