@@ -206,8 +206,8 @@ class PagedKV:
     impl: str  # decode attention: "reference" | "pallas"
     pages_per_layer: int  # P + 1: the pool's pages per attention layer, the sink included
     first_layer: int = 0  # pool layer of this access's layer 0 (the MTP head's follow the model's)
-    # Cached positions whose key is all zeros are not read (`PagedAttentionInputs.skip_empty`):
-    # the MTP head's entries a bare round left empty
+    # Cached positions whose logit is exactly zero are not read (`PagedAttentionInputs.
+    # skip_empty`): the MTP head's entries a bare round left empty (zero key and value)
     skip_empty: bool = False
 
     def with_layers(self, layers):

@@ -344,10 +344,10 @@ def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
     is the one the upkeep would have left. `bare` (MTP, every row after a decode round): the
     head's K/V at the new position are zeros, which its attention does not read
     (`PagedKV.skip_empty`): the head's context lacks that position for good (what that
-    costs the drafts: docs/speculative.md, bare rounds). `lean` (MTP): every row's last committed step was
-    a decode round, which wrote the head's K/V at frontier - 1 with the token at the frontier
-    (`SeqRecord.after_decode`), so only the new position's is written (what that saves:
-    docs/speculative.md, lean rounds)."""
+    costs the drafts: docs/speculative.md, bare rounds). `lean` (MTP): every row's last
+    committed step was a decode round, which wrote the head's K/V at frontier - 1 with the
+    token at the frontier (`SeqRecord.after_decode`), so only the new position's is written
+    (what that saves: docs/speculative.md, lean rounds)."""
     pools = commit_step(pools, inputs.commit)
     slots, pos = inputs.slots, inputs.positions
     b = slots.shape[0]

@@ -9,10 +9,11 @@ Layout (DESIGN §10): one attention layer's pool is `k_pages, v_pages: [P, page_
 Query head `h` reads kv head `h // (H_q // H_kv)` (GQA). Logits are `scale * q·k` with
 `scale = D**-0.5` unless given; softmax and accumulation run in float32 and the result is cast to
 q's dtype. Key positions at or beyond a row's length are masked and their K/V contents, whatever
-they are (stale data, NaN), never reach the output. With `inputs.skip_empty` a cached position
-whose logit is exactly zero is masked for that query (`PagedAttentionInputs.skip_empty`). INT8 pools (`quant.py`) come with
-`k_scales, v_scales: [P, page_size, H_kv]`; each gathered page is dequantized to q's dtype (the
-compute dtype, as the kernels do: `quant.dequantize`), then used as float pages are.
+they are (stale data, NaN), never reach the output. With `inputs.skip_empty` a cached
+position whose logit is exactly zero is masked for that query (`PagedAttentionInputs.
+skip_empty`). INT8 pools (`quant.py`) come with `k_scales, v_scales: [P, page_size,
+H_kv]`; each gathered page is dequantized to q's dtype (the compute dtype, as the kernels
+do: `quant.dequantize`), then used as float pages are.
 """
 
 from __future__ import annotations

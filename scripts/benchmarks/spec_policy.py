@@ -22,8 +22,8 @@ the policy's rounds by K (in all and per turn), and the 1-minute load average. T
 upkeep: the same Programs driven directly (their Engines stopped), ms per round of 0 drafts
 of the policy's Program (plain decode plus the drafter's upkeep) against "off"'s plain
 decode, in turn; and of its bare round of 0 (the upkeep skipped, `HostProgram.decode(bare=
-True)`) where it has one. The policy's bare rounds are counted per turn. Targets ([spec-policy]): policy >= 0.97x off and >= 0.9x the best fixed K
-at every B.
+True)`) where it has one. The policy's bare rounds are counted per turn. Targets
+([spec-policy]): policy >= 0.97x off and >= 0.9x the best fixed K at every B.
 
 Settings (environment): BENCH_SPECPOL_METHOD=mtp (or dflash)  BENCH_SPECPOL_KS (mtp: 1,2,3;
 dflash: 4,8,15)  BENCH_SPECPOL_BATCHES=1,4  BENCH_SPECPOL_NEW_TOKENS=128  BENCH_SPECPOL_REPS=5
