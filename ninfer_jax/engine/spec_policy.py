@@ -58,7 +58,7 @@ The choice: the K of most committed tokens per second for the round's rows.
   rows is a round of 0. Only compiled Ks are chosen.
 - Bare rounds (a `window` W > 0, `bare`): a round of 0 may skip the drafter's upkeep (DFlash
   with a sliding-window drafter: its projections of the new position, 3-4% of a round of the
-  embedded model on these cores; MTP: the head's K/V of it, 3-12% there) when its rows draft
+  embedded model on these cores; MTP: the head's K/V of it, up to 12% there) when its rows draft
   nothing, or when the choice for them is 0, W rounds of 0 ran in a row at their B and its
   next probe is more than W rounds away. A row's context then lacks those positions: DFlash's
   until W rounds of upkeep later, MTP's for good (the head's attention skips them) but its

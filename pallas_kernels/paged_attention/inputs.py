@@ -55,7 +55,7 @@ class PagedAttentionInputs:
     a written key's logit is exactly zero only by chance (a query then skips that position:
     for the MTP head's attention, the one user, a draft may change, never an output).
     Checking the logit costs nothing; a check of the keys themselves, a second pass over
-    them, slowed the CPU reference's decode attention by about a third (demo shapes). The
+    them, slowed the CPU reference's decode attention by 20-70% (demo shapes). The
     chunk's own keys are always read.
     """
 
