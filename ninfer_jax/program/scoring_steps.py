@@ -171,7 +171,7 @@ def score_shared_step(params: dict, inputs: SharedInputs, *, cfg: ModelConfig,
     kv = ContiguousKV.zeros(cfg, c, lc + lk, dtype)
     layers = layer_loop(params)
     h, gdn, kv, _ = layers(params, cfg, params["embed"][inputs.context_ids], positions,
-                               GDNState.zeros(cfg, c, dtype), kv, inputs.context_len)
+                           GDNState.zeros(cfg, c, dtype), kv, inputs.context_len)
     last = h[jnp.arange(c), inputs.context_len - 1][inputs.context_of]  # [B, H]
 
     rows = inputs.context_of
