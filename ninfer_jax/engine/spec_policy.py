@@ -15,7 +15,9 @@ counts behind `SpeculativeStats`.
 
 The choice: the K of most committed tokens per second for the round's rows.
 - t(K, B): the median time of the last steady rounds of that (K, B) (a change, the start of a
-  chain of rounds of 0 and an executable's first runs are not samples); at a B where some K
+  chain of rounds of 0 and an executable's first runs are not samples; a drafting round
+  fewer than STINT rounds into a run of its K is counted as a steady one, its time divided by
+  how much slower such rounds were than steady ones at that B); at a B where some K
   was measured and this one not, its time at the nearest B scaled by a K measured at both
   (the larger of their ratio and K's extra over it in proportion to the rows). Ks are
   compared on times taken close together: every sample is paired
@@ -111,6 +113,11 @@ OPENING = 8
 # prior's. Applied every DECAY_EVERY rounds; the prior's counts decay by it per row counted.
 DECAY = 0.99
 DECAY_EVERY = 16
+# Rounds into a run of one drafting K after which its rounds are steady: on these cores the
+# rounds after a change of K are slower (the demo's DFlash at B = 1 through the Engine: K = 3
+# 3.14, 3.05, 2.96, 2.91 ms in the 2nd-5th rounds of a run against 2.75 steady; K = 7 4.32,
+# 4.22, 3.99, 4.09 against 3.84), and a K the policy does not hold runs only such rounds.
+STINT = 5
 UNMEASURED = 0.5  # acceptance assumed at a position nobody measured
 SHRINK = 2.0  # rows of the position before that a position's prior rate starts from
 
@@ -211,6 +218,10 @@ class DraftPolicy:
         self._cum_accepted = [0] * self.kmax  # and drafts 0..i were all accepted
         self._gain = [0.0, 0]  # sum of estimated gains of chosen K over K = 0, rounds
         self._round_ms: tuple | None = None  # `stats`' (K, B, ms) until a median changes
+        # (K, B) -> seconds of rounds STINT or more into a run of K (drafting Ks)
+        self._steady: dict[tuple[int, int], collections.deque] = {}
+        # (B, r) -> seconds of rounds r < STINT into a run over their K's steady median
+        self._slow: dict[tuple[int, int], collections.deque] = {}
 
     # The choice ----------------------------------------------------------------------------
     def choose(self, rows: Sequence[RowOutlook], ready: Callable[[int, int], bool],
@@ -552,6 +563,8 @@ class DraftPolicy:
         if self._run >= (SETTLE if k == 0 else 1):
             if self._warm[(k, b)] >= WARM_ROUNDS:
                 seconds = max(now - self._last[2], 1e-9)
+                if k and self.adaptive:
+                    seconds = self._steadied(k, b, seconds)
                 if self.adaptive:  # a fixed K compares nothing
                     self._pair(k, b, seconds)
                 times = self._times.setdefault((k, b), collections.deque(maxlen=WINDOW))
@@ -564,6 +577,21 @@ class DraftPolicy:
                 self._measured[(k, b)] = self._round
             self._warm[(k, b)] += 1
         self._last = (k, b, now)
+
+    def _steadied(self, k: int, b: int, seconds: float) -> float:
+        """A drafting round's seconds as a steady one's: a round r < STINT rounds into a run of
+        its K is divided by how much slower such rounds are at this B (the median, over the
+        last PAIRS of them of any K measured steady, of their seconds over their K's steady
+        median; none before MIN_SAMPLES)."""
+        r = self._run
+        if r >= STINT:
+            self._steady.setdefault((k, b), collections.deque(maxlen=WINDOW)).append(seconds)
+            return seconds
+        steady = self._steady.get((k, b))
+        slow = self._slow.setdefault((b, r), collections.deque(maxlen=PAIRS))
+        if steady is not None and len(steady) >= MIN_SAMPLES:
+            slow.append(seconds / statistics.median(steady))
+        return seconds / statistics.median(slow) if len(slow) >= MIN_SAMPLES else seconds
 
     def _count_probe(self, k: int, b: int, now: float, tokens: int) -> None:
         """Adds a landed round to the probe being measured; after the SETTLE rounds of another
