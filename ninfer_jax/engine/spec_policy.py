@@ -222,6 +222,7 @@ class DraftPolicy:
         self._steady: dict[tuple[int, int], collections.deque] = {}
         # (B, r) -> seconds of rounds r < STINT into a run over their K's steady median
         self._slow: dict[tuple[int, int], collections.deque] = {}
+        self._explored: set[int] = set()  # Bs whose first exploration ended
 
     # The choice ----------------------------------------------------------------------------
     def choose(self, rows: Sequence[RowOutlook], ready: Callable[[int, int], bool],
@@ -258,9 +259,11 @@ class DraftPolicy:
         if not any(self._known(k, b) for k in ks) and any(
                 self._known(*key) for key in self._median if key[1] != b):
             return ks[0]  # a new B: its cheapest round's time scales the others'
-        for k in reversed(ks):  # explore: the largest first, the Program's fixed choice
-            if not self._estimated(k, b):
-                return k
+        if b not in self._explored:
+            for k in reversed(ks):  # explore: the largest first, the Program's fixed choice
+                if not self._estimated(k, b) or self._unsteady(k, b):
+                    return k
+            self._explored.add(b)
         made = self._choice_for(rows, ks, refill)
         return made.probe if self._since_probe[b] >= made.wait else made.best
 
@@ -468,6 +471,13 @@ class DraftPolicy:
             anchor = g if i == 0 else min(1.0, rates[-1] * g / max(prior[i - 1], 1e-6))
             rates.append((acc + PRIOR_WEIGHT * anchor) / (att + PRIOR_WEIGHT))
         return rates
+
+    def _unsteady(self, k: int, b: int) -> bool:
+        """Whether a drafting K measured at B has fewer than MIN_SAMPLES steady rounds (STINT
+        or more into a run) while its window of times is not full (runs cut short again and
+        again, by requests that end, stop asking)."""
+        return k > 0 and self._known(k, b) and len(self._times[(k, b)]) < WINDOW and len(
+            self._steady.get((k, b), ())) < MIN_SAMPLES
 
     def _known(self, k: int, b: int) -> bool:
         return len(self._times.get((k, b), ())) >= MIN_SAMPLES

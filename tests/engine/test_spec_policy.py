@@ -20,6 +20,7 @@ from ninfer_jax.engine.spec_policy import (
     REFRESH,
     REFRESH_FAR,
     SETTLE,
+    STINT,
     WARM_ROUNDS,
     DraftPolicy,
     RowAcceptance,
@@ -78,10 +79,12 @@ def test_it_explores_every_k_then_settles_and_probes_in_pairs():
     policy = DraftPolicy(KS, "mtp")
     _, chosen = _simulate(policy, _cost(1.0, 1.0), 0.2, 6000)  # drafts lose: K = 0 wins
     # the largest first; each K runs until it has MIN_SAMPLES steady rounds past its first
-    # (the change; SETTLE for a chain of rounds of 0) and WARM_ROUNDS more
-    n = 1 + WARM_ROUNDS + MIN_SAMPLES
-    assert chosen[:4 * n + 1] == [3] * n + [2] * n + [1] * n + [0] * (n + SETTLE - 1)
-    tail = chosen[4 * n + 1:]
+    # (the change; SETTLE for a chain of rounds of 0) and WARM_ROUNDS more, a drafting K
+    # until MIN_SAMPLES of them are STINT or more rounds into its run
+    n, nd = 1 + WARM_ROUNDS + MIN_SAMPLES, STINT + MIN_SAMPLES
+    explored = 3 * nd + n + SETTLE - 1
+    assert chosen[:explored] == [3] * nd + [2] * nd + [1] * nd + [0] * (n + SETTLE - 1)
+    tail = chosen[explored:]
     assert tail.count(0) > 0.97 * len(tail)
     starts = [i for i in range(1, len(tail)) if tail[i] and not tail[i - 1]]
     assert len(starts) >= 3
@@ -458,6 +461,7 @@ def test_waiting_requests_make_the_round_count_and_none_the_last_rows_end():
         policy._ready.add((k, b))
         for _ in range(3):
             policy._times.setdefault((k, b), collections.deque()).append(cost(k, b))
+            policy._steady.setdefault((k, b), collections.deque()).append(cost(k, b))
         policy._median[(k, b)] = cost(k, b)
     rows = []
     for right in (True, True, True, False):
