@@ -39,7 +39,8 @@ The choice: the K of most committed tokens per second for the round's rows.
   sum E / t(K, B). Else it is that of the rows' work to their ends with K kept: row i needs
   budget_i / E_i rounds, and rows that end first leave rounds of fewer rows (a K whose rows
   progress unevenly leaves a tail of small rounds in which the last row runs nearly alone).
-- A K that drafts must promise MARGIN more than the cheapest round. A choice that drafts is
+- A K that drafts must promise MARGIN more than the cheapest round, and SWITCH more than the
+  drafting K of the last round at its B if it is another one. A choice that drafts is
   made again every round (each adds counts); one of the cheapest stands REFRESH rounds
   (REFRESH_FAR where every K that drafts is expected to commit under 1 - FAR of the
   cheapest's tokens per second).
@@ -117,6 +118,11 @@ OPENING = 8
 # prior's. Applied every DECAY_EVERY rounds; the prior's counts decay by it per row counted.
 DECAY = 0.99
 DECAY_EVERY = 16
+# How much more a drafting K must promise than the drafting K of the round before at its B
+# (rounds of 0 aside): a change costs its first rounds (below, STINT: ~0.4 of a round over
+# the next four on these cores), and choices that flipped between K = 3 and 7 every 1-4
+# rounds paid it again and again (the demo's DFlash at B = 1).
+SWITCH = 0.05
 # Rounds into a run of one drafting K after which its rounds are steady: on these cores the
 # rounds after a change of K are slower (the demo's DFlash at B = 1 through the Engine: K = 3
 # 3.14, 3.05, 2.96, 2.91 ms in the 2nd-5th rounds of a run against 2.75 steady; K = 7 4.32,
@@ -328,7 +334,9 @@ class DraftPolicy:
         times = {k: self._time(k, b) for k in ks}
         expected = {k: [self._row_expected(r, a, k) for r, a in zip(rows, rates)] for k in ks}
         scores = {k: self._score(rows, expected[k], k, ks[0], times, refill) for k in ks}
-        best = max(ks, key=lambda k: (scores[k] / (1.0 if k == ks[0] else 1.0 + MARGIN), -k))
+        held = self._last[0] if self._last is not None and self._last[1] == b else 0
+        best = max(ks, key=lambda k: (scores[k] / (1.0 if k == ks[0] else 1.0 + MARGIN) / (
+            1.0 + SWITCH if held and k not in (held, ks[0]) else 1.0), -k))
         probe = self._probe(best, b, ks)
         # a probe may add at most PROBE_BUDGET of the time: what the last ones lost, measured;
         # before any, two rounds of its K (the second measures its time) that lose what their

@@ -473,6 +473,27 @@ def test_waiting_requests_make_the_round_count_and_none_the_last_rows_end():
     assert policy.choose(rows, lambda k, b: True, refill=False) == 0
 
 
+@pytest.mark.parametrize("held, chosen", [(3, 3), (7, 7), (0, 7)])
+def test_a_drafting_k_changes_to_another_only_for_switch_more(held, chosen):
+    """K = 7 promises 3% more tokens per second than K = 3 (under SWITCH): after a round of 3
+    the policy keeps 3, after a round of 7 it keeps 7, after a round of 0 it takes the best."""
+    policy = DraftPolicy((0, 3, 7), "dflash")
+    a = RowAcceptance(7)
+    a.attempted, a.accepted = [1000.0] * 7, [900.0] * 7
+    rates = policy._rates(a, [0.9] * 7)
+    expected = {k: DraftPolicy._row_expected(RowOutlook(a, 10**6), rates, k) for k in (0, 3, 7)}
+    cost = {0: 1.5, 3: 3.0}
+    cost[7] = expected[7] / (1.03 * expected[3] / cost[3])
+    for k in (0, 3, 7):
+        policy._ready.add((k, 1))
+        policy._times[(k, 1)] = collections.deque([cost[k]] * 3)
+        policy._steady[(k, 1)] = collections.deque([cost[k]] * 3)
+        policy._median[(k, 1)] = cost[k]
+    policy._explored.add(1)
+    policy._last = (held, 1, 0.0)
+    assert policy.choose([RowOutlook(a, 10**6)], lambda k, b: True) == chosen
+
+
 # the demo's DFlash round times at B = 1 on these cores (ms, steady; measured on the Program)
 _STEADY = {0: 1.0, 1: 2.1, 3: 2.55, 7: 3.25, 15: 5.2}
 
