@@ -45,20 +45,16 @@ The choice: the K of most committed tokens per second for the round's rows.
   (REFRESH_FAR where every K that drafts is expected to commit under 1 - FAR of the
   cheapest's tokens per second).
 - The first rounds explore every compiled K, largest first, until each has MIN_SAMPLES steady
-  rounds (a drafting K, MIN_SAMPLES at least STINT rounds into its run: the process's first
-  rounds and those after a change are slower); a new B measures its cheapest K first. Then
-  probes of the largest K (acceptance at every position) or of the K whose time is the
-  oldest, each until its time has a sample (two rounds; of the cheapest K, MIN_SAMPLES
-  samples), keep the estimates current, spaced so they lose at most PROBE_BUDGET of the time.
-  A probe's loss is measured: the time of its rounds and of the SETTLE rounds of the best
-  after it (the change back: a chain of rounds of 0 restarts) less what their tokens take at
-  the best's rate, in rounds of the best (the median of the last PROBE_MEMORY probes of that K
-  and B); before one is measured, each of its two rounds loses what its tokens would have
-  taken less at the best's rate, plus a round for the changes (a K that nearly ties the best
-  is probed often). Where the cheapest K is the best and rounds of 0 may be bare, a probe also
-  costs the `window` rounds of upkeep before it (UPKEEP of a round each: probed every ~40
-  rounds, the demo's DFlash at B = 4 ran a third of its rounds bare instead of nine tenths). A
-  probe interrupted (another unit, another B) is dropped. A request's
+  rounds; a new B measures its cheapest K first. Then probes of the largest K (acceptance at
+  every position) or of the K whose time is the oldest, each until its time has a sample (two
+  rounds; of the cheapest K, MIN_SAMPLES samples), keep the estimates current, spaced so they
+  lose at most PROBE_BUDGET of the time. A probe's loss is measured: the time of its rounds
+  and of the SETTLE rounds of the best after it (the change back: a chain of rounds of 0
+  restarts) less what their tokens take at the best's rate, in rounds of the best (the median
+  of the last PROBE_MEMORY probes of that K and B); before one is measured, each of its two
+  rounds loses what its tokens would have taken less at the best's rate, plus a round for the
+  changes (a K that nearly ties the best is probed often). A probe interrupted (another unit,
+  another B) is dropped. A request's
   counts decay with time (about the last 100 rounds count), so one whose estimate fell below
   the break-even drifts back to the prior's.
 - Rows of requests with speculative="off" expect one token at every K; a round of only such
@@ -128,10 +124,6 @@ SWITCH = 0.05
 # 3.14, 3.05, 2.96, 2.91 ms in the 2nd-5th rounds of a run against 2.75 steady; K = 7 4.32,
 # 4.22, 3.99, 4.09 against 3.84), and a K the policy does not hold runs only such rounds.
 STINT = 5
-# What a round of 0 with the drafter's upkeep takes more than a bare one, in rounds (through
-# the Program on these cores: 0.02-0.05 for the demo's DFlash and MTP at B = 1 and 4, the
-# spec_policy benchmark's "upkeep" lines): a probe after bare rounds costs `window` of them.
-UPKEEP = 0.03
 UNMEASURED = 0.5  # acceptance assumed at a position nobody measured
 SHRINK = 2.0  # rows of the position before that a position's prior rate starts from
 
@@ -341,15 +333,13 @@ class DraftPolicy:
         # a probe may add at most PROBE_BUDGET of the time: what the last ones lost, measured;
         # before any, two rounds of its K (the second measures its time) that lose what their
         # tokens would have taken less at the best's rate, and a change each way (about a
-        # round of the best); with bare rounds of 0, the `window` rounds of upkeep before it
+        # round of the best)
         measured = self._probe_lost.get((probe, b))
         if measured:
             lost = statistics.median(measured)
         else:
             lost = 2.0 * times[probe] / times[best] * max(
                 1.0 - scores[probe] / scores[best], 0.0) + 1.0
-        if best == ks[0]:
-            lost += self.window * UPKEEP
         wait = max(PROBE_EVERY, lost / PROBE_BUDGET)
         if best != ks[0] and not self._pairs.get((ks[0], best, b)) and \
                 self._last is not None and self._last[:2] == (best, b) and self._run >= 2:
