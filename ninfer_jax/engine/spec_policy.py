@@ -45,7 +45,9 @@ The choice: the K of most committed tokens per second for the round's rows.
   (REFRESH_FAR where every K that drafts is expected to commit under 1 - FAR of the
   cheapest's tokens per second).
 - The first rounds explore every compiled K, largest first, until each has MIN_SAMPLES steady
-  rounds; a new B measures its cheapest K first. Then probes of the largest K (acceptance at
+  rounds (a drafting K, MIN_SAMPLES at least STINT rounds into its run: the process's first
+  rounds and those after a change are slower); a new B measures its cheapest K first. Then
+  probes of the largest K (acceptance at
   every position) or of the K whose time is the oldest, each until its time has a sample (two
   rounds; of the cheapest K, MIN_SAMPLES samples), keep the estimates current, spaced so they
   lose at most PROBE_BUDGET of the time. A probe's loss is measured: the time of its rounds
