@@ -47,10 +47,11 @@ The choice: the K of most committed tokens per second for the round's rows.
 - The first rounds explore every compiled K, largest first, until each has MIN_SAMPLES steady
   rounds (a drafting K, MIN_SAMPLES at least STINT rounds into its run: the process's first
   rounds and those after a change are slower); a new B measures its cheapest K first. Then
-  probes of the largest K (acceptance at
-  every position) or of the K whose time is the oldest, each until its time has a sample (two
-  rounds; of the cheapest K, MIN_SAMPLES samples), keep the estimates current, spaced so they
-  lose at most PROBE_BUDGET of the time. A probe's loss is measured: the time of its rounds
+  probes keep the estimates current: while the cheapest K is the best, of the drafting K of
+  the highest score; else of the largest K (acceptance at every position) or of the K whose
+  time is the oldest in turn; each until its time has a sample (two
+  rounds; of the cheapest K, MIN_SAMPLES samples), spaced so they lose at most PROBE_BUDGET
+  of the time. A probe's loss is measured: the time of its rounds
   and of the SETTLE rounds of the best after it (the change back: a chain of rounds of 0
   restarts) less what their tokens take at the best's rate, in rounds of the best (the median
   of the last PROBE_MEMORY probes of that K and B); before one is measured, each of its two
@@ -331,7 +332,7 @@ class DraftPolicy:
         held = self._last[0] if self._last is not None and self._last[1] == b else 0
         best = max(ks, key=lambda k: (scores[k] / (1.0 if k == ks[0] else 1.0 + MARGIN) / (
             1.0 + SWITCH if held and k not in (held, ks[0]) else 1.0), -k))
-        probe = self._probe(best, b, ks)
+        probe = self._probe(best, b, ks, scores)
         # a probe may add at most PROBE_BUDGET of the time: what the last ones lost, measured;
         # before any, two rounds of its K (the second measures its time) that lose what their
         # tokens would have taken less at the best's rate, and a change each way (about a
@@ -398,11 +399,17 @@ class DraftPolicy:
             return t * self._median[(cheapest, rows)] / max(self._median[(cheapest, b)], 1e-9)
         return t * rows / b
 
-    def _probe(self, best: int, b: int, ks: list[int]) -> int:
-        """The next probe's K: every other probe the largest (every position's acceptance at
-        once; when that is the best, the K below it), the others the K whose time is the
-        oldest (no estimate stays from a cold start or a busy moment)."""
+    def _probe(self, best: int, b: int, ks: list[int], scores: dict[int, float]) -> int:
+        """The next probe's K. While the cheapest K is the best, the drafting K of the highest
+        score (the one that would beat it first, and the cheapest probe: the largest, probed
+        while the cheapest held, came ~600 rounds apart at B = 1 of the demo's DFlash, which
+        held rounds of 0 for six turns after its first estimates). Else every other probe the
+        largest (every position's acceptance at once; when that is the best, the K below it),
+        the others the K whose time is the oldest (no estimate stays from a cold start or a
+        busy moment)."""
         others = [k for k in ks if k != best]
+        if best == ks[0]:
+            return max(others, key=lambda k: (scores[k], -k))
         if self._probes[b] % 2 == 0:
             return others[-1]
         return min(others, key=lambda k: self._measured.get((k, b), -1))

@@ -90,14 +90,16 @@ def test_it_explores_every_k_then_settles_and_probes_in_pairs():
     assert len(starts) >= 3
     for i in starts:  # two rounds of one K (the second measures it), then back to 0
         assert tail[i] == tail[i + 1] and tail[i + 2] == 0
-    # the largest, then the stalest, each after two rounds of it could cost PROBE_BUDGET of
-    # the time: a round of K takes 1 + K + 1 rounds of 0 and commits sum_j 0.2^j tokens on
-    # average, so it loses the difference (measured: 10% slack for the draws)
-    assert [tail[i] for i in starts[:4]] == [3, 2, 3, 1]
+    # while 0 is the best, the drafting K of the highest score (here K = 1: each draft adds a
+    # round of 0's time and commits 0.2^j tokens), each after two rounds of it could cost
+    # PROBE_BUDGET of the time: a round of K takes 1 + K + 1 rounds of 0 and commits
+    # sum_j 0.2^j tokens on average, so it loses the difference (measured: 0.84-1.11 of it,
+    # the draws moving K = 1's small loss)
+    assert [tail[i] for i in starts[:4]] == [1, 1, 1, 1]
     for a, b in itertools.pairwise(starts):
         k = tail[b]
         lost = (k + 2) - sum(0.2**j for j in range(k + 1))
-        assert b - a >= 0.9 * 2 * lost / PROBE_BUDGET
+        assert b - a >= 0.8 * 2 * lost / PROBE_BUDGET
     stats = policy.stats()
     assert dict(stats.rounds_by_drafts)[0] == chosen.count(0)
     assert {k for k, _, _ in stats.round_ms} == set(KS)
@@ -535,17 +537,17 @@ def test_rounds_early_in_a_run_of_their_k_are_timed_as_steady_ones():
 _STORY = (0.9, 0.8, 0.7, 0.85, 0.85, 0.94, 0.89, 0.96) + (0.5,) * 7
 
 
-@pytest.mark.xfail(strict=True, reason="known limit ([spec-policy]): 0.82-0.86 of the best "
+@pytest.mark.xfail(strict=True, reason="known limit ([spec-policy]): 0.85-0.93 of the best "
                    "fixed K over seeds 0-3 (docs/speculative.md)")
 def test_a_change_of_k_slowing_its_first_rounds_does_not_hide_the_best_k():
     """A round right after a change of K is slower than steady ones (the demo's DFlash at B = 1
     on these cores); explorations and probes run few rounds of a K, all near a change. The
     best fixed K here is 7 (it commits 1.15x K = 3's tokens per second, as on the demo's first
     story prompt); the policy should keep 0.95 of it. It does not: it runs rounds of 0 for
-    hundreds of rounds at a time, from its prior's acceptance of few rows (seed 1: drafts 0-2
-    0.81, 0.67, 0.62 against 0.9, 0.8, 0.7) and its first times (K = 7 3.8 against 3.25,
-    from the exploration's runs, before steady rounds), with probes ~400-800 rounds apart
-    (rounds of 0 add no counts). Once K = 7 runs its times are the steady ones."""
+    hundreds of rounds at a time (seed 1: 0.85), from its prior's acceptance of few rows
+    (drafts 0-2 0.81, 0.67, 0.62 against 0.9, 0.8, 0.7; rounds of 0 add no counts, probes
+    come a few hundred rounds apart), and flips between K = 3 and 7 near their break-even.
+    Its times are the steady ones (`_steadied`)."""
     ks = tuple(_STEADY)
     fixed = {k: _turns(k, _Switching(), [lambda n: _STORY], 30, ks=ks) for k in ks}
     got = _turns(DraftPolicy(ks, "dflash"), _Switching(), [lambda n: _STORY], 30, ks=ks)
