@@ -49,17 +49,16 @@ The choice: the K of most committed tokens per second for the round's rows.
   rounds and those after a change are slower); a new B measures its cheapest K first. Then
   probes keep the estimates current: while the cheapest K is the best, of the drafting K of
   the highest score; else of the largest K (acceptance at every position) or of the K whose
-  time is the oldest in turn; each until its time has a sample (two
-  rounds; of the cheapest K, MIN_SAMPLES samples), spaced so they lose at most PROBE_BUDGET
-  of the time. A probe's loss is measured: the time of its rounds
-  and of the SETTLE rounds of the best after it (the change back: a chain of rounds of 0
-  restarts) less what their tokens take at the best's rate, in rounds of the best (the median
-  of the last PROBE_MEMORY probes of that K and B); before one is measured, each of its two
-  rounds loses what its tokens would have taken less at the best's rate, plus a round for the
-  changes (a K that nearly ties the best is probed often). A probe interrupted (another unit,
-  another B) is dropped. A request's
-  counts decay with time (about the last 100 rounds count), so one whose estimate fell below
-  the break-even drifts back to the prior's.
+  time is the oldest in turn; each until its time has a sample (two rounds; of the cheapest
+  K, MIN_SAMPLES samples), spaced so they lose at most PROBE_BUDGET of the time. A probe's
+  loss is measured: the time of its rounds and of the SETTLE rounds of the best after it (the
+  change back: a chain of rounds of 0 restarts) less what their tokens take at the best's
+  rate, in rounds of the best (the median of the last PROBE_MEMORY probes of that K and B);
+  before one is measured, each of its two rounds loses what its tokens would have taken less
+  at the best's rate, plus a round for the changes (a K that nearly ties the best is probed
+  often). A probe interrupted (another unit, another B) is dropped. A request's counts decay
+  with time (about the last 100 rounds count), so one whose estimate fell below the
+  break-even drifts back to the prior's.
 - Rows of requests with speculative="off" expect one token at every K; a round of only such
   rows is a round of 0. Only compiled Ks are chosen.
 - Bare rounds (a `window` W > 0, `bare`): a round of 0 may skip the drafter's upkeep (DFlash
@@ -401,9 +400,9 @@ class DraftPolicy:
 
     def _probe(self, best: int, b: int, ks: list[int], scores: dict[int, float]) -> int:
         """The next probe's K. While the cheapest K is the best, the drafting K of the highest
-        score (the one that would beat it first, and the cheapest probe: the largest, probed
-        while the cheapest held, came ~600 rounds apart at B = 1 of the demo's DFlash, which
-        held rounds of 0 for six turns after its first estimates). Else every other probe the
+        score (the one that would beat it first, and the cheapest probe: with the largest and
+        the oldest in turn, runs of the demo's DFlash at B = 1 that held rounds of 0 by
+        mistake went 380-760 rounds without a probe). Else every other probe the
         largest (every position's acceptance at once; when that is the best, the K below it),
         the others the K whose time is the oldest (no estimate stays from a cold start or a
         busy moment)."""
