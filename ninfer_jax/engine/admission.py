@@ -62,6 +62,12 @@ class Admission:
         self._blocked_on = None if admitted else self._facts()
         return admitted
 
+    def filling(self) -> bool:
+        """Whether requests wait that an admission may take now: a lane is free and the last
+        attempt did not fail on the same facts (the batch fills one request an iteration)."""
+        return bool(self.scheduler.waiting) and self.resources.num_free() > 0 and \
+            self._blocked_on != self._facts()
+
     def _facts(self) -> tuple[int, int, int, int]:
         """What an admission attempt's outcome depends on (DESIGN §4): the Program's resources
         (its revision changes when capacity is claimed or released, a checkpoint captured,

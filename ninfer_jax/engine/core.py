@@ -399,7 +399,8 @@ class EngineCore:
                 if self._ahead[1] == records and self._chainable(records, ahead=True):
                     plan = self.rounds.chain_plan(records, self.program.round_ready,
                                                   bool(self.scheduler.waiting),
-                                                  self.program.context_stale)
+                                                  self.program.context_stale,
+                                                  self.admission.filling())
                     if plan is not None:  # the next round drafts nothing either
                         self._chain(records, plan)
                         return
@@ -407,7 +408,7 @@ class EngineCore:
                 return
             plan = self.rounds.plan(records, self.publication.queued_previews(),
                                     self.program.round_ready, bool(self.scheduler.waiting),
-                                    self.program.context_stale)
+                                    self.program.context_stale, self.admission.filling())
             batch = self.program.decode([r.seq for r in records], plan.caps, plan.masks,
                                         drafts=plan.drafts, bare=plan.bare)
             self.rounds.dispatched(batch, plan.drafts, plan.outlooks)

@@ -50,13 +50,15 @@ class Rounds:
         self._host_s = self._wait_s = 0.0
 
     def plan(self, records: Sequence[RequestRecord], queued: dict[int, Preview],
-             ready: Ready, refill: bool = False, stale: Stale | None = None) -> RoundPlan:
+             ready: Ready, refill: bool = False, stale: Stale | None = None,
+             filling: bool = False) -> RoundPlan:
         """The next decode round of these rows. A row may not run past the point where its
         Frontend will force control (counting `queued`: its committed round not yet published
         to its session); grammar rows get the mask of their next token (the matcher is at the
         committed output) and, like rows of requests with speculative="off", draft nothing.
         `refill`: requests are waiting for a row (the draft policy's objective). `stale`:
-        rounds until a row's drafter context is whole (None: always)."""
+        rounds until a row's drafter context is whole (None: always). `filling`: a waiting
+        request may be admitted next (`Admission.filling`)."""
         caps = [r.session.tokens_before_control(queued.get(r.request_id)) for r in records]
         masks = [r.next_mask() for r in records]
         outlooks = []
@@ -68,7 +70,7 @@ class Rounds:
                 r.acceptance = RowAcceptance(self._positions)
             outlooks.append(RowOutlook(r.acceptance if drafts else None, budget,
                                        self._stale(r, stale)))
-        k = self.policy.choose(outlooks, ready, refill)
+        k = self.policy.choose(outlooks, ready, refill, filling)
         if k:  # rows that draft nothing propose one token
             caps = [o.budget if o.acceptance is not None else 1 for o in outlooks]
         return RoundPlan(k, outlooks, None if all(c is None for c in caps) else caps,
@@ -76,7 +78,8 @@ class Rounds:
                          bare=not k and self.policy.bare(outlooks, refill))
 
     def chain_plan(self, records: Sequence[RequestRecord], ready: Ready,
-                   refill: bool = False, stale: Stale | None = None) -> RoundPlan | None:
+                   refill: bool = False, stale: Stale | None = None,
+                   filling: bool = False) -> RoundPlan | None:
         """The rows' next round, chained ahead, when it drafts nothing (None: the policy
         would draft). Chainable rows have no control, grammar or thinking budget ahead, so
         their budgets are their tokens left."""
@@ -84,7 +87,7 @@ class Rounds:
                                r.sampling.max_new_tokens - r.completion_tokens,
                                self._stale(r, stale))
                     for r in records]
-        if self.policy.adaptive and self.policy.choose(outlooks, ready, refill):
+        if self.policy.adaptive and self.policy.choose(outlooks, ready, refill, filling):
             return None
         return RoundPlan(0, outlooks, bare=self.policy.bare(outlooks, refill))
 

@@ -61,6 +61,11 @@ The choice: the K of most committed tokens per second for the round's rows.
   break-even drifts back to the prior's.
 - Rows of requests with speculative="off" expect one token at every K; a round of only such
   rows is a round of 0. Only compiled Ks are chosen.
+- While a waiting request may be admitted next (`filling`: a free lane, an admission not
+  blocked), the round is the cheapest: the batch fills one request an iteration, and a
+  drafting round delays the next admission by its extra time (four requests submitted
+  together to the demo's DFlash Engine: the first row's drafting rounds alone, ~6 ms, ~2% of
+  the turn at B = 4, which then waited for its last row).
 - Bare rounds (a `window` W > 0, `bare`): a round of 0 may skip the drafter's upkeep (DFlash
   with a sliding-window drafter: its projections of the new position, 3-4% of a round of the
   embedded model on these cores; MTP: the head's K/V of it, up to 12% there) when its rows draft
@@ -234,12 +239,13 @@ class DraftPolicy:
 
     # The choice ----------------------------------------------------------------------------
     def choose(self, rows: Sequence[RowOutlook], ready: Callable[[int, int], bool],
-               refill: bool = False) -> int:
+               refill: bool = False, filling: bool = False) -> int:
         """The round's K for `rows` (B = len(rows)), without changing the policy (it may be
         asked again before the round is dispatched). `ready(k, b)`: whether that round's
         executable is compiled (one that is not is never waited for, the largest aside).
         `refill`: requests are waiting, so a row that ends is replaced (the round's own tokens
-        per second count); else these rows' work to their ends does."""
+        per second count); else these rows' work to their ends does. `filling`: a waiting
+        request may be admitted next: the cheapest round (module docstring)."""
         b = len(rows)
         if not self.adaptive:
             return self.kmax
@@ -250,8 +256,8 @@ class DraftPolicy:
                 self._all_ready[b] = ks
         if len(ks) == 1:  # the others still compiling
             return ks[0]
-        if all(r.acceptance is None or r.budget <= 1 for r in rows):
-            return ks[0]  # nothing to draft: the cheapest round
+        if filling or all(r.acceptance is None or r.budget <= 1 for r in rows):
+            return ks[0]  # the batch fills, or nothing to draft: the cheapest round
         k = self._choose(rows, ks, refill)
         if k != ks[0] and any(r.stale and r.acceptance is not None for r in rows):
             return ks[0]  # a block would miss what bare rounds left out: the upkeep first
