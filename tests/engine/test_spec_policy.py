@@ -475,10 +475,9 @@ def test_waiting_requests_make_the_round_count_and_none_the_last_rows_end():
     assert policy.choose(rows, lambda k, b: True, refill=False) == 0
 
 
-@pytest.mark.parametrize("held, chosen", [(3, 3), (7, 7), (0, 7)])
-def test_a_drafting_k_changes_to_another_only_for_switch_more(held, chosen):
-    """K = 7 promises 3% more tokens per second than K = 3 (under SWITCH): after a round of 3
-    the policy keeps 3, after a round of 7 it keeps 7, after a round of 0 it takes the best."""
+def _measured_policy(held: int) -> tuple[DraftPolicy, RowOutlook]:
+    """A policy whose times at B = 1 are measured (K = 7 promising 3% more tokens per second
+    than K = 3, both far more than 0), its last round of K = `held`, and a row for it."""
     policy = DraftPolicy((0, 3, 7), "dflash")
     a = RowAcceptance(7)
     a.attempted, a.accepted = [1000.0] * 7, [900.0] * 7
@@ -493,7 +492,23 @@ def test_a_drafting_k_changes_to_another_only_for_switch_more(held, chosen):
         policy._median[(k, 1)] = cost[k]
     policy._explored.add(1)
     policy._last = (held, 1, 0.0)
-    assert policy.choose([RowOutlook(a, 10**6)], lambda k, b: True) == chosen
+    return policy, RowOutlook(a, 10**6)
+
+
+@pytest.mark.parametrize("held, chosen", [(3, 3), (7, 7), (0, 7)])
+def test_a_drafting_k_changes_to_another_only_for_switch_more(held, chosen):
+    """K = 7 promises 3% more tokens per second than K = 3 (under SWITCH): after a round of 3
+    the policy keeps 3, after a round of 7 it keeps 7, after a round of 0 it takes the best."""
+    policy, row = _measured_policy(held)
+    assert policy.choose([row], lambda k, b: True) == chosen
+
+
+def test_while_the_batch_fills_the_round_is_the_cheapest():
+    """Drafting wins for the row, but a waiting request may be admitted next: the round of 0
+    (it admits that request sooner); with requests waiting and no room, the round's K."""
+    policy, row = _measured_policy(0)
+    assert policy.choose([row], lambda k, b: True, refill=True, filling=True) == 0
+    assert policy.choose([row], lambda k, b: True, refill=True, filling=False) == 7
 
 
 # the demo's DFlash round times at B = 1 on these cores (ms, steady; measured on the Program)
