@@ -44,6 +44,23 @@ def test_a_blocked_head_is_not_replanned_every_round():
         assert settle(core).free_pages == 24
 
 
+def test_a_head_blocked_on_capacity_does_not_count_as_filling_the_batch():
+    """`Admission.filling` (while true the draft policy runs the cheapest round, so a waiting
+    request is admitted sooner) is false while the head waits on capacity, though a lane is
+    free: the incumbent's rounds are not held back for a request that cannot enter."""
+    with fake_engine(2, total_pages=24, max_seq_len=80) as (core, program):
+        seen = []
+        program.on("after_decode", lambda seqs: seen.append(
+            (bool(core.scheduler.waiting), core.admission.filling())))
+        incumbent = core.submit(prompt(long_prompt(70, "inc")),
+                                SamplingParams(max_new_tokens=70, temperature=0))
+        head = core.submit(prompt("head"), SamplingParams(max_new_tokens=70, temperature=0))
+        assert incumbent.result(timeout=30).usage.completion_tokens == 70
+        assert head.result(timeout=30).usage.completion_tokens >= 1
+        waiting = [filling for was_waiting, filling in seen[:69] if was_waiting]
+        assert len(waiting) >= 60 and not any(waiting), seen[:69]
+
+
 def test_a_new_waiting_request_is_considered_for_backfill():
     """A later request that fits beside the incumbents (and cannot delay the head) is a fact
     that changes the outcome: it is admitted without waiting for any capacity release."""
