@@ -7,7 +7,7 @@ them: what the user's stream sees, host work and overlap included), the acceptan
 draft position (a prior from requests' first rounds, and per request), the choice of K and the
 counts behind `SpeculativeStats`.
 
-    k = policy.choose(rows, ready, refill)  # rows: one RowOutlook each
+    k = policy.choose(rows, ready, refill, filling)  # rows: one RowOutlook each
     bare = not k and policy.bare(rows, refill)  # may a round of 0 skip the drafter's upkeep
     policy.dispatched(k, rows)              # the Program runs the round of k drafts
     policy.round_done(k, len(rows), now, tokens)  # its output read (interrupt(): other units)
