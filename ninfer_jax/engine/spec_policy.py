@@ -46,7 +46,11 @@ The choice: the K of most committed tokens per second for the round's rows.
   cheapest's tokens per second).
 - The first rounds explore every compiled K, largest first, until each has MIN_SAMPLES steady
   rounds (a drafting K, MIN_SAMPLES at least STINT rounds into its run: the process's first
-  rounds and those after a change are slower); a new B measures its cheapest K first. Then
+  rounds and those after a change are slower); a new B measures its cheapest K first, and an
+  exploration ends only once the cheapest K's time is measured at its B, never scaled (a turn
+  of the demo's DFlash that ended amid the exploration at B = 4 left a round of 0 there scaled
+  from B = 3 at 4.9 ms against 3.0 measured: K = 3 drafted at ~0.7 of 0's rate for two
+  turns). Then
   probes keep the estimates current: while the cheapest K is the best, of the drafting K of
   the highest score; else of the largest K (acceptance at every position) or of the K whose
   time is the oldest in turn; each until its time has a sample (two rounds; of the cheapest
@@ -277,6 +281,8 @@ class DraftPolicy:
             for k in reversed(ks):  # explore: the largest first, the Program's fixed choice
                 if not self._estimated(k, b) or self._unsteady(k, b):
                     return k
+            if not self._known(ks[0], b):  # the cheapest measured here, never scaled
+                return ks[0]
             self._explored.add(b)
         made = self._choice_for(rows, ks, refill)
         return made.probe if self._since_probe[b] >= made.wait else made.best

@@ -590,3 +590,24 @@ def test_kept_estimates_equal_fresh_ones():
     for accept in ([_phases(0.6, 0.97)], [_phases(0.9, 0.9)] * 4, [_phases(0.6, 0.97)]):
         _turns(policy, cost, accept, 6, load=_bursts)
     assert policy._ratios and sum(policy.rounds_by_k[k] for k in KS[1:]) > 0
+
+
+def test_an_exploration_cut_short_measures_the_cheapest_round_before_it_ends():
+    """The demo's DFlash Engine: a turn at B = 4 ended amid the exploration there (its drafting
+    Ks measured, not 0), its last rows explored B = 2, and the next turn's B = 4 took a round of
+    0 scaled from B = 2, ~50% too slow, which made K = 3 look like a gain. The exploration ends
+    only once the cheapest round is measured at its B: rounds of 0 first, then no drafting."""
+    def cost(k, b):  # a round of 0 grows little with its rows, a verify's drafts grow more
+        return 1.0 + 0.1 * (b - 1) + (k > 0) * 0.2 * (1 + k) * b
+
+    policy = DraftPolicy(KS, "mtp")
+    nd = STINT + MIN_SAMPLES
+    _, first = _simulate(policy, cost, 0.8, 3 * nd, b=4)
+    assert first == [3] * nd + [2] * nd + [1] * nd  # the turn ends before 0 is measured
+    _simulate(policy, cost, 0.8, 200, b=2)
+    assert policy._time(0, 4) > 1.4 * cost(0, 4)  # scaled from B = 2: too slow
+    _, again = _simulate(policy, cost, 0.8, 200, b=4)
+    n = 1 + WARM_ROUNDS + MIN_SAMPLES + SETTLE - 1
+    assert again[:n] == [0] * n
+    assert policy._time(0, 4) == pytest.approx(cost(0, 4))
+    assert again[n:].count(0) > 0.95 * len(again[n:])  # drafting loses at B = 4
