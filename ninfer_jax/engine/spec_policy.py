@@ -60,9 +60,11 @@ The choice: the K of most committed tokens per second for the round's rows.
   rate, in rounds of the best (the median of the last PROBE_MEMORY probes of that K and B);
   before one is measured, each of its two rounds loses what its tokens would have taken less
   at the best's rate, plus a round for the changes (a K that nearly ties the best is probed
-  often). A probe interrupted (another unit, another B) is dropped. A request's counts decay
-  with time (about the last 100 rounds count), so one whose estimate fell below the
-  break-even drifts back to the prior's.
+  often). Where every K that drafts is expected to commit under 1 - FAR of the cheapest's
+  tokens per second, a probe also costs the `window` rounds of upkeep before it (bare rounds,
+  below; UPKEEP of a round each). A probe interrupted (another unit, another B) is dropped.
+  A request's counts decay with time (about the last 100 rounds count), so one whose
+  estimate fell below the break-even drifts back to the prior's.
 - Rows of requests with speculative="off" expect one token at every K; a round of only such
   rows is a round of 0. Only compiled Ks are chosen.
 - While a waiting request may be admitted next (`filling`: a free lane, an admission not
@@ -135,6 +137,14 @@ SWITCH = 0.05
 # 3.14, 3.05, 2.96, 2.91 ms in the 2nd-5th rounds of a run against 2.75 steady; K = 7 4.32,
 # 4.22, 3.99, 4.09 against 3.84), and a K the policy does not hold runs only such rounds.
 STINT = 5
+# What a round of 0 with the drafter's upkeep takes more than a bare one, in rounds (through
+# the Program on these cores, the spec_policy benchmark's "upkeep" lines: 0.02-0.08 for the
+# demo's DFlash and MTP at B = 1 and 4). Where drafting is FAR from winning, a probe is charged
+# the `window` of them before it: probed every ~140 rounds (its own loss), the demo's DFlash at
+# B = 4 ran 3-12 of its ~125 rounds a turn bare. Near the break-even it is not: probes there
+# are what gets a policy out of rounds of 0 chosen by mistake (charged everywhere, they came
+# half as often at B = 1).
+UPKEEP = 0.03
 UNMEASURED = 0.5  # acceptance assumed at a position nobody measured
 SHRINK = 2.0  # rows of the position before that a position's prior rate starts from
 
@@ -354,13 +364,15 @@ class DraftPolicy:
         else:
             lost = 2.0 * times[probe] / times[best] * max(
                 1.0 - scores[probe] / scores[best], 0.0) + 1.0
+        far = max(scores[k] for k in ks[1:]) < (1.0 - FAR) * scores[ks[0]]
+        if far:  # and the `window` rounds of upkeep before it, which bare rounds would skip
+            lost += self.window * UPKEEP
         wait = max(PROBE_EVERY, lost / PROBE_BUDGET)
         if best != ks[0] and not self._pairs.get((ks[0], best, b)) and \
                 self._last is not None and self._last[:2] == (best, b) and self._run >= 2:
             # a drafting choice timed only against rounds of the cheapest before it (a load
             # that eased in between flatters it): the cheapest runs next, after its samples
             probe, wait = ks[0], 0
-        far = max(scores[k] for k in ks[1:]) < (1.0 - FAR) * scores[ks[0]]
         made = self._choice[b] = _Choice(key, self._round, ks, best,
                                          scores[best] / scores[ks[0]], probe,
                                          REFRESH_FAR if far else REFRESH, wait,

@@ -297,6 +297,27 @@ def test_bare_rounds_never_cost_against_the_upkeep_every_round(per_draft, accept
         assert bare >= 0.99 * kept, (b, bare / kept)
 
 
+@pytest.mark.parametrize("upkeep, bare", [(None, (0.55, 1.0)), (0.0, (0.0, 0.2))])
+def test_a_probe_far_from_winning_pays_the_upkeep_before_it(monkeypatch, upkeep, bare):
+    """The demo's DFlash at B = 4: a verify costs ~3.5 rounds of 0 and drafting commits ~0.8
+    of 0's tokens per second, while a probe of it loses little (~1.4 rounds). Spaced by that
+    alone, probes came every ~140 rounds and the W = 64 rounds of upkeep before each left few
+    rounds bare; charged UPKEEP a round of the window (`upkeep` None; 0.0: not charged), most
+    rounds are bare and the policy beats rounds of 0 with the upkeep."""
+    if upkeep is not None:
+        monkeypatch.setattr("ninfer_jax.engine.spec_policy.UPKEEP", upkeep)
+
+    def cost(k, b):
+        return b * (1.0 + (k > 0) * (2.0 + 0.2 * k))
+
+    policy = DraftPolicy(KS, "dflash", window=64)
+    got, chosen = _simulate_bare(policy, cost, 0.8, 6000, 4, saving=0.03)
+    tail = chosen[1000:]
+    assert bare[0] <= tail.count("bare") / len(tail) <= bare[1]
+    if upkeep is None:
+        assert got > _simulate(0, cost, 0.8, 6000, 4)[0]
+
+
 def test_a_predictable_text_after_bare_rounds_waits_for_its_context_then_drafts():
     """Drafts lose for the first half (bare rounds), then are almost always right: the
     policy notices (its probes run with whole contexts), never drafts while a row's context
