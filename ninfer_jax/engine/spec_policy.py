@@ -92,7 +92,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import statistics
 from collections.abc import Callable, Sequence
 
 MIN_SAMPLES = 3  # measured rounds of a (K, B) before the policy trusts its time
@@ -147,6 +146,24 @@ STINT = 5
 UPKEEP = 0.03
 UNMEASURED = 0.5  # acceptance assumed at a position nobody measured
 SHRINK = 2.0  # rows of the position before that a position's prior rate starts from
+
+
+def _median(xs) -> float:
+    """statistics.median, without its checks (the policy takes several every round)."""
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def _until_done(rounds: list[float], tails: list[float]) -> float:
+    """Seconds of rounds for rows that end after rounds[0] <= rounds[1] <= ... rounds
+    (len(rounds) of them running at first; tails[n]: a round of n rows)."""
+    seconds = done = 0.0
+    alive = len(rounds)
+    for n in rounds:
+        seconds += (n - done) * tails[alive]
+        done, alive = n, alive - 1
+    return seconds
 
 
 def _rows_key(rows: Sequence[RowOutlook], refill: bool) -> tuple:
@@ -243,6 +260,7 @@ class DraftPolicy:
         self.tokens = 0  # tokens they committed
         self._cum_attempted = [0] * self.kmax  # per position: the row's limit allowed it
         self._cum_accepted = [0] * self.kmax  # and drafts 0..i were all accepted
+        self._cum: tuple | None = None  # `stats`' acceptance by position until a row adds
         self._gain = [0.0, 0]  # sum of estimated gains of chosen K over K = 0, rounds
         self._round_ms: tuple | None = None  # `stats`' (K, B, ms) until a median changes
         # (K, B) -> seconds of rounds STINT or more into a run of K (drafting Ks)
@@ -347,9 +365,11 @@ class DraftPolicy:
             return made
         prior = self._prior_rates()
         rates = [self._rates(r.acceptance, prior) for r in rows]
-        times = {k: self._time(k, b) for k in ks}
+        anchor = self._anchor(b)
+        times = {k: self._time(k, b, anchor) for k in ks}
         expected = {k: [self._row_expected(r, a, k) for r, a in zip(rows, rates)] for k in ks}
-        scores = {k: self._score(rows, expected[k], k, ks[0], times, refill) for k in ks}
+        tails = None if refill else {k: self._tail_times(k, b, times[k], ks[0]) for k in ks}
+        scores = {k: self._score(rows, expected[k], k, ks[0], times, tails) for k in ks}
         held = self._last[0] if self._last is not None and self._last[1] == b else 0
         best = max(ks, key=lambda k: (scores[k] / (1.0 if k == ks[0] else 1.0 + MARGIN) / (
             1.0 + SWITCH if held and k not in (held, ks[0]) else 1.0), -k))
@@ -360,7 +380,7 @@ class DraftPolicy:
         # round of the best)
         measured = self._probe_lost.get((probe, b))
         if measured:
-            lost = statistics.median(measured)
+            lost = _median(measured)
         else:
             lost = 2.0 * times[probe] / times[best] * max(
                 1.0 - scores[probe] / scores[best], 0.0) + 1.0
@@ -380,47 +400,42 @@ class DraftPolicy:
         return made
 
     def _score(self, rows: Sequence[RowOutlook], expected: list[float], k: int, cheapest: int,
-               times: dict[int, float], refill: bool) -> float:
+               times: dict[int, float], tails: dict[int, list[float]] | None) -> float:
         """Expected tokens per second at K for rows expecting expected[i] tokens a round
         (times: each K's round at the rows' B).
-        refill: of the round. Else of the rows' work to their ends: row i needs
-        budget_i / E_i rounds, and the rows that end first leave rounds of fewer rows (a K
-        whose rows progress unevenly leaves a tail of small rounds; a row's budget is its
-        tokens left or its cap), with K kept to the end or, if sooner, until the first row
-        ends and the cheapest round after it."""
+        With requests waiting (`tails` None: refill), of the round. Else of the rows' work to
+        their ends: row i needs budget_i / E_i rounds, and the rows that end first leave
+        rounds of fewer rows (tails[K][n]: a round of K with n rows; a K whose rows progress
+        unevenly leaves a tail of small rounds; a row's budget is its tokens left or its cap),
+        with K kept to the end or, if sooner, until the first row ends and the cheapest round
+        after it."""
         b = len(rows)
         t = times[k]
-        if refill:
+        if tails is None:
             return sum(expected) / t
         budgets = [max(r.budget, 1) for r in rows]
-        seconds = self._until_done(k, sorted(n / e for n, e in zip(budgets, expected)), b, t,
-                                   cheapest)
+        seconds = _until_done(sorted(n / e for n, e in zip(budgets, expected)), tails[k])
         if k != cheapest and b > 1:
             first = min(n / e for n, e in zip(budgets, expected))
             left = sorted(n - first * e for n, e in zip(budgets, expected))
-            seconds = min(seconds, first * t + self._until_done(
-                cheapest, [n for n in left if n > 1e-6], b, times[cheapest], cheapest))
+            seconds = min(seconds, first * t + _until_done([n for n in left if n > 1e-6],
+                                                           tails[cheapest]))
         return sum(budgets) / max(seconds, 1e-12)
 
-    def _until_done(self, k: int, rounds: list[float], b: int, t: float,
-                    cheapest: int) -> float:
-        """Seconds of rounds of K for rows that end after rounds[0] <= rounds[1] <= ...
-        rounds (len(rounds) of them running at first; a round of all B rows takes t)."""
-        seconds = done = 0.0
-        alive = len(rounds)
-        for n in rounds:
-            seconds += (n - done) * (t if alive == b else self._tail_time(k, alive, t, cheapest, b))
-            done, alive = n, alive - 1
-        return seconds
-
-    def _tail_time(self, k: int, rows: int, t: float, cheapest: int, b: int) -> float:
-        """A round of K with fewer rows than B (whose round takes t): measured, else t scaled
-        as the cheapest K's rounds scale, else in proportion to the rows."""
-        if self._known(k, rows):
-            return self._median[(k, rows)]
-        if self._known(cheapest, rows) and self._known(cheapest, b):
-            return t * self._median[(cheapest, rows)] / max(self._median[(cheapest, b)], 1e-9)
-        return t * rows / b
+    def _tail_times(self, k: int, b: int, t: float, cheapest: int) -> list[float]:
+        """[n]: a round of K with n <= B rows (a round of all B takes t): measured, else t
+        scaled as the cheapest K's rounds scale, else in proportion to the rows."""
+        tails = [0.0] * (b + 1)
+        tails[b] = t
+        for n in range(1, b):
+            if self._known(k, n):
+                tails[n] = self._median[(k, n)]
+            elif self._known(cheapest, n) and self._known(cheapest, b):
+                tails[n] = t * self._median[(cheapest, n)] / max(self._median[(cheapest, b)],
+                                                                 1e-9)
+            else:
+                tails[n] = t * n / b
+        return tails
 
     def _probe(self, best: int, b: int, ks: list[int], scores: dict[int, float]) -> int:
         """The next probe's K. While the cheapest K is the best, the drafting K of the highest
@@ -507,9 +522,12 @@ class DraftPolicy:
         if own is None:
             return prior
         rates: list[float] = []
-        for i, (acc, att, g) in enumerate(zip(own.accepted, own.attempted, prior)):
-            anchor = g if i == 0 else min(1.0, rates[-1] * g / max(prior[i - 1], 1e-6))
-            rates.append((acc + PRIOR_WEIGHT * anchor) / (att + PRIOR_WEIGHT))
+        rate, before = 0.0, None
+        for acc, att, g in zip(own.accepted, own.attempted, prior):
+            anchor = g if before is None else min(1.0, rate * g / (before if before > 1e-6
+                                                                   else 1e-6))
+            rate, before = (acc + PRIOR_WEIGHT * anchor) / (att + PRIOR_WEIGHT), g
+            rates.append(rate)
         return rates
 
     def _unsteady(self, k: int, b: int) -> bool:
@@ -534,13 +552,14 @@ class DraftPolicy:
                 if kk == k and self._known(k, other)
                 for ref in self.ks if self._known(ref, b) and self._known(ref, other))
 
-    def _time(self, k: int, b: int) -> float | None:
+    def _time(self, k: int, b: int, anchor: int | None = -1) -> float | None:
         """A round's seconds: measured at this B (for a K other than the anchor, the anchor's
         time times their paired ratio, once there are MIN_SAMPLES pairs), else the time of a K
         measured here scaled by the two's ratio at the nearest B where both were (None: no
-        estimate)."""
+        estimate). `anchor`: `_anchor(b)` when the caller has it."""
         if self._known(k, b):
-            anchor = self._anchor(b)
+            if anchor == -1:
+                anchor = self._anchor(b)
             if anchor is not None and anchor != k:
                 ratio = self._ratio(k, anchor, b)
                 if ratio is not None:
@@ -578,8 +597,8 @@ class DraftPolicy:
         if len(after) + len(before) < MIN_SAMPLES:
             return None
         if after and before:
-            return (statistics.median(after) * statistics.median(before)) ** 0.5
-        return statistics.median(after or before)
+            return (_median(after) * _median(before)) ** 0.5
+        return _median(after or before)
 
     def _anchor(self, b: int) -> int | None:
         """The known K at B whose latest sample is the most recent (None: none known)."""
@@ -595,7 +614,7 @@ class DraftPolicy:
             near = [t for t, r in zip(self._times[(j, b)], at) if self._round - r <= NEAR]
             if near:
                 self._pairs.setdefault((k, j, b), collections.deque(maxlen=PAIRS)).append(
-                    seconds / max(statistics.median(near), 1e-9))
+                    seconds / max(_median(near), 1e-9))
                 self._ratios.pop((k, j, b), None)
                 self._ratios.pop((j, k, b), None)
 
@@ -620,7 +639,7 @@ class DraftPolicy:
                 times = self._times.setdefault((k, b), collections.deque(maxlen=WINDOW))
                 times.append(seconds)
                 self._at.setdefault((k, b), collections.deque(maxlen=WINDOW)).append(self._round)
-                median = statistics.median(times)
+                median = _median(times)
                 if self._median.get((k, b)) != median:
                     self._median[(k, b)] = median
                     self._round_ms = None
@@ -640,8 +659,8 @@ class DraftPolicy:
         steady = self._steady.get((k, b))
         slow = self._slow.setdefault((b, r), collections.deque(maxlen=PAIRS))
         if steady is not None and len(steady) >= MIN_SAMPLES:
-            slow.append(seconds / statistics.median(steady))
-        return seconds / statistics.median(slow) if len(slow) >= MIN_SAMPLES else seconds
+            slow.append(seconds / _median(steady))
+        return seconds / _median(slow) if len(slow) >= MIN_SAMPLES else seconds
 
     def _count_probe(self, k: int, b: int, now: float, tokens: int) -> None:
         """Adds a landed round to the probe being measured; after the SETTLE rounds of another
@@ -679,6 +698,7 @@ class DraftPolicy:
             return
         self.rows += 1
         self.tokens += committed
+        self._cum = None
         for i in range(min(k, limit - 1)):
             self._cum_attempted[i] += 1
             self._cum_accepted[i] += produced > i + 1
@@ -702,8 +722,9 @@ class DraftPolicy:
         """`bare_rounds`: the Program's count (`ProgramStats.bare_rounds`)."""
         from ninfer_jax.engine.spec_stats import SpeculativeStats
 
-        cum = tuple(a / n if n else 0.0 for a, n in zip(self._cum_accepted,
-                                                         self._cum_attempted))
+        if self._cum is None:
+            self._cum = tuple(a / n if n else 0.0 for a, n in zip(self._cum_accepted,
+                                                                  self._cum_attempted))
         if self._round_ms is None:
             self._round_ms = tuple(sorted((k, b, round(1e3 * t, 3))
                                           for (k, b), t in self._median.items()))
@@ -711,7 +732,7 @@ class DraftPolicy:
             method=self.method, num_speculative_tokens=self.kmax, verify_rows=self.rows,
             committed_tokens=self.tokens,
             mean_accepted_tokens=self.tokens / self.rows if self.rows else 0.0,
-            acceptance_by_position=cum, policy="adaptive" if self.adaptive else "fixed",
+            acceptance_by_position=self._cum, policy="adaptive" if self.adaptive else "fixed",
             rounds_by_drafts=tuple(sorted(self.rounds_by_k.items())),
             estimated_gain=self._gain[0] / self._gain[1] if self._gain[1] else 0.0,
             round_ms=self._round_ms, bare_rounds=bare_rounds)
