@@ -522,12 +522,9 @@ class DraftPolicy:
         if own is None:
             return prior
         rates: list[float] = []
-        rate, before = 0.0, None
-        for acc, att, g in zip(own.accepted, own.attempted, prior):
-            anchor = g if before is None else min(1.0, rate * g / (before if before > 1e-6
-                                                                   else 1e-6))
-            rate, before = (acc + PRIOR_WEIGHT * anchor) / (att + PRIOR_WEIGHT), g
-            rates.append(rate)
+        for i, (acc, att, g) in enumerate(zip(own.accepted, own.attempted, prior)):
+            anchor = g if i == 0 else min(1.0, rates[-1] * g / max(prior[i - 1], 1e-6))
+            rates.append((acc + PRIOR_WEIGHT * anchor) / (att + PRIOR_WEIGHT))
         return rates
 
     def _unsteady(self, k: int, b: int) -> bool:
@@ -556,7 +553,7 @@ class DraftPolicy:
         """A round's seconds: measured at this B (for a K other than the anchor, the anchor's
         time times their paired ratio, once there are MIN_SAMPLES pairs), else the time of a K
         measured here scaled by the two's ratio at the nearest B where both were (None: no
-        estimate). `anchor`: `_anchor(b)` when the caller has it."""
+        estimate). `anchor`: `_anchor(b)` when the caller has it (-1: looked up here)."""
         if self._known(k, b):
             if anchor == -1:
                 anchor = self._anchor(b)
