@@ -49,7 +49,7 @@ The choice: the K of most committed tokens per second for the round's rows.
   rounds and those after a change are slower); a new B measures its cheapest K first, and an
   exploration ends only once the cheapest K's time is measured at its B, never scaled (a turn
   of the demo's DFlash that ended amid the exploration at B = 4 left a round of 0 there scaled
-  from B = 3 at 4.9 ms against 3.0 measured: K = 3 drafted at ~0.7 of 0's rate for two
+  from B = 1 at 4.9 ms against 3.0 measured: K = 3 drafted at ~0.7 of 0's rate for two
   turns). Then
   probes keep the estimates current: while the cheapest K is the best, of the drafting K of
   the highest score; else of the largest K (acceptance at every position) or of the K whose

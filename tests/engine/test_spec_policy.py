@@ -615,9 +615,10 @@ def test_kept_estimates_equal_fresh_ones():
 
 def test_an_exploration_cut_short_measures_the_cheapest_round_before_it_ends():
     """The demo's DFlash Engine: a turn at B = 4 ended amid the exploration there (its drafting
-    Ks measured, not 0), its last rows explored B = 2, and the next turn's B = 4 took a round of
-    0 scaled from B = 2, ~50% too slow, which made K = 3 look like a gain. The exploration ends
-    only once the cheapest round is measured at its B: rounds of 0 first, then no drafting."""
+    Ks measured, not 0), its last rows ran at smaller B, and the next turn's B = 4 took a round
+    of 0 scaled from one of them, ~60% too slow, which made K = 3 look like a gain. Here the
+    smaller B is 2. The exploration ends only once the cheapest round is measured at its B:
+    rounds of 0 first, then no drafting."""
     def cost(k, b):  # a round of 0 grows little with its rows, a verify's drafts grow more
         return 1.0 + 0.1 * (b - 1) + (k > 0) * 0.2 * (1 + k) * b
 
