@@ -261,6 +261,11 @@ class EngineCore:
         # round is counted when its deltas go out, at the start of the next iteration's unit.
         return progressed
 
+    def _filling(self) -> bool:
+        """`Admission.filling`, asked only where a draft policy chooses K (no work a round for
+        a fixed or no-speculation Engine)."""
+        return self.rounds.policy.adaptive and self.admission.filling()
+
     def _hold_compiles(self) -> None:
         """Background compiles wait while requests are outstanding, so they never take the
         cores from a step being served; a step whose executable is still queued has it
@@ -400,7 +405,7 @@ class EngineCore:
                     plan = self.rounds.chain_plan(records, self.program.round_ready,
                                                   bool(self.scheduler.waiting),
                                                   self.program.context_stale,
-                                                  self.admission.filling())
+                                                  self._filling())
                     if plan is not None:  # the next round drafts nothing either
                         self._chain(records, plan)
                         return
@@ -408,7 +413,7 @@ class EngineCore:
                 return
             plan = self.rounds.plan(records, self.publication.queued_previews(),
                                     self.program.round_ready, bool(self.scheduler.waiting),
-                                    self.program.context_stale, self.admission.filling())
+                                    self.program.context_stale, self._filling())
             batch = self.program.decode([r.seq for r in records], plan.caps, plan.masks,
                                         drafts=plan.drafts, bare=plan.bare)
             self.rounds.dispatched(batch, plan.drafts, plan.outlooks)
