@@ -38,6 +38,7 @@ from ninfer_jax.program.executable_specs import (
     page_parts,
     program_executables,
     round_key,
+    round_params,
     vision_on,
 )
 from ninfer_jax.program.executables import ExecutableTable, StepKey, StepKind
@@ -109,6 +110,9 @@ class Program(HostProgram):
             self.params = place_params(
                 params, cfg, self.mesh, pcfg.dtype, pcfg.moe_sharding,
                 prepare=(lambda p: unstack_layers(p, cfg)) if unrolled else (lambda p: p))
+        # what each kind of decode round's call passes: (drafts > 0, bare) -> params
+        self._round_params = {(d, b): round_params(self.params, pcfg, d, b)
+                              for d in (0, 1) for b in (False, True)}
         self._pools = pools
         self._deferred: CommitInputs | None = None  # the last commit, applied by the next step
         # The commit and the decode rounds (by B, then K) that no step has run yet:
@@ -180,7 +184,8 @@ class Program(HostProgram):
             sampling=sampling_arrays([GREEDY] * b, mask_words=self.limits.mask_words),
             step_index=np.zeros(b, np.int32), limit=np.full(b, drafts + 1, np.int32),
             rope_delta=np.zeros(b, np.int32) if self.vision_on else None)
-        self._pools, _ = self.executables(key, self.params, self._pools, inputs)
+        params = self._round_params[drafts > 0, key.extra[1:] == (1,)]
+        self._pools, _ = self.executables(key, params, self._pools, inputs)
 
     @property
     def cold_rounds(self) -> int:
@@ -362,7 +367,8 @@ class Program(HostProgram):
                 key = lean  # the same tokens; the head's K/V at frontier - 1 is written
                 self.lean_rounds += 1
         self._cold.pop(key, None)
-        self._pools, out = self.executables(key, self.params, self._pools, inputs)
+        self._pools, out = self.executables(key, self._round_params[drafts > 0, bare],
+                                            self._pools, inputs)
         # On the device; the PendingBatch reads them when asked. A round of no drafts
         # proposes one token a row: nothing to read back for that.
         produced = 1 if drafts == 0 else out.num

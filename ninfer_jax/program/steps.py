@@ -357,7 +357,7 @@ def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
     if pcfg.speculative == "mtp" and bare:
         # before the model reads the pools: written after that read (on which zeros do not
         # wait), the write made XLA copy both pools
-        kv = kv.with_layers(_empty_mtp_entries(params, cfg, kv, pos))
+        kv = kv.with_layers(_empty_mtp_entries(cfg, kv, pos))
         pools = pools.with_kv(kv.layers)
     rope = None if inputs.rope_delta is None else (pos + inputs.rope_delta)[:, None]
     ctx = pools.ctx[slots][:, None]  # the hidden state at frontier - 1, before this step's
@@ -390,15 +390,14 @@ def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
     return pools, dataclasses.replace(outputs, tokens=widen(outputs.tokens, pcfg.verify_width))
 
 
-def _empty_mtp_entries(params: dict, cfg: ModelConfig, kv: PagedKV,
-                       pos: jax.Array) -> tuple[jax.Array, ...]:
+def _empty_mtp_entries(cfg: ModelConfig, kv: PagedKV, pos: jax.Array) -> tuple[jax.Array, ...]:
     """kv's layers with the MTP head's K/V at each row's position pos[b] zeros (an entry its
-    attention skips)."""
+    attention skips). The head's layers are the pools' after the model's."""
     b = pos.shape[0]
     mkv = _mtp_kv(kv, cfg, pos, jnp.ones((b,), jnp.int32))
     empty = jnp.zeros((b, 1, *kv.layers[0].shape[2:]), jnp.float32)
     layers = kv.layers
-    for layer in range(params["mtp"]["layers"]["input_norm"].shape[0]):
+    for layer in range(kv.layers[0].shape[0] // kv.pages_per_layer - cfg.num_attention_layers):
         layers = mkv.store(layers, jnp.int32(layer), empty, empty)
     return layers
 

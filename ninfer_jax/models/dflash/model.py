@@ -50,6 +50,14 @@ def rope_cos_sin(positions: jax.Array, cfg: DFlashConfig) -> tuple[jax.Array, ja
     return jnp.cos(emb), jnp.sin(emb)
 
 
+def context_params(params: dict) -> dict:
+    """The drafter's params `context_kv` reads: what a round that only keeps the drafter's
+    context current passes, not every drafter leaf (each leaf passed costs the call host time,
+    though the executable never reads it)."""
+    return {"fc": params["fc"], "hidden_norm": params["hidden_norm"],
+            "layers": tuple({k: p[k] for k in ("k", "k_norm", "v")} for p in params["layers"])}
+
+
 def context_kv(params: dict, cfg: DFlashConfig, features: jax.Array, positions: jax.Array
                ) -> tuple[jax.Array, jax.Array]:
     """The context K/V of T positions in every drafter layer.

@@ -85,6 +85,20 @@ def _head_input(params: dict, cfg: ModelConfig, hidden: jax.Array, next_token_id
     return h, cos, sin
 
 
+def store_params(head: dict) -> dict:
+    """The head's params (`params["mtp"]`) `mtp_store` reads: with one layer only its input
+    norm and K/V projections besides the input's; a deeper head runs in full, so all of them.
+    A round that only keeps the head's context current passes these, not every head leaf
+    (each leaf passed costs the call host time, though the executable never reads it)."""
+    if head["layers"]["input_norm"].shape[0] != 1:
+        return head
+    layers = head["layers"]
+    return {"embed_norm": head["embed_norm"], "hidden_norm": head["hidden_norm"],
+            "fc": head["fc"], "layers": {
+                "input_norm": layers["input_norm"],
+                "mixer": {k: layers["mixer"][k] for k in ("k", "k_norm", "v")}}}
+
+
 def mtp_store(params: dict, cfg: ModelConfig, hidden: jax.Array, next_token_ids: jax.Array,
               start_pos: jax.Array, kv: KVAccess, moe_sharding: str = "intermediate"
               ) -> KVAccess:

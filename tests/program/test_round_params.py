@@ -1,0 +1,75 @@
+"""`round_params`: a decode round's call passes only the params its executable reads.
+
+Each leaf passed costs the call host time even where the executable never reads it (jax prunes
+it from the executable, not from the call), so an unread leaf is a cost on every round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import pytest
+
+from ninfer_jax.program.aot import abstract_params, abstract_pools
+from ninfer_jax.program.config import ProgramConfig
+from ninfer_jax.program.executable_specs import program_executables, round_params
+from ninfer_jax.program.executables import StepKind, jit_step
+from ninfer_jax.testing import tiny_dense
+from ninfer_jax.testing.configs import tiny_drafter
+
+PCFG = ProgramConfig(max_concurrency=2, max_seq_len=64, num_pages=16, page_size=8,
+                     prefill_chunk=16, num_checkpoint_slots=0, draft_policy="adaptive")
+
+
+def _setups():
+    cfg = tiny_dense(mtp_num_layers=1)
+    return {
+        "dflash": (tiny_dense(), dataclasses.replace(PCFG, speculative="dflash",
+                                                      num_speculative_tokens=4), None),
+        "dflash_selector": (tiny_dense(), dataclasses.replace(
+            PCFG, speculative="dflash", num_speculative_tokens=4, draft_head="selector"), None),
+        "mtp": (cfg, dataclasses.replace(PCFG, speculative="mtp", num_speculative_tokens=2),
+                None),
+        "mtp_int8": (cfg, dataclasses.replace(PCFG, speculative="mtp",
+                                              num_speculative_tokens=2), "int8"),
+    }
+
+
+def _unread(fn, args: tuple, donate: tuple[str, ...]) -> int:
+    """How many of the params' leaves (args[0]) the lowered step does not read."""
+    lowered = jit_step(fn, args, donate, None).trace(*args).lower()
+    kept = lowered._lowering.compile_args["kept_var_idx"]
+    return sum(i not in kept for i in range(len(jax.tree.leaves(args[0]))))
+
+
+@pytest.mark.parametrize("setup", ["dflash", "dflash_selector", "mtp", "mtp_int8"])
+def test_every_param_a_decode_round_passes_is_read(setup):
+    cfg, pcfg, quantize = _setups()[setup]
+    drafter = tiny_drafter(cfg) if pcfg.speculative == "dflash" else None
+    params = abstract_params(cfg, pcfg, quantize, drafter)
+    pools = abstract_pools(cfg, pcfg, drafter)
+    rounds = [s for s in program_executables(cfg, pcfg, params, pools, drafter)
+              if s.key.kind is StepKind.DECODE and s.key.batch == 1]
+    kinds = {s.key.extra for s in rounds}
+    # a verify round of each K, the round of 0 with the upkeep, and the bare one (MTP: lean)
+    assert {(0,), (0, 1)} <= kinds and len(kinds) >= 4, kinds
+    extra = "dflash" if drafter is not None else "mtp"
+    for s in rounds:
+        passed = s.args[0]
+        assert _unread(s.fn, s.args, s.donate) == 0, s.key
+        bare = s.key.extra[1:] == (1,)
+        assert (extra in passed) is not bare, s.key
+        if s.key.extra[:1] == (0,) and not bare:  # the upkeep reads part of the head/drafter
+            assert len(jax.tree.leaves(passed[extra])) < len(jax.tree.leaves(params[extra]))
+    # what the selection saves: the same bare round over every param leaves them unread
+    bare = next(s for s in rounds if s.key.extra == (0, 1))
+    assert _unread(bare.fn, (params, *bare.args[1:]), bare.donate) > 0
+
+
+def test_round_params_keeps_the_target_and_drops_the_vision_tower():
+    params = {"embed": 1, "layers": (2,), "vision": {"w": 3}, "mtp": {"fc": 4}}
+    off = dataclasses.replace(PCFG, draft_policy="fixed")
+    assert round_params(params, off, 0) == {"embed": 1, "layers": (2,)}
+    mtp = dataclasses.replace(off, speculative="mtp", num_speculative_tokens=1)
+    assert round_params(params, mtp, 1) == {"embed": 1, "layers": (2,), "mtp": {"fc": 4}}
