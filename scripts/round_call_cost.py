@@ -14,7 +14,6 @@ is `--calls` chained calls on the same inputs; prints per call the median [min-m
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pathlib
 import statistics
