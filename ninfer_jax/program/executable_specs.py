@@ -184,9 +184,9 @@ def round_params(params: dict, pcfg: ProgramConfig, drafts: int, bare: bool = Fa
     """The params a decode round of `drafts` drafts reads, which its call passes: each leaf
     passed costs the call host time though the executable never reads it (on XLA:CPU the
     demo's bare DFlash round at B = 4: 544 and 502 µs of the caller's CPU against 608 and 558
-    over every param, `scripts/round_call_cost.py`). The target's (not the vision tower's, the MTP head's or the
-    drafter's), and the head's or the drafter's for a round that drafts (the drafter's
-    candidate selector only with draft_head="selector"); for a round of 0 that
+    over every param, `scripts/round_call_cost.py`). The target's (not the vision tower's,
+    the MTP head's or the drafter's), and the head's or the drafter's for a round that drafts
+    (the drafter's candidate selector only with draft_head="selector"); for a round of 0 that
     keeps their context current only what that reads (`mtp.store_params`,
     `dflash.context_params`); for a bare round (it skips that upkeep) none."""
     target = {k: v for k, v in params.items() if k not in ("vision", "mtp", "dflash")}
