@@ -1,4 +1,4 @@
-"""What passing unread params costs a decode round's call, on the embedded model.
+"""What passing unread params and pools costs a decode round's call, on the embedded model.
 
     python scripts/round_call_cost.py [--method=dflash] [--batch=4] [--reps=15] [--calls=60]
 
@@ -6,8 +6,10 @@ Opens the demo Engine with the method's adaptive policy (DFlash K = 15 or MTP K 
 max_concurrency 4; its worker stopped: the Program is driven from here) and, for each round of
 0 (the bare one and the one with the drafter's or head's upkeep) and the largest K at B =
 `--batch`, takes turns between two executables of the same step: the Program's own, called
-with the params it reads (`executable_specs.round_params`), and one compiled over every param
-the Program holds (jax prunes the unread ones from the executable, not from the call). A turn
+with the params it reads (`executable_specs.round_params`) and the pools but the checkpoint
+images' (`round_pools`), and one compiled over every param and pool the Program holds (jax
+prunes the unread params from the executable, not from the call; a donated pool it does not
+touch is given back). A turn
 is `--calls` chained calls on the same inputs; prints per call the median [min-max] over
 `--reps` turns of the calling thread's CPU and the wall time, and the 1-minute load.
 """
@@ -47,15 +49,18 @@ def _inputs(prog, b: int):
         step_index=np.full(b, 151, np.int32), limit=np.ones(b, np.int32), rope_delta=None)
 
 
-def _turn(prog, exe, params, inputs, calls: int) -> tuple[float, float]:
+def _turn(prog, exe, params, inputs, calls: int, every: bool) -> tuple[float, float]:
     import jax
 
-    pools = prog._pools
+    from ninfer_jax.program.executable_specs import round_pools, with_images
+
+    held = prog._pools
+    pools = held if every else round_pools(held)
     cpu, wall = time.thread_time(), time.perf_counter()
     for _ in range(calls):
         pools, out = exe(params, pools, inputs)
     jax.block_until_ready(out.tokens)
-    prog._pools = pools
+    prog._pools = pools if every else with_images(pools, held)
     return (time.thread_time() - cpu) / calls, (time.perf_counter() - wall) / calls
 
 
@@ -69,6 +74,7 @@ def main(argv) -> None:
         program_executables,
         round_key,
         round_params,
+        round_pools,
     )
     from ninfer_jax.program.executables import jit_step
 
@@ -92,20 +98,22 @@ def main(argv) -> None:
         args = (prog.params, prog._pools, inputs)
         every = jit_step(spec.fn, args, spec.donate, None).lower(*args).compile()
         read = round_params(prog.params, prog.pcfg, drafts, bare)
-        sides += [(f"{name}, the params it reads", prog.executables._get(key), read),
-                  (f"{name}, every param", every, prog.params)]
-    for _, exe, params in sides:  # a first run of each
-        _turn(prog, exe, params, inputs, 2)
-    runs = {name: [] for name, _, _ in sides}
+        sides += [(f"{name}, what it reads", prog.executables._get(key), read, False),
+                  (f"{name}, everything", every, prog.params, True)]
+    for _, exe, params, whole in sides:  # a first run of each
+        _turn(prog, exe, params, inputs, 2, whole)
+    runs = {name: [] for name, _, _, _ in sides}
     for rep in range(REPS.value):
-        for name, exe, params in (sides if rep % 2 == 0 else sides[::-1]):
-            runs[name].append(_turn(prog, exe, params, inputs, CALLS.value))
+        for name, exe, params, whole in (sides if rep % 2 == 0 else sides[::-1]):
+            runs[name].append(_turn(prog, exe, params, inputs, CALLS.value, whole))
     print(f"{METHOD.value} K={k}, B={b}: per call, median [min-max] of {REPS.value} turns of "
           f"{CALLS.value} calls")
-    for name, _, params in sides:
+    for name, _, params, whole in sides:
+        pools = prog._pools if whole else round_pools(prog._pools)
         cpu = [1e6 * c for c, _ in runs[name]]
         wall = [1e6 * w for _, w in runs[name]]
-        print(f"  {name:36s} {len(jax.tree.leaves(params)):4d} leaves  caller CPU "
+        print(f"  {name:30s} {len(jax.tree.leaves(params)):4d} + "
+              f"{len(jax.tree.leaves(pools)):2d} leaves  caller CPU "
               f"{statistics.median(cpu):6.0f} [{min(cpu):.0f}-{max(cpu):.0f}] us  wall "
               f"{statistics.median(wall):6.0f} [{min(wall):.0f}-{max(wall):.0f}] us")
     print(f"load 1-min {os.getloadavg()[0]:.2f}")

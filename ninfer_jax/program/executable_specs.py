@@ -122,7 +122,7 @@ def program_executables(cfg: ModelConfig, pcfg: ProgramConfig, params: dict, poo
             step_index=np.zeros(b, np.int32), limit=np.ones(b, np.int32),
             rope_delta=np.zeros(b, np.int32) if vision else None)
         return ExecutableSpec(round_key(pcfg, b, k, bare, lean), round_step(k, bare, lean),
-                              (round_params(params, pcfg, k, bare), pools, example),
+                              (round_params(params, pcfg, k, bare), round_pools(pools), example),
                               background=True)
 
     vision_rows = {}
@@ -200,6 +200,22 @@ def round_params(params: dict, pcfg: ProgramConfig, drafts: int, bare: bool = Fa
         return {**target, extra: head}
     upkeep = store_params if extra == "mtp" else context_params
     return {**target, extra: upkeep(params[extra])}
+
+
+# The checkpoint images' pools: only the capture, the restore and the image steps touch them.
+IMAGE_POOLS = ("ck_conv", "ck_rec", "ck_ctx", "ck_dk", "ck_dv")
+
+
+def round_pools(pools: Pools) -> Pools:
+    """The pools a decode round's call passes (donated): all but the checkpoint images'
+    (`with_images` puts them back), which no round touches; each leaf passed and given back
+    costs the call host time, as `round_params`' do."""
+    return dataclasses.replace(pools, **dict.fromkeys(IMAGE_POOLS))
+
+
+def with_images(pools: Pools, held: Pools) -> Pools:
+    """A round's `pools` (`round_pools`) with `held`'s checkpoint images."""
+    return dataclasses.replace(pools, **{f: getattr(held, f) for f in IMAGE_POOLS})
 
 
 def lean_rounds(pcfg: ProgramConfig) -> bool:

@@ -579,7 +579,7 @@ class HostProgram(CheckpointCopies):
     # Internals -----------------------------------------------------------------------------
     def _seq(self, handle: SequenceHandle) -> SeqRecord:
         seq = self._seqs.get(handle.seq_id)
-        if seq is None or seq.handle != handle:
+        if seq is None or (seq.handle is not handle and seq.handle != handle):
             raise ResourceError(f"unknown or stale sequence handle {handle}")
         return seq
 

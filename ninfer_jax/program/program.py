@@ -39,7 +39,9 @@ from ninfer_jax.program.executable_specs import (
     program_executables,
     round_key,
     round_params,
+    round_pools,
     vision_on,
+    with_images,
 )
 from ninfer_jax.program.executables import ExecutableTable, StepKey, StepKind
 from ninfer_jax.program.host import GREEDY, HostProgram
@@ -185,7 +187,8 @@ class Program(HostProgram):
             step_index=np.zeros(b, np.int32), limit=np.full(b, drafts + 1, np.int32),
             rope_delta=np.zeros(b, np.int32) if self.vision_on else None)
         params = self._round_params[drafts > 0, key.extra[1:] == (1,)]
-        self._pools, _ = self.executables(key, params, self._pools, inputs)
+        pools, _ = self.executables(key, params, round_pools(self._pools), inputs)
+        self._pools = with_images(pools, self._pools)
 
     @property
     def cold_rounds(self) -> int:
@@ -367,8 +370,9 @@ class Program(HostProgram):
                 key = lean  # the same tokens; the head's K/V at frontier - 1 is written
                 self.lean_rounds += 1
         self._cold.pop(key, None)
-        self._pools, out = self.executables(key, self._round_params[drafts > 0, bare],
-                                            self._pools, inputs)
+        pools, out = self.executables(key, self._round_params[drafts > 0, bare],
+                                      round_pools(self._pools), inputs)
+        self._pools = with_images(pools, self._pools)
         # On the device; the PendingBatch reads them when asked. A round of no drafts
         # proposes one token a row: nothing to read back for that.
         produced = 1 if drafts == 0 else out.num

@@ -1,4 +1,5 @@
-"""`round_params`: a decode round's call passes only the params its executable reads.
+"""`round_params` and `round_pools`: a decode round's call passes only the params its
+executable reads, and no checkpoint image pools.
 
 Each leaf passed costs the call host time even where the executable never reads it (jax prunes
 it from the executable, not from the call), so an unread leaf is a cost on every round.
@@ -13,7 +14,7 @@ import pytest
 
 from ninfer_jax.program.aot import abstract_params, abstract_pools
 from ninfer_jax.program.config import ProgramConfig
-from ninfer_jax.program.executable_specs import program_executables, round_params
+from ninfer_jax.program.executable_specs import IMAGE_POOLS, program_executables, round_params
 from ninfer_jax.program.executables import StepKind, jit_step
 from ninfer_jax.testing import tiny_dense
 from ninfer_jax.testing.configs import tiny_drafter
@@ -73,3 +74,21 @@ def test_round_params_keeps_the_target_and_drops_the_vision_tower():
     assert round_params(params, off, 0) == {"embed": 1, "layers": (2,)}
     mtp = dataclasses.replace(off, speculative="mtp", num_speculative_tokens=1)
     assert round_params(params, mtp, 1) == {"embed": 1, "layers": (2,), "mtp": {"fc": 4}}
+
+
+def test_a_decode_round_passes_no_checkpoint_image_pools():
+    """Only the capture, the restore and the image steps touch the checkpoint images' pools; a
+    round gets the others (the Program puts the images back after it, `with_images`)."""
+    cfg, pcfg, _ = _setups()["dflash"]
+    pcfg = dataclasses.replace(pcfg, num_checkpoint_slots=2)
+    drafter = tiny_drafter(cfg)
+    pools = abstract_pools(cfg, pcfg, drafter)
+    specs = program_executables(cfg, pcfg, abstract_params(cfg, pcfg, None, drafter), pools,
+                                drafter)
+    rounds = [s for s in specs if s.key.kind is StepKind.DECODE]
+    assert rounds
+    for s in rounds:
+        assert all(getattr(s.args[1], f) is None for f in IMAGE_POOLS), s.key
+        assert s.args[1].dk is not None and s.args[1].k is not None
+    capture = next(s for s in specs if s.key.kind is StepKind.CAPTURE)
+    assert all(getattr(capture.args[0], f) is not None for f in IMAGE_POOLS)
