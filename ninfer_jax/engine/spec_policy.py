@@ -337,7 +337,7 @@ class DraftPolicy:
         break-even would pay again and again); the rounds of a probe expected to lose by
         MARGIN or more do not break that run (the demo's DFlash at B = 4, probed every ~220
         rounds near the break-even: with W = 64 rounds of upkeep after each probe too, 21-51%
-        of its rounds were bare in the spec_policy benchmark, 93% without them)."""
+        of its rounds were bare in the spec_policy benchmark, 69-93% without them)."""
         if not self.window:
             return False
         if all(r.acceptance is None or r.budget <= 1 for r in rows):
