@@ -32,17 +32,17 @@ REPS = flags.DEFINE_integer("reps", 15, "turns per executable", lower_bound=1)
 CALLS = flags.DEFINE_integer("calls", 60, "chained calls per turn", lower_bound=1)
 
 
-def _inputs(prog, b: int):
+def _inputs(prog, b: int, drafts: int):
     import numpy as np
 
-    from ninfer_jax.program.executable_specs import no_commit
+    from ninfer_jax.program.executable_specs import no_commit, round_width
     from ninfer_jax.program.host import GREEDY
     from ninfer_jax.program.sampling import sampling_arrays
     from ninfer_jax.program.steps import DecodeInputs
 
     pc, w = prog.pcfg, prog.pcfg.max_pages_per_seq
     return DecodeInputs(  # rows at position 150 over distinct pages (their values unread)
-        commit=no_commit(pc, b), token_ids=np.full(b, 5, np.int32),
+        commit=no_commit(pc, b, round_width(pc, drafts)), token_ids=np.full(b, 5, np.int32),
         positions=np.full(b, 150, np.int32), slots=np.arange(b, dtype=np.int32),
         page_tables=np.arange(b * w, dtype=np.int32).reshape(b, w) % pc.num_pages,
         sampling=sampling_arrays([GREEDY] * b, mask_words=prog.limits.mask_words),
@@ -85,7 +85,6 @@ def main(argv) -> None:
     engine.wait_compiled()
     engine.close()  # its worker stops; the Program stays usable
     prog, b = engine.core.program, BATCH.value
-    inputs = _inputs(prog, b)
     specs = {s.key: s for s in program_executables(prog.cfg, prog.pcfg, prog.params,
                                                     prog._pools, prog.drafter)}
     rounds = {"bare 0": (0, True), "0 with upkeep": (0, False), f"K={k}": (k, False)}
@@ -94,21 +93,21 @@ def main(argv) -> None:
         key = round_key(prog.pcfg, b, drafts, bare)
         if key not in specs:
             continue
-        spec = specs[key]
+        spec, inputs = specs[key], _inputs(prog, b, drafts)
         args = (prog.params, prog._pools, inputs)
         every = jit_step(spec.fn, args, spec.donate, None).lower(*args).compile()
         read = round_params(prog.params, prog.pcfg, drafts, bare)
-        sides += [(f"{name}, what it reads", prog.executables._get(key), read, False),
-                  (f"{name}, everything", every, prog.params, True)]
-    for _, exe, params, whole in sides:  # a first run of each
+        sides += [(f"{name}, what it reads", prog.executables._get(key), read, inputs, False),
+                  (f"{name}, everything", every, prog.params, inputs, True)]
+    for _, exe, params, inputs, whole in sides:  # a first run of each
         _turn(prog, exe, params, inputs, 2, whole)
-    runs = {name: [] for name, _, _, _ in sides}
+    runs = {name: [] for name, *_ in sides}
     for rep in range(REPS.value):
-        for name, exe, params, whole in (sides if rep % 2 == 0 else sides[::-1]):
+        for name, exe, params, inputs, whole in (sides if rep % 2 == 0 else sides[::-1]):
             runs[name].append(_turn(prog, exe, params, inputs, CALLS.value, whole))
     print(f"{METHOD.value} K={k}, B={b}: per call, median [min-max] of {REPS.value} turns of "
           f"{CALLS.value} calls")
-    for name, _, params, whole in sides:
+    for name, _, params, _, whole in sides:
         pools = prog._pools if whole else round_pools(prog._pools)
         cpu = [1e6 * c for c, _ in runs[name]]
         wall = [1e6 * w for _, w in runs[name]]

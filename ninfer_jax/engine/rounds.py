@@ -46,6 +46,10 @@ class Rounds:
                                   limits.context_window)
         self._positions = limits.verify_width - 1  # draft positions a row's acceptance counts
         self._in_flight: dict[int, tuple[int, list[int]]] = {}  # batch id -> (K, row limits)
+        # A bare round of 0 chained for these rows, and the rounds after it the policy holds
+        # to the same (`DraftPolicy.holds`; None: not asked yet, until it is dispatched)
+        self._held: tuple[list[RequestRecord], RoundPlan] | None = None
+        self._holds: int | None = 0
         self._rounds = self._rows = 0
         self._host_s = self._wait_s = 0.0
 
@@ -59,6 +63,7 @@ class Rounds:
         `refill`: requests are waiting for a row (the draft policy's objective). `stale`:
         rounds until a row's drafter context is whole (None: always). `filling`: a waiting
         request may be admitted next (`Admission.filling`)."""
+        self._held = None
         caps = [r.session.tokens_before_control(queued.get(r.request_id)) for r in records]
         masks = [r.next_mask() for r in records]
         outlooks = []
@@ -68,9 +73,8 @@ class Rounds:
             drafts = mask is None and r.sampling.speculative == "on"
             if drafts and r.acceptance is None:
                 r.acceptance = RowAcceptance(self._positions)
-            outlooks.append(RowOutlook(r.acceptance if drafts else None, budget,
-                                       self._stale(r, stale)))
-        k = self.policy.choose(outlooks, ready, refill, filling)
+            outlooks.append(RowOutlook(r.acceptance if drafts else None, budget))
+        outlooks, k = self._choose(records, outlooks, ready, refill, filling, stale)
         if k:  # rows that draft nothing propose one token
             caps = [o.budget if o.acceptance is not None else 1 for o in outlooks]
         return RoundPlan(k, outlooks, None if all(c is None for c in caps) else caps,
@@ -82,21 +86,43 @@ class Rounds:
                    filling: bool = False) -> RoundPlan | None:
         """The rows' next round, chained ahead, when it drafts nothing (None: the policy
         would draft). Chainable rows have no control, grammar or thinking budget ahead, so
-        their budgets are their tokens left."""
+        their budgets are their tokens left. After a bare round of 0 of the same rows, with
+        nothing waiting, the policy's `holds` rounds are bare rounds of 0 without asking it
+        (the same plan again: a round of 0 reads only its outlooks' requests)."""
+        held = self._held
+        if held is not None and self._holds and not refill and len(held[0]) == len(records) \
+                and all(a is b for a, b in zip(held[0], records)):
+            self._holds -= 1
+            return held[1]
+        self._held = None
         outlooks = [RowOutlook(r.acceptance if r.sampling.speculative == "on" else None,
-                               r.sampling.max_new_tokens - r.completion_tokens,
-                               self._stale(r, stale))
+                               r.sampling.max_new_tokens - r.completion_tokens)
                     for r in records]
-        if self.policy.adaptive and self.policy.choose(outlooks, ready, refill, filling):
-            return None
-        return RoundPlan(0, outlooks, bare=self.policy.bare(outlooks, refill))
+        if self.policy.adaptive:
+            outlooks, k = self._choose(records, outlooks, ready, refill, filling, stale)
+            if k:
+                return None
+        plan = RoundPlan(0, outlooks, bare=self.policy.bare(outlooks, refill))
+        if plan.bare and not refill:
+            self._held, self._holds = (list(records), plan), None
+        return plan
 
-    def _stale(self, r: RequestRecord, stale: Stale | None) -> int:
-        """Rounds until the row's drafter context is whole (0 without bare rounds)."""
-        return stale(r.seq) if stale is not None and self.policy.window else 0
+    def _choose(self, records: Sequence[RequestRecord], outlooks: list[RowOutlook],
+                ready: Ready, refill: bool, filling: bool,
+                stale: Stale | None) -> tuple[list[RowOutlook], int]:
+        """The policy's K for the rows, and their outlooks. A K that drafts is asked again
+        with each row's `RowOutlook.stale` (rounds until its drafter context is whole: only a
+        choice that drafts reads them)."""
+        k = self.policy.choose(outlooks, ready, refill, filling)
+        if k and stale is not None and self.policy.window:
+            outlooks = [o._replace(stale=stale(r.seq)) for o, r in zip(outlooks, records)]
+            k = self.policy.choose(outlooks, ready, refill, filling)
+        return outlooks, k
 
     def dispatched(self, batch: PendingBatch, k: int, outlooks: list[RowOutlook]) -> None:
         self.policy.dispatched(k, outlooks)
+        if self._held is not None and self._holds is None and outlooks is self._held[1].outlooks:
+            self._holds = self.policy.holds(len(outlooks))
         if k:  # a round of 0 proposes one token a row
             self._in_flight[batch.batch_id] = (
                 k, [1 if o.acceptance is None else max(1, min(k + 1, o.budget))
@@ -113,6 +139,7 @@ class Rounds:
 
     def clear(self) -> None:
         self._in_flight.clear()
+        self._held = None
 
     def counted(self, *, host_s: float = 0.0, wait_s: float = 0.0) -> None:
         """Worker time of decode iterations: host work, and waiting for a round's tokens."""

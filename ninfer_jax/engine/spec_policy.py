@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -347,6 +348,20 @@ class DraftPolicy:
         return made is not None and made.rows == _rows_key(rows, refill) and made.best == 0 \
             and self._zeros[b] >= self.window and b not in self._plan \
             and self._probing is None and self._since_probe[b] + self.window < made.wait
+
+    def holds(self, b: int) -> int:
+        """After a bare round of 0 at B is dispatched (`bare` said so), the rounds after it in
+        which `choose` and `bare` say so again for the same rows with nothing waiting,
+        whatever their budgets: its choice stands (its `stands` rounds) and its next probe's
+        upkeep (`window` rounds before it) has not begun (`Rounds.chain_plan` then asks
+        nothing: the worker's host work a round comes near a fixed policy's)."""
+        made = self._choice.get(b)
+        if not self.window or made is None or made.best != 0 \
+                or made.ks != self._all_ready.get(b) or b in self._plan \
+                or self._probing is not None:
+            return 0
+        return max(0, min(made.round + made.stands - self._round,
+                          math.ceil(made.wait - self.window - self._since_probe[b])))
 
     def _check_ready(self, k: int, b: int, ready: Callable[[int, int], bool]) -> bool:
         """Whether a round of K at B may run now (the largest always: it is waited for);

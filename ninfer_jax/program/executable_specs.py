@@ -66,11 +66,21 @@ class ExecutableSpec:
     donate: tuple[str, ...] = ("pools",)
 
 
-def no_commit(pcfg: ProgramConfig, rows: int) -> CommitInputs:
-    """A commit of `rows` provisional rows that moves nothing: all go to the sink slot."""
+def no_commit(pcfg: ProgramConfig, rows: int, width: int | None = None) -> CommitInputs:
+    """A commit of `rows` provisional rows that moves nothing: all go to the sink slot.
+    `width`: its tokens' (default verify_width; a round of 0's: `round_width`)."""
     return CommitInputs(slots=np.full(rows, pcfg.num_slots, np.int32),
-                        tokens=np.zeros((rows, pcfg.verify_width), np.int32),
+                        tokens=np.zeros((rows, width or pcfg.verify_width), np.int32),
                         num=np.ones(rows, np.int32), count=np.zeros(rows, bool))
+
+
+def round_width(pcfg: ProgramConfig, drafts: int) -> int:
+    """The tokens a decode round of `drafts` drafts gives back a row, and the width of the
+    commit it applies first: verify_width for a round that drafts, 1 for a round of 0 (which
+    proposes one token; its commit is the round before it's, `Program._take_commit`): a chain
+    of rounds of 0 then runs what a Program without speculation runs, its commit and tokens
+    no wider (docs/speculative.md, narrow rounds of 0)."""
+    return pcfg.verify_width if drafts else 1
 
 
 def image_pools(pools: Pools) -> list:
@@ -116,7 +126,7 @@ def program_executables(cfg: ModelConfig, pcfg: ProgramConfig, params: dict, poo
     def decode(b: int, k: int = pcfg.num_speculative_tokens, bare: bool = False,
                lean: bool = False) -> ExecutableSpec:
         example = DecodeInputs(
-            commit=no_commit(pcfg, b), token_ids=np.zeros(b, np.int32),
+            commit=no_commit(pcfg, b, round_width(pcfg, k)), token_ids=np.zeros(b, np.int32),
             positions=np.zeros(b, np.int32), slots=np.arange(b, dtype=np.int32),
             page_tables=np.zeros((b, w), np.int32), sampling=sampling(b),
             step_index=np.zeros(b, np.int32), limit=np.ones(b, np.int32),

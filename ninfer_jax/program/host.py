@@ -114,7 +114,7 @@ class HostProgram(CheckpointCopies):
                     last: Any = None, drafts: int | None = None, bare: bool = False) -> tuple:
         """Starts a round of `drafts` drafts a row (one of `limits.round_drafts`; None: the
         most): row b proposes 1..limits[b] tokens (limits <= drafts + 1). Returns
-        (tokens [B, verify_width], produced [B], log-probs or None: see PendingBatch), and
+        (tokens [B, W >= limits], produced [B], log-probs or None: see PendingBatch), and
         optionally a 4th, the round's tokens as [B] (PendingBatch.last: the next round of the
         same rows may then be dispatched before this one's tokens are read); any may be
         an array still being computed that np.asarray waits for. `last`: the rows' last
@@ -126,8 +126,8 @@ class HostProgram(CheckpointCopies):
     def _run_commit(self, seqs: list[SeqRecord], accepted: np.ndarray, tokens: np.ndarray,
                     count: bool) -> None:
         """Adopts the provisional state after accepted[b] positions of row b (0: the row is
-        rejected); its first accepted[b] tokens [B, verify_width] count toward penalties when
-        `count`."""
+        rejected); its first accepted[b] tokens ([B, W], W >= accepted) count toward penalties
+        when `count`."""
 
     def _prepare_media(self, prompt_ids: list[int], media: Sequence) -> tuple:
         """(RopeIndex, placeholder positions [M], each medium's first placeholder position)
@@ -519,11 +519,7 @@ class HostProgram(CheckpointCopies):
                 seq.after_decode = True
             self._unread = batch
             return
-        tokens = batch.tokens
-        width = self.limits.verify_width
-        if tokens.shape[1] < width:
-            tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])))
-        self._run_commit(seqs, acc.astype(np.int32), tokens, count=True)
+        self._run_commit(seqs, acc.astype(np.int32), batch.tokens, count=True)
         for seq, a, toks in zip(seqs, acc, batch.tokens):
             if a == 0:
                 continue

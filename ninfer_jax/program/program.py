@@ -40,6 +40,7 @@ from ninfer_jax.program.executable_specs import (
     round_key,
     round_params,
     round_pools,
+    round_width,
     vision_on,
     with_images,
 )
@@ -179,7 +180,8 @@ class Program(HostProgram):
         b, sink = key.batch, self.pcfg.num_slots
         drafts = key.extra[0] if key.extra else self.pcfg.num_speculative_tokens
         inputs = DecodeInputs(
-            commit=self._no_commit(b), token_ids=np.zeros(b, np.int32),
+            commit=self._no_commit(b, round_width(self.pcfg, drafts)),
+            token_ids=np.zeros(b, np.int32),
             positions=np.ones(b, np.int32), slots=np.full(b, sink, np.int32),
             page_tables=np.full((b, self.pcfg.max_pages_per_seq), self.pcfg.num_pages,
                                 np.int32),
@@ -212,33 +214,42 @@ class Program(HostProgram):
     def _page_parts(self) -> list[tuple[tuple[int, ...], np.dtype]]:
         return page_parts(self._pools, self.pcfg)
 
-    def _no_commit(self, rows: int) -> CommitInputs:
-        return no_commit(self.pcfg, rows)
+    def _no_commit(self, rows: int, width: int | None = None) -> CommitInputs:
+        return no_commit(self.pcfg, rows, width)
 
-    def _take_commit(self, rows: int) -> CommitInputs:
-        """The deferred commit, sized for a step of `rows` batch rows, which applies it first.
-        One of more rows (the previous batch was larger) runs on its own first."""
+    def _take_commit(self, rows: int, width: int | None = None) -> CommitInputs:
+        """The deferred commit, sized for a step of `rows` batch rows and `width` tokens a row
+        (default verify_width), which applies it first. One of more rows (the previous batch
+        was larger) or of a row that keeps more than `width` tokens (a verify round's, before
+        a round of 0) runs on its own first. Its tokens past a row's count are never read: a
+        narrower one is padded with zeros, a wider one cut (on the host: a round's tokens
+        still on the device are waited for, which a chain of rounds of 0 never needs)."""
+        width = width or self.pcfg.verify_width
         commit, self._deferred = self._deferred, None
         if commit is None:
-            return self._no_commit(rows)
-        if len(commit.slots) == rows:
-            return commit
-        if len(commit.slots) > rows:
+            return self._no_commit(rows, width)
+        have = commit.tokens.shape[1]
+        if len(commit.slots) > rows or (have > width and int(commit.num.max()) > width):
             self._apply(commit)
-            return self._no_commit(rows)
-        padded = self._no_commit(rows)
-        for name in ("slots", "tokens", "num", "count"):
-            getattr(padded, name)[: len(commit.slots)] = getattr(commit, name)
+            return self._no_commit(rows, width)
+        if len(commit.slots) == rows and have == width:
+            return commit
+        return self._fit(commit, rows, width)
+
+    def _fit(self, commit: CommitInputs, rows: int, width: int | None = None) -> CommitInputs:
+        """`commit` as one of `rows` >= its rows and `width` tokens a row (the rows past its
+        own move nothing; its tokens cut or padded with zeros)."""
+        padded = self._no_commit(rows, width)
+        n, w = len(commit.slots), min(commit.tokens.shape[1], padded.tokens.shape[1])
+        for name in ("slots", "num", "count"):
+            getattr(padded, name)[:n] = getattr(commit, name)
+        padded.tokens[:n, :w] = np.asarray(commit.tokens)[:, :w]
         return padded
 
     def _apply(self, commit: CommitInputs) -> None:
-        bmax = self.pcfg.max_concurrency
-        padded = self._no_commit(bmax)
-        for name in ("slots", "tokens", "num", "count"):
-            getattr(padded, name)[: len(commit.slots)] = getattr(commit, name)
-        key = StepKey(StepKind.COMMIT, bmax)
+        key = StepKey(StepKind.COMMIT, self.pcfg.max_concurrency)
         self._cold.pop(key, None)
-        self._pools = self.executables(key, self._pools, padded)
+        self._pools = self.executables(key, self._pools, self._fit(commit, key.batch))
 
     def _flush(self) -> None:
         commit, self._deferred = self._deferred, None
@@ -353,7 +364,7 @@ class Program(HostProgram):
                     drafts: int | None = None, bare: bool = False) -> tuple:
         drafts = self.pcfg.num_speculative_tokens if drafts is None else drafts
         inputs = DecodeInputs(
-            commit=self._take_commit(len(seqs)),
+            commit=self._take_commit(len(seqs), round_width(self.pcfg, drafts)),
             token_ids=np.array([s.tokens[-1] for s in seqs], np.int32) if last is None
             else last,
             positions=np.array([s.frontier for s in seqs], np.int32),

@@ -337,7 +337,7 @@ def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
     In a speculative Program it is the round of 0 drafts and keeps what the next verify round
     reads current, as a verify round would: the MTP head's K/V at the frontier's last position
     and the new one (`verify_step`), or the drafter's context K/V of the new position. Its
-    tokens then come back [B, verify_width], the sampled one repeated (the commit's width).
+    tokens come back [B, 1] and its commit is as narrow (`executable_specs.round_width`).
     `bare` (DFlash with a sliding-window drafter): the new position's ring entry is marked
     empty instead (zeros), which costs a write, not the drafter's
     projections; blocks do not read it, and once the window has moved past it the context
@@ -387,7 +387,7 @@ def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
         else:
             pools = write_drafter_context(params, drafter, pools, slots, out.features,
                                           pos[:, None], jnp.ones((b, 1), bool), ring)
-    return pools, dataclasses.replace(outputs, tokens=widen(outputs.tokens, pcfg.verify_width))
+    return pools, outputs
 
 
 def _empty_mtp_entries(cfg: ModelConfig, kv: PagedKV, pos: jax.Array) -> tuple[jax.Array, ...]:

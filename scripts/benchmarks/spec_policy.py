@@ -119,6 +119,8 @@ def measure(s: Settings) -> dict:
                 row["sides"][name] = {
                     "tok_s": side["rate"], "rates": side["rates"],
                     "over_off": spread([x / y for x, y in zip(side["rates"], off["rates"])]),
+                    "worker_cpu_ms_per_round": spread(
+                        [o["worker_cpu_ms_per_round"] for o in side["outputs"]]),
                     "same_tokens_as_off": all(o["tokens"] == reference for o in
                                               side["warmup_outputs"] + side["outputs"])}
             best = max(fixed, key=lambda n: row["sides"][n]["tok_s"]["median"])
@@ -180,12 +182,15 @@ def format_table(result: dict) -> str:
     lines = [(f"{s['method']} on the embedded model, through the Engine: {s['new_tokens']} "
               f"greedy tokens per request, B requests together, {s['warmup']} warm-up + "
               f"{s['reps']} turns per side in turn"),
-             f"{'B':>3}{'side':>12}{'tok/s':>24}{'/off per pair':>20}{'same as off':>13}"]
+             f"{'B':>3}{'side':>12}{'tok/s':>24}{'/off per pair':>20}{'same as off':>13}"
+             f"{'worker CPU ms/round':>24}"]
     for b, row in m["batches"].items():
         for name, v in row["sides"].items():
+            cpu = v.get("worker_cpu_ms_per_round")
             lines.append(f"{b:>3}{name:>12}{fmt_spread(v['tok_s']):>24}"
                          f"{fmt_spread(v['over_off'], 2):>20}"
-                         f"{'yes' if v['same_tokens_as_off'] else 'NO':>13}")
+                         f"{'yes' if v['same_tokens_as_off'] else 'NO':>13}"
+                         f"{fmt_spread(cpu, 3) if cpu else '':>24}")
         p, load = row["policy"], row["load_1min"]
         lines.append(f"    policy / best fixed ({p['best_fixed']}) per pair: "
                      f"{fmt_spread(p['over_best_fixed'], 2)}; target >= {TARGET_OVER_OFF}x off "

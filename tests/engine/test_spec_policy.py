@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import collections
 import itertools
+import types
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ninfer_jax.engine.rounds import Rounds
 from ninfer_jax.engine.spec_policy import (
     MIN_SAMPLES,
     PROBE_BUDGET,
@@ -26,6 +28,7 @@ from ninfer_jax.engine.spec_policy import (
     RowAcceptance,
     RowOutlook,
 )
+from ninfer_jax.program.limits import ProgramLimits
 
 KS = (0, 1, 2, 3)
 
@@ -287,6 +290,99 @@ def test_rounds_of_0_are_bare_where_drafting_loses_and_never_before_a_probe(b):
         assert "bare" in chosen[end:end + SETTLE + 1], chosen[i:end + SETTLE + 1]
     assert got > _simulate(0, cost, 0.2, 6000, b)[0]
     assert DraftPolicy(KS, "dflash").bare([RowOutlook(RowAcceptance(3), 50)]) is False
+
+
+class _HoldChecked(DraftPolicy):
+    """A policy that checks `holds`: after a bare round, the rounds it promises are bare
+    rounds of 0 when asked."""
+
+    held = checked = 0
+    last_bare = False
+
+    def choose(self, rows, ready, refill=False, filling=False):
+        k = super().choose(rows, ready, refill, filling)
+        self.last_bare = False
+        if self.held:
+            assert k == 0
+            self.checked += 1
+        return k
+
+    def bare(self, rows, refill=False):
+        self.last_bare = super().bare(rows, refill)
+        assert self.last_bare or not self.held
+        return self.last_bare
+
+    def dispatched(self, k, rows):
+        super().dispatched(k, rows)
+        if self.held:
+            self.held -= 1
+        elif k == 0 and self.last_bare:
+            self.held = self.holds(len(rows))
+
+
+@pytest.mark.parametrize("b", [1, 4])
+@pytest.mark.parametrize("per_draft,accept", [(1.0, 0.2), (0.5, 0.5), (0.3, 0.7)])
+def test_the_rounds_a_bare_round_holds_are_bare_rounds_of_0(b, per_draft, accept):
+    """`holds` never promises a round the policy would not make a bare round of 0 (so
+    `Rounds.chain_plan` may skip asking), and where drafting loses it covers most rounds."""
+    policy = _HoldChecked(KS, "dflash", window=16)
+    _, chosen = _simulate_bare(policy, _cost(1.0, per_draft), accept, 3000, b)
+    if per_draft == 1.0:
+        assert policy.checked > 0.5 * len(chosen)
+    assert policy.checked <= chosen.count("bare")
+
+
+def _simulate_rounds(cost, accept: float, rounds: int, b: int) -> list[int | str]:
+    """`_simulate_bare`'s rounds planned as the Engine plans them (`Rounds`): a round after a
+    round of 0 chained (`chain_plan`, which may reuse a bare round's plan the policy holds),
+    else `plan`. Each round's K ("bare" for a bare one)."""
+    window = 16
+    rounds_ = Rounds(ProgramLimits(
+        max_seq_len=96, page_size=4, total_pages=96, total_slots=4, max_concurrency=4,
+        prefill_chunk=8, vocab_size=256, verify_width=KS[-1] + 1, speculative="dflash",
+        round_drafts=KS, context_window=window))
+    policy = rounds_.policy
+    rng = np.random.default_rng(0)
+    now, chosen, chained = 0.0, [], False
+    sampling = types.SimpleNamespace(speculative="on", max_new_tokens=10**6)
+    session = types.SimpleNamespace(tokens_before_control=lambda preview: None)
+    records = [types.SimpleNamespace(acceptance=None, sampling=sampling, completion_tokens=0,
+                                     seq=i, session=session, request_id=i,
+                                     next_mask=lambda: None) for i in range(b)]
+    stale = [0] * b
+    ready = lambda k, b: True  # noqa: E731
+    for i in range(rounds):
+        plan = rounds_.chain_plan(records, ready, False, stale.__getitem__) if chained else None
+        if plan is None:
+            plan = rounds_.plan(records, {}, ready, False, stale.__getitem__)
+        k, bare = plan.drafts, plan.bare
+        rounds_.dispatched(types.SimpleNamespace(batch_id=i), k, plan.outlooks)
+        chained = k == 0
+        now += cost(k, b) * (1 - 0.05 * bare)
+        round_tokens = 0
+        for r, row in enumerate(records):
+            produced = 1
+            while produced <= k and not stale[r] and rng.random() < accept:
+                produced += 1
+            round_tokens += produced
+            policy.add_row(row.acceptance, k, k + 1, produced, produced)
+            stale[r] = window if bare else max(stale[r] - produced, 0)
+        rounds_.landed(types.SimpleNamespace(batch_id=i))
+        policy.round_done(k, b, now, round_tokens)
+        chosen.append("bare" if bare else k)
+    return chosen
+
+
+@pytest.mark.parametrize("b", [1, 4])
+@pytest.mark.parametrize("per_draft,accept", [(1.0, 0.2), (0.5, 0.5)])
+def test_rounds_planned_by_the_engine_are_the_policys_own(b, per_draft, accept):
+    """The Engine's `Rounds` (chained rounds of 0, held bare rounds, a row's stale context
+    asked only for a choice that drafts) make the very rounds the policy makes when asked every
+    round, while most of them are held rounds that ask it nothing."""
+    cost = _cost(1.0, per_draft)
+    want = _simulate_bare(DraftPolicy(KS, "dflash", window=16), cost, accept, 2000, b)[1]
+    assert _simulate_rounds(cost, accept, 2000, b) == want
+    assert want.count("bare") > (0.5 if per_draft == 1.0 else 0.0) * len(want)
 
 
 @pytest.mark.parametrize("per_draft,accept", [(0.1, 0.3), (0.3, 0.7), (0.5, 0.5),

@@ -5,7 +5,8 @@ num_speculative_tokens, draft_policy); the Engine compiles every executable befo
 turn. Measurements:
 - "b<B>" (prepare args {"prompts": [text, ...], "new_tokens": n}): a repetition submits every
   prompt together, greedy with ignore_eos, and waits for the last result; its work is the
-  tokens generated; outputs the token ids and the Engine's speculative statistics.
+  tokens generated; outputs the token ids, the Engine's speculative statistics and the CPU
+  time of its worker thread per decode round (host work: planning, dispatch, publication).
 - "upkeep_b<B>" (prepare args {"prompts": [...], "budget": n, "rounds": r, "bare": bool}):
   the Engine's worker stops (its Program stays usable) and a repetition runs r rounds of 0
   drafts on B prefilled sequences through the Program (`decode(drafts=0, bare=bare)` +
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 import time
 
 from scripts.benchmarks._worker import BenchWorker, serve
@@ -37,6 +39,8 @@ class SpecEngine(BenchWorker):
         self.engine.wait_compiled()
         self.program = self.engine.core.program
         self.handles = []
+        worker = next(t for t in threading.enumerate() if t.name == "ninfer-engine")
+        self.worker_clock = time.pthread_getcpuclockid(worker.ident)
         import ninfer_jax
 
         return {"open_s": time.perf_counter() - start, "jax": jax.__version__,
@@ -73,13 +77,18 @@ class SpecEngine(BenchWorker):
             prog.tokens(self.handles[0])  # waits for the last round
             return {"seconds": time.perf_counter() - start, "work": self.rounds,
                     "outputs": {}}
+        rounds, cpu = self.engine.stats().rounds.rounds, time.clock_gettime(self.worker_clock)
         start = time.perf_counter()
         handles = [self.engine.submit(prompt=p, sampling=self.sampling) for p in self.prompts]
         results = [h.result(600) for h in handles]
         seconds = time.perf_counter() - start
-        stats = dataclasses.asdict(self.engine.stats().speculative)
+        stats = self.engine.stats()
+        worker_cpu = time.clock_gettime(self.worker_clock) - cpu
         return {"seconds": seconds, "work": sum(len(r.token_ids) for r in results),
-                "outputs": {"tokens": [list(r.token_ids) for r in results], "stats": stats}}
+                "outputs": {"tokens": [list(r.token_ids) for r in results],
+                            "stats": dataclasses.asdict(stats.speculative),
+                            "worker_cpu_ms_per_round":
+                                1e3 * worker_cpu / max(stats.rounds.rounds - rounds, 1)}}
 
     def finish(self, name: str) -> None:
         for h in self.handles:
