@@ -110,13 +110,15 @@ class Rounds:
     def _choose(self, records: Sequence[RequestRecord], outlooks: list[RowOutlook],
                 ready: Ready, refill: bool, filling: bool,
                 stale: Stale | None) -> tuple[list[RowOutlook], int]:
-        """The policy's K for the rows, and their outlooks. A K that drafts is asked again
-        with each row's `RowOutlook.stale` (rounds until its drafter context is whole: only a
-        choice that drafts reads them)."""
+        """The policy's K for the rows, and their outlooks. Each row's `RowOutlook.stale`
+        (rounds until its drafter context is whole) is asked only for a choice that drafts
+        (nothing else reads it), which is made again with it where a row is stale."""
         k = self.policy.choose(outlooks, ready, refill, filling)
         if k and stale is not None and self.policy.window:
-            outlooks = [o._replace(stale=stale(r.seq)) for o, r in zip(outlooks, records)]
-            k = self.policy.choose(outlooks, ready, refill, filling)
+            stales = [stale(r.seq) for r in records]
+            if any(stales):
+                outlooks = [o._replace(stale=n) for o, n in zip(outlooks, stales)]
+                k = self.policy.choose(outlooks, ready, refill, filling)
         return outlooks, k
 
     def dispatched(self, batch: PendingBatch, k: int, outlooks: list[RowOutlook]) -> None:
