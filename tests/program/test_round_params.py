@@ -92,3 +92,20 @@ def test_a_decode_round_passes_no_checkpoint_image_pools():
         assert s.args[1].dk is not None and s.args[1].k is not None
     capture = next(s for s in specs if s.key.kind is StepKind.CAPTURE)
     assert all(getattr(capture.args[0], f) is not None for f in IMAGE_POOLS)
+
+
+@pytest.mark.parametrize("setup", ["dflash", "mtp"])
+def test_rounds_of_0_commit_and_return_one_token_a_row(setup):
+    """A round of 0 (with the upkeep, bare or lean) takes a commit of one token a row and
+    returns [B, 1], as a Program without speculation does; a drafting round verify_width."""
+    cfg, pcfg, _ = _setups()[setup]
+    drafter = tiny_drafter(cfg) if pcfg.speculative == "dflash" else None
+    specs = program_executables(cfg, pcfg, abstract_params(cfg, pcfg, None, drafter),
+                                abstract_pools(cfg, pcfg, drafter), drafter)
+    rounds = [s for s in specs if s.key.kind is StepKind.DECODE]
+    assert {s.key.extra[:1] for s in rounds} >= {(0,), ()}
+    for s in rounds:
+        width = 1 if s.key.extra[:1] == (0,) else pcfg.verify_width
+        assert s.args[2].commit.tokens.shape == (s.key.batch, width), s.key
+        _, out = jax.eval_shape(s.fn, *s.args)
+        assert out.tokens.shape == (s.key.batch, width), s.key
