@@ -232,6 +232,22 @@ def test_probes_teach_the_prior_what_new_requests_expect():
     assert np.mean(firsts) <= 5, firsts
 
 
+def _drafts_land(policy: DraftPolicy, rng, rows: list, stale: list[int], k: int, bare: bool,
+                 accept: float) -> int:
+    """A round of K lands: each row's drafts are right with chance `accept` unless its context
+    is stale (then none is); counts them and marks a bare round's rows stale for the window.
+    Returns the round's tokens."""
+    tokens = 0
+    for r, acceptance in enumerate(rows):
+        produced = 1
+        while produced <= k and not stale[r] and rng.random() < accept:
+            produced += 1
+        tokens += produced
+        policy.add_row(acceptance, k, k + 1, produced, produced)
+        stale[r] = policy.window if bare else max(stale[r] - produced, 0)
+    return tokens
+
+
 def _simulate_bare(policy: DraftPolicy, cost, accept: float, rounds: int, b: int = 1,
                    accept_after: float | None = None, saving: float = 0.05
                    ) -> tuple[float, list[int | str]]:
@@ -250,15 +266,8 @@ def _simulate_bare(policy: DraftPolicy, cost, accept: float, rounds: int, b: int
         bare = k == 0 and policy.bare(outlook)
         policy.dispatched(k, outlook)
         now += cost(k, b) * (1 - saving * bare)
-        round_tokens = 0
-        for r, a in enumerate(rows):
-            produced = 1
-            while produced <= k and not stale[r] and rng.random() < p:
-                produced += 1
-            tokens += produced
-            round_tokens += produced
-            policy.add_row(a, k, k + 1, produced, produced)
-            stale[r] = policy.window if bare else max(stale[r] - produced, 0)
+        round_tokens = _drafts_land(policy, rng, rows, stale, k, bare, p)
+        tokens += round_tokens
         policy.round_done(k, b, now, round_tokens)
         chosen.append("bare" if bare else k)
     return tokens / now, chosen
@@ -359,14 +368,8 @@ def _simulate_rounds(cost, accept: float, rounds: int, b: int) -> list[int | str
         rounds_.dispatched(types.SimpleNamespace(batch_id=i), k, plan.outlooks)
         chained = k == 0
         now += cost(k, b) * (1 - 0.05 * bare)
-        round_tokens = 0
-        for r, row in enumerate(records):
-            produced = 1
-            while produced <= k and not stale[r] and rng.random() < accept:
-                produced += 1
-            round_tokens += produced
-            policy.add_row(row.acceptance, k, k + 1, produced, produced)
-            stale[r] = window if bare else max(stale[r] - produced, 0)
+        round_tokens = _drafts_land(policy, rng, [r.acceptance for r in records], stale, k,
+                                    bare, accept)
         rounds_.landed(types.SimpleNamespace(batch_id=i))
         policy.round_done(k, b, now, round_tokens)
         chosen.append("bare" if bare else k)
