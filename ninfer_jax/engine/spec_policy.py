@@ -14,7 +14,8 @@ counts behind `SpeculativeStats`.
     policy.add_row(acceptance, k, limit, produced, committed)
 
 The choice: the K of most committed tokens per second for the round's rows.
-- t(K, B): the median time of the last steady rounds of that (K, B) (a change, the start of a
+- t(K, B): the mean of the last steady rounds of that (K, B), each clipped at CLIP times
+  their median (a change, the start of a
   chain of rounds of 0 and an executable's first runs are not samples; a drafting round
   fewer than STINT rounds into a run of its K is counted as a steady one, its time divided by
   how much slower such rounds were than steady ones at that B); at a B where some K
@@ -22,10 +23,10 @@ The choice: the K of most committed tokens per second for the round's rows.
   (the larger of their ratio and K's extra over it in proportion to the rows). Ks are
   compared on times taken close together: every sample is paired
   with the other Ks' samples of the NEAR rounds before it, and a K other than the anchor
-  (the K of the latest sample, mostly the choice) is timed as the anchor's median times
-  their paired ratio (the geometric mean of the two directions' medians: a busy stretch of
-  the machine slows both sides of a pair; medians taken at different moments would compare
-  the stretches, not the Ks). A drafting choice paired only with rounds of 0 before it is
+  (the K of the latest sample, mostly the choice) is timed as the anchor's time times
+  their paired ratio (the geometric mean of the two directions': a busy stretch of the
+  machine slows both sides of a pair; times taken at different moments would compare the
+  stretches, not the Ks). A drafting choice paired only with rounds of 0 before it is
   checked by rounds of 0 right after its samples.
 - Tokens: a row with acceptance a_i (the chance draft i is right when drafts 0..i-1 were) and
   a limit of L tokens expects E(K) = 1 + sum_{j=1..min(K, L-1)} prod_{i<j} a_i from a round
@@ -100,7 +101,7 @@ from typing import NamedTuple
 MIN_SAMPLES = 3  # measured rounds of a (K, B) before the policy trusts its time
 WARM_ROUNDS = 2  # steady rounds of a (K, B) not measured, the first time it runs
 SETTLE = 2  # rounds of 0 after a change that are not samples (their chain takes two to start)
-WINDOW = 9  # the rounds a (K, B)'s time is the median of
+WINDOW = 9  # the rounds a (K, B)'s time is taken over
 NEAR = 8  # rounds within which two Ks' samples are a pair (taken under the same load)
 PAIRS = 2 * WINDOW  # the pairs' ratios of two Ks a ratio is the median of
 # Rounds a choice of the cheapest K stands while its rows stay the same: meanwhile only the
@@ -148,6 +149,12 @@ STINT = 5
 # half as often at B = 1).
 UPKEEP = 0.03
 UNMEASURED = 0.5  # acceptance assumed at a position nobody measured
+# A round's time is the mean of its last samples, each clipped at CLIP times their median
+# (`_typical`): the median alone flattered rounds of 0, whose tail is the heavier (the demo's
+# DFlash at B = 1, one K forced for whole turns: the mean 1.10-1.12x the median for rounds of 0,
+# 1.01-1.02x for K = 4; turns of K = 4 committed 1.13 and 1.20x the tokens per second of turns
+# of rounds of 0, the two's medians said 1.04 and 1.11x).
+CLIP = 3.0
 SHRINK = 2.0  # rows of the position before that a position's prior rate starts from
 
 
@@ -156,6 +163,14 @@ def _median(xs) -> float:
     s = sorted(xs)
     n = len(s)
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def _typical(xs) -> float:
+    """A round's time from samples of it: their mean, each clipped at CLIP times their median
+    (what the user's stream pays: rounds of 0 have the heavier tail; a stall past CLIP medians
+    is not the round's)."""
+    cap = CLIP * _median(xs)
+    return sum(min(x, cap) for x in xs) / len(xs)
 
 
 def _until_done(rounds: list[float], tails: list[float]) -> float:
@@ -244,7 +259,7 @@ class DraftPolicy:
         self.adaptive = len(self.ks) > 1
         self.window = window if self.adaptive else 0  # `bare`: ProgramLimits.context_window
         self._times: dict[tuple[int, int], collections.deque] = {}  # (K, B) -> seconds
-        self._median: dict[tuple[int, int], float] = {}  # (K, B) -> their median
+        self._typical: dict[tuple[int, int], float] = {}  # (K, B) -> `_typical` of them
         self._at: dict[tuple[int, int], collections.deque] = {}  # (K, B) -> their rounds
         # (K, J, B) -> t(K) / t(J) of samples of K and the J samples of the NEAR rounds before
         self._pairs: dict[tuple[int, int, int], collections.deque] = {}
@@ -275,7 +290,7 @@ class DraftPolicy:
         self._cum_accepted = [0] * self.kmax  # and drafts 0..i were all accepted
         self._cum: tuple | None = None  # `stats`' acceptance by position until a row adds
         self._gain = [0.0, 0]  # sum of estimated gains of chosen K over K = 0, rounds
-        self._round_ms: tuple | None = None  # `stats`' (K, B, ms) until a median changes
+        self._round_ms: tuple | None = None  # `stats`' (K, B, ms) until a time changes
         # (K, B) -> seconds of rounds STINT or more into a run of K (drafting Ks)
         self._steady: dict[tuple[int, int], collections.deque] = {}
         # (B, r) -> seconds of rounds r < STINT into a run over their K's steady median
@@ -316,7 +331,7 @@ class DraftPolicy:
         if made is not None:  # before the checks below: the steady path where drafting loses
             return made.probe if self._since_probe[b] >= made.wait else made.best
         if not any(self._known(k, b) for k in ks) and any(
-                self._known(*key) for key in self._median if key[1] != b):
+                self._known(*key) for key in self._typical if key[1] != b):
             return ks[0]  # a new B: its cheapest round's time scales the others'
         if b not in self._explored:
             for k in reversed(ks):  # explore: the largest first, the Program's fixed choice
@@ -461,9 +476,9 @@ class DraftPolicy:
         tails[b] = t
         for n in range(1, b):
             if self._known(k, n):
-                tails[n] = self._median[(k, n)]
+                tails[n] = self._typical[(k, n)]
             elif self._known(cheapest, n) and self._known(cheapest, b):
-                tails[n] = t * self._median[(cheapest, n)] / max(self._median[(cheapest, b)],
+                tails[n] = t * self._typical[(cheapest, n)] / max(self._typical[(cheapest, b)],
                                                                  1e-9)
             else:
                 tails[n] = t * n / b
@@ -586,7 +601,7 @@ class DraftPolicy:
     def _scales(self, k: int, b: int):
         """(other B, reference K) pairs that scale K's time at another B to this one: K known
         there, the reference known at both."""
-        return ((other, ref) for (kk, other) in self._median
+        return ((other, ref) for (kk, other) in self._typical
                 if kk == k and self._known(k, other)
                 for ref in self.ks if self._known(ref, b) and self._known(ref, other))
 
@@ -601,8 +616,8 @@ class DraftPolicy:
             if anchor is not None and anchor != k:
                 ratio = self._ratio(k, anchor, b)
                 if ratio is not None:
-                    return max(self._median[(anchor, b)] * ratio, 1e-9)
-            return max(self._median[(k, b)], 1e-9)
+                    return max(self._typical[(anchor, b)] * ratio, 1e-9)
+            return max(self._typical[(k, b)], 1e-9)
         pairs = [(abs(other - b), self._scaled(k, b, other, ref))
                  for other, ref in self._scales(k, b)]
         return max(min(pairs)[1], 1e-9) if pairs else None
@@ -614,15 +629,15 @@ class DraftPolicy:
         grows with its rows, a round of 0's less: the ratio alone under-estimated the demo's
         DFlash K = 3 at B = 4 from B = 1, 5.2 ms against 6.4, so its first rounds there
         drafted at a loss; the extra alone under-estimates a smaller B)."""
-        here, there, k_there = self._median[(ref, b)], self._median[(ref, other)], \
-            self._median[(k, other)]
+        here, there, k_there = self._typical[(ref, b)], self._typical[(ref, other)], \
+            self._typical[(k, other)]
         return max(here * k_there / max(there, 1e-9), here + (k_there - there) * b / other)
 
     def _ratio(self, k: int, j: int, b: int) -> float | None:
-        """t(K) / t(J) at B from their pairs: the geometric mean of the median ratio of K's
-        samples to the J samples before them and that of J's samples to the K samples before
-        them (a load that changed between the two sides of a pair biases the two directions
-        the opposite way). None before MIN_SAMPLES pairs. Kept until a pair of the two
+        """t(K) / t(J) at B from their pairs: the geometric mean of the `_typical` ratio of
+        K's samples to the J samples before them and the inverse of that of J's samples to the
+        K samples before them (a load that changed between the two sides of a pair biases the
+        two directions the opposite way). None before MIN_SAMPLES pairs. Kept until a pair of the two
         comes."""
         if (k, j, b) in self._ratios:
             return self._ratios[(k, j, b)]
@@ -630,13 +645,12 @@ class DraftPolicy:
         return ratio
 
     def _paired_ratio(self, k: int, j: int, b: int) -> float | None:
-        after = [*self._pairs.get((k, j, b), ())]
-        before = [1.0 / x for x in self._pairs.get((j, k, b), ())]
+        after, before = self._pairs.get((k, j, b), ()), self._pairs.get((j, k, b), ())
         if len(after) + len(before) < MIN_SAMPLES:
             return None
         if after and before:
-            return (_median(after) * _median(before)) ** 0.5
-        return _median(after or before)
+            return (_typical(after) / _typical(before)) ** 0.5
+        return _typical(after) if after else 1.0 / _typical(before)
 
     def _anchor(self, b: int) -> int | None:
         """The known K at B whose latest sample is the most recent (None: none known)."""
@@ -645,14 +659,14 @@ class DraftPolicy:
 
     def _pair(self, k: int, b: int, seconds: float) -> None:
         """Pairs a sample of (K, B) with every other K's samples at B of the NEAR rounds
-        before (their median)."""
+        before (their `_typical`)."""
         for (j, other), at in self._at.items():
             if other != b or j == k or self._round - at[-1] > NEAR:
                 continue
             near = [t for t, r in zip(self._times[(j, b)], at) if self._round - r <= NEAR]
             if near:
                 self._pairs.setdefault((k, j, b), collections.deque(maxlen=PAIRS)).append(
-                    seconds / max(_median(near), 1e-9))
+                    seconds / max(_typical(near), 1e-9))
                 self._ratios.pop((k, j, b), None)
                 self._ratios.pop((j, k, b), None)
 
@@ -677,9 +691,9 @@ class DraftPolicy:
                 times = self._times.setdefault((k, b), collections.deque(maxlen=WINDOW))
                 times.append(seconds)
                 self._at.setdefault((k, b), collections.deque(maxlen=WINDOW)).append(self._round)
-                median = _median(times)
-                if self._median.get((k, b)) != median:
-                    self._median[(k, b)] = median
+                typical = _typical(times)
+                if self._typical.get((k, b)) != typical:
+                    self._typical[(k, b)] = typical
                     self._round_ms = None
                 self._measured[(k, b)] = self._round
             self._warm[(k, b)] += 1
@@ -765,7 +779,7 @@ class DraftPolicy:
                                                                   self._cum_attempted))
         if self._round_ms is None:
             self._round_ms = tuple(sorted((k, b, round(1e3 * t, 3))
-                                          for (k, b), t in self._median.items()))
+                                          for (k, b), t in self._typical.items()))
         return SpeculativeStats(
             method=self.method, num_speculative_tokens=self.kmax, verify_rows=self.rows,
             committed_tokens=self.tokens,
