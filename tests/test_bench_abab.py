@@ -142,6 +142,16 @@ def test_local_sides_alternate_in_one_process():
     assert r["ratios"] == {"one/two": {"median": 1.0, "min": 1.0, "max": 1.0, "n": 3}}
 
 
+def test_serpentine_turns_reverse_every_other_round():
+    log = []
+    sides = [_Counter(log) for _ in range(3)]
+    r = alternate([LocalSide(n, c) for n, c in zip("abc", sides)], "m", {}, reps=3, warmup=0,
+                  serpentine=True)
+    assert r["order"] == [*"abc", *"cba", *"abc"]
+    assert [x[1] for x in log if x[0] == "rep"] == [sides[i] for i in (0, 1, 2, 2, 1, 0, 0, 1, 2)]
+    assert r["sides"]["c"]["outputs"] == [1, 2, 3]
+
+
 @pytest.mark.parametrize("var, value, message", [
     ("BENCH_PROGRAM_BATCHES", "1,x", "BENCH_PROGRAM_BATCHES must be an integer, got 'x'"),
     ("BENCH_PROGRAM_BATCHES", "1,0", "BENCH_PROGRAM_BATCHES must be >= 1 and <= 64, got 0"),

@@ -221,10 +221,12 @@ def _checked(side: str, rep: Any) -> dict:
 
 
 def alternate(sides: Sequence[Side], name: str, args: dict, *, reps: int,
-              warmup: int = 1) -> dict:
+              warmup: int = 1, serpentine: bool = False) -> dict:
     """Measurement `name` on every side: prepare (untimed), `warmup` untimed repetitions per
-    side, then `reps` rounds in which each side runs one repetition in turn (A B A B ...),
-    then finish. Returns the summary described in the module docstring."""
+    side, then `reps` rounds in which each side runs one repetition in turn (A B A B ...;
+    `serpentine`: every other round in the reverse order, A B C C B A A B C ..., so the first
+    two sides' repetitions of a round are always next to each other and each runs first half
+    the time), then finish. Returns the summary described in the module docstring."""
     if reps < 1 or warmup < 0:
         raise ValueError(f"reps must be >= 1 and warmup >= 0, got reps={reps} warmup={warmup}")
     names = [s.name for s in sides]
@@ -240,8 +242,8 @@ def alternate(sides: Sequence[Side], name: str, args: dict, *, reps: int,
     runs: dict[str, list[dict]] = {n: [] for n in names}
     order, loads = [], []
     started = time.perf_counter()
-    for _ in range(reps):
-        for s in sides:
+    for i in range(reps):
+        for s in (sides[::-1] if serpentine and i % 2 else sides):
             before = os.getloadavg()
             rep = _checked(s.name, s.rep(name))
             loads.append({"side": s.name, "before": before, "after": os.getloadavg()})

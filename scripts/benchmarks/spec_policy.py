@@ -6,10 +6,11 @@
 One method per run. The sides are Engines over Programs of the demo model (max_concurrency 4,
 every executable compiled before the first turn), each in its own long-lived process
 (`workers/spec_engine.py`: in one process the Engines' idle workers and caches disturbed each
-other's rounds), taking turns: "off" (no speculation), "K=k"
-(`draft_policy="fixed"`: every round drafts k) for each k of BENCH_SPECPOL_KS, and "policy"
-(`draft_policy="adaptive"`, K = the largest of them: each round's K, 0 included, chosen from
-what that Engine measured). A turn submits the first B story prompts of
+other's rounds), taking turns: "off" (no speculation), "policy" (`draft_policy="adaptive"`,
+K = the largest of BENCH_SPECPOL_KS: each round's K, 0 included, chosen from what that Engine
+measured) and "K=k" (`draft_policy="fixed"`: every round drafts k) for each k of them, in that
+order and the reverse every other turn (off and policy always side by side: pairs turns apart
+spread 0.7-1.3 on these shared cores, a spread that buried a 0.97 target). A turn submits the first B story prompts of
 `_engine_vs_program.py` together, greedy, `ignore_eos`, NEW_TOKENS each, and times from submit
 to the last result: the user's tok/s (B * NEW_TOKENS / seconds; the short prompts' prefill is
 in it, the same on every side). Each Engine lives through all turns, as a server does: the
@@ -91,8 +92,8 @@ def _settings(s: Settings, k: int, policy: str) -> dict:
 
 
 def measure(s: Settings) -> dict:
-    sides = [("off", 0, "fixed"), *((f"K={k}", k, "fixed") for k in s.ks),
-             ("policy", max(s.ks), "adaptive"),
+    sides = [("off", 0, "fixed"), ("policy", max(s.ks), "adaptive"),
+             *((f"K={k}", k, "fixed") for k in s.ks),
              *([("base off", 0, "fixed"), ("base policy", max(s.ks), "adaptive")]
                if s.baseline else [])]
     out = {"setup": {}, "batches": {}, "upkeep": {}, "upkeep_bare": {}}
@@ -110,7 +111,7 @@ def measure(s: Settings) -> dict:
             progress(f"B={b}: {[n for n, _, _ in sides]} in turn")
             r = alternate(ordered, f"b{b}", {"prompts": list(PROMPTS[:b]),
                                             "new_tokens": s.new_tokens},
-                          reps=s.reps, warmup=s.warmup)
+                          reps=s.reps, warmup=s.warmup, serpentine=True)
             off = r["sides"]["off"]
             reference = off["outputs"][0]["tokens"]
             row = {"order": r["order"], "load_1min": r["load_1min"], "sides": {}}
