@@ -270,6 +270,7 @@ class DraftPolicy:
         self._all_ready: dict[int, list[int]] = {}  # B -> every K, once all are compiled
         self._attempted = [0.0] * self.kmax  # the prior's: rows of openings and probes
         self._accepted = [0.0] * self.kmax
+        self._prior: tuple[list[float], list[float]] | None = None  # `_prior_rates`, `_steps`
         self._round = 0  # decode rounds dispatched
         self._since_probe: collections.Counter = collections.Counter()  # B -> rounds
         self._zeros: collections.Counter = collections.Counter()  # B -> rounds of 0 in a row
@@ -408,13 +409,17 @@ class DraftPolicy:
         made = self._standing(rows, ks, refill)
         if made is not None:
             return made
-        prior = self._prior_rates()
-        steps = _steps(prior)
-        rates = [self._rates(r.acceptance, prior, steps) for r in rows]
+        if self._prior is None:  # kept until the prior's counts change (openings, probes)
+            rates = self._prior_rates()
+            self._prior = rates, _steps(rates)
+        prior, steps = self._prior
+        by_row = [self._row_expected_by_k(r, self._rates(r.acceptance, prior, steps))
+                  for r in rows]
         anchor = self._anchor(b)
         times = {k: self._time(k, b, anchor) for k in ks}
-        expected = {k: [self._row_expected(r, a, k) for r, a in zip(rows, rates)] for k in ks}
-        tails = None if refill else {k: self._tail_times(k, b, times[k], ks[0]) for k in ks}
+        expected = {k: [e[min(k, len(e) - 1)] for e in by_row] for k in ks}
+        tails = None if refill or b == 1 else {  # one row: the round's rate is its work's
+            k: self._tail_times(k, b, times[k], ks[0]) for k in ks}
         scores = {k: self._score(rows, expected[k], k, ks[0], times, tails) for k in ks}
         held = self._last[0] if self._last is not None and self._last[1] == b else 0
         best = max(ks, key=lambda k: (scores[k] / (1.0 if k == ks[0] else 1.0 + MARGIN) / (
@@ -547,13 +552,22 @@ class DraftPolicy:
     def _row_expected(row: RowOutlook, rates: list[float], k: int) -> float:
         """Tokens a row expects of a round of K: 1 + sum_{j=1..min(K, budget-1)} prod_{i<j} a_i
         (a row that drafts nothing: 1)."""
-        total = p = 1.0
+        by_k = DraftPolicy._row_expected_by_k(row, rates)
+        return by_k[min(k, len(by_k) - 1)]
+
+    @staticmethod
+    def _row_expected_by_k(row: RowOutlook, rates: list[float]) -> list[float]:
+        """`_row_expected` at K = 0, 1, ... up to the row's budget - 1 or len(rates) (a larger
+        K expects the last), in one pass."""
+        out = [1.0]
         if row.acceptance is None:
-            return total
-        for j in range(min(k, row.budget - 1)):
-            p *= rates[j]
+            return out
+        total = p = 1.0
+        for rate in rates[:max(row.budget - 1, 0)]:
+            p *= rate
             total += p
-        return total
+            out.append(total)
+        return out
 
     def _prior_rates(self) -> list[float]:
         """Per position, the chance that draft i is right given drafts 0..i-1 were, in the
@@ -760,6 +774,7 @@ class DraftPolicy:
         opening = acceptance.age <= OPENING or (
             self._probing is not None and k == self._probing.k)
         if opening:  # the prior forgets by rows counted, not by time
+            self._prior = None
             self._attempted = [x * DECAY for x in self._attempted]
             self._accepted = [x * DECAY for x in self._accepted]
         for i in range(min(k, limit - 1, produced)):  # reached: drafts 0..i-1 were right

@@ -9,13 +9,13 @@ every executable compiled before the first turn), each in its own long-lived pro
 other's rounds), taking turns: "off" (no speculation), "policy" (`draft_policy="adaptive"`,
 K = the largest of BENCH_SPECPOL_KS: each round's K, 0 included, chosen from what that Engine
 measured) and "K=k" (`draft_policy="fixed"`: every round drafts k) for each k of them, in that
-order and the reverse every other turn (off and policy always side by side: pairs turns apart
-spread 0.7-1.3 on these shared cores, a spread that buried a 0.97 target). A turn submits the first B story prompts of
-`_engine_vs_program.py` together, greedy, `ignore_eos`, NEW_TOKENS each, and times from submit
-to the last result: the user's tok/s (B * NEW_TOKENS / seconds; the short prompts' prefill is
-in it, the same on every side). Each Engine lives through all turns, as a server does: the
-policy's measurements carry from one request to the next (its first requests, the warm-up
-turns, explore every K).
+order and the reverse every other turn (`alternate(serpentine=True)`: a pair of off and
+policy turns always side by side, each first half the time). A turn submits the first B story
+prompts of `_engine_vs_program.py` together, greedy, `ignore_eos`, NEW_TOKENS each, and times
+from submit to the last result: the user's tok/s (B * NEW_TOKENS / seconds; the short prompts'
+prefill is in it, the same on every side). Each Engine lives through all turns, as a server
+does: the policy's measurements carry from one request to the next (its first requests, the
+warm-up turns, explore every K).
 
 Reported per B: each side's tok/s (median [min-max] over turns), its ratio to "off" per turn
 pair, "policy" over the best fixed K per turn pair, whether every side's tokens equal "off"'s,
