@@ -6,7 +6,7 @@
 The workload of `scripts/bench.py --suite=spec_policy`'s policy side (one Engine through all
 turns, B of its prompts submitted together, greedy, EOS ignored, no prefix reuse), without the
 other sides: per turn its tok/s, the rounds it ran by (K, B) (the tail of a turn runs fewer
-rows: requests are admitted one a round), and at B = 1 the policy's median round times and
+rows: requests are admitted one a round), and at B = 1 the policy's round times and
 prior acceptance after the turn. For how fast the policy learns and what its probes and tails
 cost; ratios to no speculation come from the benchmark, which alternates the sides.
 """

@@ -218,7 +218,7 @@ def format_table(result: dict) -> str:
                          f"{fmt_spread(u['over_off'], 2)}x its time per pair")
     st = m["policy_stats"]
     lines.append(f"policy rounds by K {dict(st['rounds_by_drafts'])}; acceptance by position "
-                 f"{[round(a, 2) for a in st['acceptance_by_position']]}; median round ms "
+                 f"{[round(a, 2) for a in st['acceptance_by_position']]}; round ms "
                  f"(K, B, ms) {list(st['round_ms'])}")
     return "\n".join(lines)
 
