@@ -211,16 +211,18 @@ class ProgramConfig:
     @property
     def round_drafts(self) -> tuple[int, ...]:
         """The draft counts K a decode round is compiled for, ascending, the last
-        num_speculative_tokens: every K up to it with MTP; with DFlash 0 and the powers of two
-        up to 2/3 of it (a drafter's block costs little more at 15 than at 8, the verify does;
-        the demo's best fixed K on these cores is 4, which 2**i - 1 left out);
+        num_speculative_tokens: every K up to it with MTP; with DFlash 0, 1, 4 and 8 where at
+        most 2/3 of it, and it (a drafter's block costs little more at 15 than at 8, the verify
+        does; the demo's best fixed K on these cores is 4; a round of 2 took about as long as
+        one of 1, and the policy held K = 2 where K = 4 won: drafting 2, a row never shows how
+        its drafts 3 and 4 fare);
         (0,) without speculation, (K,) with draft_policy "fixed"."""
         k = self.num_speculative_tokens
         if self.speculative == "off" or self.draft_policy == "fixed":
             return (k,)
         if self.speculative == "mtp":
             return tuple(range(k + 1))
-        return tuple(sorted({0, k, *(2**i for i in range(4) if 3 * 2**i <= 2 * k)}))
+        return tuple(sorted({0, 1, k, *(n for n in (4, 8) if 3 * n <= 2 * k)}))  # K <= 15
 
     @property
     def max_pages_per_seq(self) -> int:

@@ -244,7 +244,7 @@ class ThreeLanesDFlash(EngineMachine):
 
     max_concurrency = 3
     verify_width = 16
-    round_drafts = (0, 1, 2, 4, 8, 15)
+    round_drafts = (0, 1, 4, 8, 15)
 
 
 TestOneLane = OneLane.TestCase

@@ -38,7 +38,7 @@ def programs() -> dict:
     on the MoE
     one; the MoE one with either layer loop: per-layer weights, the GPU's default, and a scan
     handing kernels their stacked weights), and a dense one with a DFlash drafter (K = 4: its
-    rounds of 0, 1, 2 and 4 and the bare rounds of 0, "decode[B][0][1]"), every executable
+    rounds of 0, 1 and 4 and the bare rounds of 0, "decode[B][0][1]"), every executable
     compiled: ok, Triton kernels, expert-by-token tensors."""
     out = {}
     base = ProgramConfig(max_concurrency=2, max_seq_len=128, num_pages=32, page_size=16,

@@ -180,12 +180,12 @@ def test_the_ring_holds_the_targets_context_for_every_held_position(name, k):
 
 
 def test_rounds_of_any_draft_count_keep_greedy_output_and_the_ring():
-    """An adaptive Program (rounds of 0, 1, 2, 4 and 7 drafts) switching K every round: the
+    """An adaptive Program (rounds of 0, 1, 4 and 7 drafts) switching K every round: the
     greedy tokens of no speculation, and a ring that holds the target's context (a round of
     0 drafts writes its position as a verify round does)."""
     prog = dflash_program("trained", 7, 1, policy="adaptive")
-    assert prog.pcfg.round_drafts == (0, 1, 2, 4, 7)
-    ks = [0, 7, 0, 0, 4, 1, 0, 7, 2, 0, 0, 0, 7, 7, 1, 0, 4, 2]
+    assert prog.pcfg.round_drafts == (0, 1, 4, 7)
+    ks = [0, 7, 0, 0, 4, 1, 0, 7, 4, 0, 0, 0, 7, 7, 1, 0, 4, 1]
     prompt = _prompts(1, prog.cfg.vocab_size, seed=7)[0]
     generated = _check_ring(prog, "trained", ks)[len(prompt):]
     assert len(generated) > 20
@@ -201,8 +201,8 @@ def test_bare_rounds_leave_their_positions_out_of_the_ring_and_the_output_unchan
     assert prog.limits.context_window == 16
     prompt = _prompts(1, prog.cfg.vocab_size, seed=7)[0]
     want = generate(spec_program("demo", 0), [prompt], budget=48)[0][0]
-    gaps = _check_ring(prog, "random", [7, 0, "bare", 4, "bare", "bare", 2, 1] * 6 + ["bare"] * 8)
-    whole = _check_ring(prog, "random", [7, "bare", "bare", 4, 2] * 5 + [0] * 40)
+    gaps = _check_ring(prog, "random", [7, 0, "bare", 4, "bare", "bare", 1] * 6 + ["bare"] * 8)
+    whole = _check_ring(prog, "random", [7, "bare", "bare", 4] * 5 + [0] * 40)
     assert gaps[len(prompt):] == whole[len(prompt):] == want
 
 
