@@ -15,19 +15,18 @@ counts behind `SpeculativeStats`.
 
 The choice: the K of most committed tokens per second for the round's rows.
 - t(K, B): the mean of the last steady rounds of that (K, B), each clipped at CLIP times
-  their median (a change, the start of a
-  chain of rounds of 0 and an executable's first runs are not samples; a drafting round
-  fewer than STINT rounds into a run of its K is counted as a steady one, its time divided by
-  how much slower such rounds were than steady ones at that B); at a B where some K
-  was measured and this one not, its time at the nearest B scaled by a K measured at both
-  (the larger of their ratio and K's extra over it in proportion to the rows). Ks are
-  compared on times taken close together: every sample is paired
-  with the other Ks' samples of the NEAR rounds before it, and a K other than the anchor
-  (the K of the latest sample, mostly the choice) is timed as the anchor's time times
-  their paired ratio (the geometric mean of the two directions': a busy stretch of the
-  machine slows both sides of a pair; times taken at different moments would compare the
-  stretches, not the Ks). A drafting choice paired only with rounds of 0 before it is
-  checked by rounds of 0 right after its samples.
+  their median (a change, the start of a chain of rounds of 0 and an executable's first runs
+  are not samples; a drafting round fewer than STINT rounds into a run of its K is counted as
+  a steady one, its time divided by how much slower such rounds were than steady ones at that
+  B); at a B where some K was measured and this one not, its time at the nearest B scaled by
+  a K measured at both (the larger of their ratio and K's extra over it in proportion to the
+  rows). Ks are compared on times taken close together: every sample is paired with the other
+  Ks' samples of the NEAR rounds before it, and a K other than the anchor (the K of the
+  latest sample, mostly the choice) is timed as the anchor's time times their paired ratio
+  (the geometric mean of the two directions': a busy stretch of the machine slows both sides
+  of a pair; times taken at different moments would compare the stretches, not the Ks). A
+  drafting choice paired only with rounds of 0 before it is checked by rounds of 0 right
+  after its samples.
 - Tokens: a row with acceptance a_i (the chance draft i is right when drafts 0..i-1 were) and
   a limit of L tokens expects E(K) = 1 + sum_{j=1..min(K, L-1)} prod_{i<j} a_i from a round
   of K. A request's a_i are its own counts on PRIOR_WEIGHT rounds of an anchor: the prior at
@@ -103,7 +102,7 @@ WARM_ROUNDS = 2  # steady rounds of a (K, B) not measured, the first time it run
 SETTLE = 2  # rounds of 0 after a change that are not samples (their chain takes two to start)
 WINDOW = 9  # the rounds a (K, B)'s time is taken over
 NEAR = 8  # rounds within which two Ks' samples are a pair (taken under the same load)
-PAIRS = 2 * WINDOW  # the pairs' ratios of two Ks a ratio is the median of
+PAIRS = 2 * WINDOW  # the pairs' ratios of two Ks a ratio is taken over
 # Rounds a choice of the cheapest K stands while its rows stay the same: meanwhile only the
 # cheapest round's time changes and the rows' acceptance decays (no round adds counts; a probe
 # makes a new choice). Near the break-even it is scored again every REFRESH rounds; where every
@@ -483,8 +482,8 @@ class DraftPolicy:
             if self._known(k, n):
                 tails[n] = self._typical[(k, n)]
             elif self._known(cheapest, n) and self._known(cheapest, b):
-                tails[n] = t * self._typical[(cheapest, n)] / max(self._typical[(cheapest, b)],
-                                                                 1e-9)
+                tails[n] = t * self._typical[(cheapest, n)] / max(
+                    self._typical[(cheapest, b)], 1e-9)
             else:
                 tails[n] = t * n / b
         return tails
@@ -651,8 +650,8 @@ class DraftPolicy:
         """t(K) / t(J) at B from their pairs: the geometric mean of the `_typical` ratio of
         K's samples to the J samples before them and the inverse of that of J's samples to the
         K samples before them (a load that changed between the two sides of a pair biases the
-        two directions the opposite way). None before MIN_SAMPLES pairs. Kept until a pair of the two
-        comes."""
+        two directions the opposite way). None before MIN_SAMPLES pairs. Kept until a pair of
+        the two comes."""
         if (k, j, b) in self._ratios:
             return self._ratios[(k, j, b)]
         self._ratios[(k, j, b)] = ratio = self._paired_ratio(k, j, b)
