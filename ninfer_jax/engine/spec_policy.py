@@ -412,7 +412,7 @@ class DraftPolicy:
             rates = self._prior_rates()
             self._prior = rates, _steps(rates)
         prior, steps = self._prior
-        by_row = [self._row_expected_by_k(r, self._rates(r.acceptance, prior, steps))
+        by_row = [self._row_expected(r, self._rates(r.acceptance, prior, steps))
                   for r in rows]
         anchor = self._anchor(b)
         times = {k: self._time(k, b, anchor) for k in ks}
@@ -548,16 +548,10 @@ class DraftPolicy:
                 r.acceptance.decay(factor)
 
     @staticmethod
-    def _row_expected(row: RowOutlook, rates: list[float], k: int) -> float:
-        """Tokens a row expects of a round of K: 1 + sum_{j=1..min(K, budget-1)} prod_{i<j} a_i
-        (a row that drafts nothing: 1)."""
-        by_k = DraftPolicy._row_expected_by_k(row, rates)
-        return by_k[min(k, len(by_k) - 1)]
-
-    @staticmethod
-    def _row_expected_by_k(row: RowOutlook, rates: list[float]) -> list[float]:
-        """`_row_expected` at K = 0, 1, ... up to the row's budget - 1 or len(rates) (a larger
-        K expects the last), in one pass."""
+    def _row_expected(row: RowOutlook, rates: list[float]) -> list[float]:
+        """[K]: the tokens a row expects of a round of K, 1 + sum_{j=1..min(K, budget-1)}
+        prod_{i<j} a_i (a row that drafts nothing: 1), for K = 0, 1, ... up to its budget - 1
+        or len(rates) (a larger K expects the last), in one pass."""
         out = [1.0]
         if row.acceptance is None:
             return out

@@ -631,7 +631,7 @@ def _measured_policy(held: int) -> tuple[DraftPolicy, RowOutlook]:
     a = RowAcceptance(7)
     a.attempted, a.accepted = [1000.0] * 7, [900.0] * 7
     rates = policy._rates(a, [0.9] * 7)
-    expected = {k: DraftPolicy._row_expected(RowOutlook(a, 10**6), rates, k) for k in (0, 3, 7)}
+    expected = {k: DraftPolicy._row_expected(RowOutlook(a, 10**6), rates)[k] for k in (0, 3, 7)}
     cost = {0: 1.5, 3: 3.0}
     cost[7] = expected[7] / (1.03 * expected[3] / cost[3])
     for k in (0, 3, 7):
