@@ -416,7 +416,7 @@ class EngineCore:
                                     self.program.context_stale, self._filling())
             batch = self.program.decode([r.seq for r in records], plan.caps, plan.masks,
                                         drafts=plan.drafts, bare=plan.bare)
-            self.rounds.dispatched(batch, plan.drafts, plan.outlooks)
+            self.rounds.dispatched(batch, plan.drafts, plan.outlooks, plan.bare)
             # The round runs on the device now: publish the previous round's committed output
             # meanwhile (its Program commit is done; reading batch.tokens waits for this one).
             self.publication.flush()
@@ -449,7 +449,7 @@ class EngineCore:
         self.program.commit(batch, [1] * len(records))  # DESIGN §6: commit before publish
         self._ahead = (self.program.decode([r.seq for r in records], drafts=0,
                                            bare=plan.bare), records)
-        self.rounds.dispatched(self._ahead[0], 0, plan.outlooks)
+        self.rounds.dispatched(self._ahead[0], 0, plan.outlooks, plan.bare)
         self._commit_and_publish(batch, records, committed=True)
         if any(r.state is not S.DECODE_READY for r in records):
             self._drop_ahead()

@@ -121,8 +121,9 @@ class Rounds:
                 k = self.policy.choose(outlooks, ready, refill, filling)
         return outlooks, k
 
-    def dispatched(self, batch: PendingBatch, k: int, outlooks: list[RowOutlook]) -> None:
-        self.policy.dispatched(k, outlooks)
+    def dispatched(self, batch: PendingBatch, k: int, outlooks: list[RowOutlook],
+                   bare: bool = False) -> None:
+        self.policy.dispatched(k, outlooks, bare)
         if self._held is not None and self._holds is None and outlooks is self._held[1].outlooks:
             self._holds = self.policy.holds(len(outlooks))
         if k:  # a round of 0 proposes one token a row

@@ -9,7 +9,7 @@ counts behind `SpeculativeStats`.
 
     k = policy.choose(rows, ready, refill, filling)  # rows: one RowOutlook each
     bare = not k and policy.bare(rows, refill)  # may a round of 0 skip the drafter's upkeep
-    policy.dispatched(k, rows)              # the Program runs the round of k drafts
+    policy.dispatched(k, rows, bare)        # the Program runs the round of k drafts
     policy.round_done(k, len(rows), now, tokens)  # its output read (interrupt(): other units)
     policy.add_row(acceptance, k, limit, produced, committed)
 
@@ -47,24 +47,25 @@ The choice: the K of most committed tokens per second for the round's rows.
 - The first rounds explore every compiled K, largest first, until each has MIN_SAMPLES steady
   rounds (a drafting K, MIN_SAMPLES at least STINT rounds into its run: the process's first
   rounds and those after a change are slower); a new B measures its cheapest K first, and an
-  exploration ends only once the cheapest K's time is measured at its B, never scaled (a turn
-  of the demo's DFlash that ended amid the exploration at B = 4 left a round of 0 there scaled
-  from B = 1 at 4.9 ms against 3.0 measured: K = 3 drafted at ~0.7 of 0's rate for two
-  turns). Then
-  probes keep the estimates current: while the cheapest K is the best, of the drafting K of
-  the highest score; else of the largest K (acceptance at every position) or of the K whose
-  time is the oldest in turn; each until its time has a sample (two rounds; of the cheapest
-  K, MIN_SAMPLES samples), spaced so they lose at most PROBE_BUDGET of the time. A probe's
-  loss is measured: the time of its rounds and of the SETTLE rounds of the best after it (the
-  change back: a chain of rounds of 0 restarts) less what their tokens take at the best's
-  rate, in rounds of the best (the median of the last PROBE_MEMORY probes of that K and B);
-  before one is measured, each of its two rounds loses what its tokens would have taken less
-  at the best's rate, plus a round for the changes (a K that nearly ties the best is probed
-  often). Where every K that drafts is expected to commit under 1 - FAR of the cheapest's
+  exploration ends only once the cheapest K's time is measured at its B, never scaled (a turn of
+  the demo's DFlash that ended amid the exploration at B = 4 left a round of 0 there scaled from
+  B = 1 at 4.9 ms against 3.0 measured: K = 3 drafted at ~0.7 of 0's rate for two turns). Then
+  probes keep the estimates current: while the cheapest K is the best, of the drafting K of the
+  highest score; else of the largest K (acceptance at every position) or of the K whose time is
+  the oldest in turn; each until its time has a sample (two rounds; of the cheapest K,
+  MIN_SAMPLES samples), spaced so they lose at most PROBE_BUDGET of the time; a probe that
+  drafts waits for rows that live through its two rounds (drafts a row's end cuts time K for
+  fewer tokens). A probe's loss is measured: the time of its rounds and of the SETTLE rounds of
+  the best after it (the change back: a chain of rounds of 0 restarts) less what their tokens
+  take at the best's rate, in rounds of the best (the median of the last PROBE_MEMORY probes of
+  that K and B); before one is measured, each of its two rounds loses what its tokens would have
+  taken less at the best's rate, plus a round for the changes (a K that nearly ties the best is
+  probed often). Where every K that drafts is expected to commit under 1 - FAR of the cheapest's
   tokens per second, a probe also costs the `window` rounds of upkeep before it (bare rounds,
-  below; UPKEEP of a round each). A probe interrupted (another unit, another B) is dropped.
-  A request's counts decay with time (about the last 100 rounds count), so one whose
-  estimate fell below the break-even drifts back to the prior's.
+  below; UPKEEP of a round each). A probe interrupted (another unit, another B) is dropped, but
+  one whose first round is the first after another unit (a turn's first round after its
+  prefills) runs on, unmeasured. A request's counts decay with time (about the last 100 rounds
+  count), so one whose estimate fell below the break-even drifts back to the prior's.
 - Rows of requests with speculative="off" expect one token at every K; a round of only such
   rows is a round of 0. Only compiled Ks are chosen.
 - While a waiting request may be admitted next (`filling`: a free lane, an admission not
@@ -75,14 +76,19 @@ The choice: the K of most committed tokens per second for the round's rows.
 - Bare rounds (a `window` W > 0, `bare`): a round of 0 may skip the drafter's upkeep (DFlash
   with a sliding-window drafter: its projections of the new position, 3-4% of a round of the
   embedded model on these cores; MTP: the head's K/V of it, up to 12% there) when its rows draft
-  nothing, or when the choice for them is 0, W rounds of 0 ran in a row at their B (the
-  rounds of a probe expected to lose aside) and its next probe is more than W rounds away.
-  A row's context then lacks those positions: DFlash's
-  until W rounds of upkeep later, MTP's for good (the head's attention skips them) but its
-  last W positions whole after W rounds of upkeep (`RowOutlook.stale`). A choice that drafts
-  for a stale row runs rounds of 0 with the upkeep first, so no probe or drafting round reads
-  a context whose recent positions have holes (the cost: at most W rounds of the gain of a K
-  that was losing until then).
+  nothing, or when the choice for them is 0, W rounds of 0 ran in a row at their B (the rounds
+  of a probe expected to lose aside) and either its next probe is more than W rounds away or a
+  row ends before the upkeep still to run and the probe's two rounds (`_life`: the upkeep would
+  be paid for nothing; the probe waits for the next rows). A row's context then lacks those
+  positions: DFlash's until W rounds of upkeep later, MTP's for good (the head's attention skips
+  them) but its last W positions whole after W rounds of upkeep (`RowOutlook.stale`). A choice
+  that drafts for a stale row runs rounds of 0 with the upkeep first, so no probe or drafting
+  round reads a context whose recent positions have holes (the cost: at most W rounds of the
+  gain of a K that was losing until then). A probe that drafts while 0 is the best runs once
+  its window begins if its rows' contexts are whole (rows fresh from their prefills: no upkeep;
+  the spec_policy benchmark's DFlash at B = 4, whose turns of 130 rounds paid the W = 64 rounds
+  of upkeep in 3-11 of 15 turns, 2 of 5 cut short by the turn's end in a traced run), and a
+  choice whose probe's upkeep has begun keeps that probe and its wait.
 
 Does not own: which K values exist (`ProgramConfig.round_drafts`, compiled at start), the
 rows' limits (the Program clips them to K + 1), or exactness (every K gives the same greedy
@@ -189,6 +195,11 @@ def _steps(prior: list[float]) -> list[float]:
     return [g / max(p, 1e-6) for p, g in zip(prior, prior[1:])] + [0.0]
 
 
+def _life(rows: Sequence[RowOutlook]) -> int:
+    """The fewest tokens a row that drafts may still commit (its budget)."""
+    return min((r.budget for r in rows if r.acceptance is not None), default=0)
+
+
 def _rows_key(rows: Sequence[RowOutlook], refill: bool) -> tuple:
     """What a choice was made for: refill, then the rows' requests."""
     return (refill, *(id(r.acceptance) for r in rows))
@@ -273,6 +284,8 @@ class DraftPolicy:
         self._round = 0  # decode rounds dispatched
         self._since_probe: collections.Counter = collections.Counter()  # B -> rounds
         self._zeros: collections.Counter = collections.Counter()  # B -> rounds of 0 in a row
+        # B -> rounds in a row that kept the drafter's context (any but a bare one)
+        self._kept: collections.Counter = collections.Counter()
         self._probes: collections.Counter = collections.Counter()  # B -> probes made
         # B -> [K, rounds, `_Choice.probe_loses`] of a probe's rounds to come
         self._plan: dict[int, list] = {}
@@ -329,7 +342,7 @@ class DraftPolicy:
             return self._plan[b][0]
         made = self._standing(rows, ks, refill)
         if made is not None:  # before the checks below: the steady path where drafting loses
-            return made.probe if self._since_probe[b] >= made.wait else made.best
+            return made.probe if self._due(made, rows) else made.best
         if not any(self._known(k, b) for k in ks) and any(
                 self._known(*key) for key in self._typical if key[1] != b):
             return ks[0]  # a new B: its cheapest round's time scales the others'
@@ -341,7 +354,22 @@ class DraftPolicy:
                 return ks[0]
             self._explored.add(b)
         made = self._choice_for(rows, ks, refill)
-        return made.probe if self._since_probe[b] >= made.wait else made.best
+        return made.probe if self._due(made, rows) else made.best
+
+    def _due(self, made: _Choice, rows: Sequence[RowOutlook]) -> bool:
+        """Whether the choice's probe runs this round: its wait is over and, for a probe that
+        drafts, every row that drafts lives through its two rounds (drafts a row's end cuts
+        would time K for fewer tokens; the probe waits for rows that do)."""
+        return self._since_probe[len(rows)] >= self._due_at(made) and (
+            made.probe == made.ks[0] or _life(rows) >= 2 * (made.probe + 1))
+
+    def _due_at(self, made: _Choice) -> float:
+        """Rounds at its B after which the choice's probe runs: its wait, less the `window`
+        for a probe that drafts while the cheapest round is the best (it runs once its rows'
+        contexts are whole, `choose`: at once for rows fresh from their prefills, else after
+        the upkeep the window of rounds before its wait gives them)."""
+        early = self.window if made.best == made.ks[0] != made.probe else 0
+        return made.wait - early
 
     def bare(self, rows: Sequence[RowOutlook], refill: bool = False) -> bool:
         """Whether a round of 0 drafts (what `choose` just gave for `rows`) may skip the
@@ -362,7 +390,9 @@ class DraftPolicy:
         made = self._choice.get(b)
         return made is not None and made.rows == _rows_key(rows, refill) and made.best == 0 \
             and self._zeros[b] >= self.window and b not in self._plan \
-            and self._probing is None and self._since_probe[b] + self.window < made.wait
+            and self._probing is None and (
+                self._since_probe[b] + self.window < made.wait
+                or _life(rows) < max(self.window - self._kept[b], 0) + 2 * (made.probe + 1))
 
     def holds(self, b: int) -> int:
         """After a bare round of 0 at B is dispatched (`bare` said so), the rounds after it in
@@ -438,6 +468,10 @@ class DraftPolicy:
         if far:  # and the `window` rounds of upkeep before it, which bare rounds would skip
             lost += self.window * UPKEEP
         wait = max(PROBE_EVERY, lost / PROBE_BUDGET)
+        last = self._choice.get(b)
+        if best == ks[0] and last is not None and last.best == best and self.window \
+                and self._since_probe[b] + self.window >= last.wait:
+            probe, wait = last.probe, last.wait  # its upkeep has begun: the probe stays
         if best != ks[0] and not self._pairs.get((ks[0], best, b)) and \
                 self._last is not None and self._last[:2] == (best, b) and self._run >= 2:
             # a drafting choice timed only against rounds of the cheapest before it (a load
@@ -503,13 +537,15 @@ class DraftPolicy:
             return others[-1]
         return min(others, key=lambda k: self._measured.get((k, b), -1))
 
-    def dispatched(self, k: int, rows: Sequence[RowOutlook]) -> None:
-        """Counts a round of K (the one `choose` gave, or the largest for a fixed policy)."""
+    def dispatched(self, k: int, rows: Sequence[RowOutlook], bare: bool = False) -> None:
+        """Counts a round of K (the one `choose` gave, or the largest for a fixed policy;
+        `bare`: a round of 0 that skipped the drafter's upkeep, as `bare` allowed)."""
         self.rounds_by_kb[(k, len(rows))] += 1
         self.rounds_by_k[k] += 1
         if not self.adaptive:
             return
         b = len(rows)
+        self._kept[b] = 0 if bare else self._kept[b] + 1
         for r in rows:
             if r.acceptance is not None:
                 r.acceptance.age += 1
@@ -528,8 +564,9 @@ class DraftPolicy:
             if not self._plan[b][1]:
                 del self._plan[b]
         elif made is not None and k == made.probe and k != made.best \
-                and self._since_probe[b] > made.wait:  # a probe's first round: it runs until
-            # its time has a sample (of the cheapest round, MIN_SAMPLES: they cost nothing)
+                and self._since_probe[b] > self._due_at(made):  # a probe's first round: it
+            # runs until its time has a sample (of the cheapest round, MIN_SAMPLES: they cost
+            # nothing)
             keep = made.probe_loses
             self._plan[b] = [k, SETTLE + MIN_SAMPLES - 1 if k == made.ks[0] else 1, keep]
             self._probing = _Probe(k, b, made.rate, made.round_s)
@@ -729,6 +766,10 @@ class DraftPolicy:
         demo's DFlash, interrupted by a turn's end, took ~15 ms a round at the next turn)."""
         p = self._probing
         if p is None:
+            return
+        if (self._last is None or self._last[1] != b) and b == p.b and k == p.k \
+                and not p.tokens:  # its first round, after another unit ran: it runs on (its
+            self._probing = None  # second round is timed), unmeasured (a turn's first round)
             return
         if self._last is None or b != p.b:
             self._probing = None

@@ -129,8 +129,9 @@ def test_a_choice_of_0_far_from_drafting_is_scored_less_often():
             policy.add_row(row, k, k + 1, produced, produced)
             now += cost(k, 1)
             policy.round_done(k, 1, now, produced)
-            if i >= 1000 and k == 0:
-                choices.add(policy._choice[1].round)
+            made_ = policy._choice.get(1)  # none in a probe's rounds
+            if i >= 1000 and k == 0 and made_ is not None:
+                choices.add(made_.round)
         assert policy.rounds_by_k[0] > 0.9 * 3000, name
         made[name] = len(choices)
     assert made["far"] <= 1.3 * 2000 / REFRESH_FAR
@@ -264,7 +265,7 @@ def _simulate_bare(policy: DraftPolicy, cost, accept: float, rounds: int, b: int
         outlook = [RowOutlook(a, 10**6, n) for a, n in zip(rows, stale)]
         k = policy.choose(outlook, lambda k, b: True)
         bare = k == 0 and policy.bare(outlook)
-        policy.dispatched(k, outlook)
+        policy.dispatched(k, outlook, bare)
         now += cost(k, b) * (1 - saving * bare)
         round_tokens = _drafts_land(policy, rng, rows, stale, k, bare, p)
         tokens += round_tokens
@@ -321,8 +322,8 @@ class _HoldChecked(DraftPolicy):
         assert self.last_bare or not self.held
         return self.last_bare
 
-    def dispatched(self, k, rows):
-        super().dispatched(k, rows)
+    def dispatched(self, k, rows, bare=False):
+        super().dispatched(k, rows, bare)
         if self.held:
             self.held -= 1
         elif k == 0 and self.last_bare:
@@ -365,7 +366,7 @@ def _simulate_rounds(cost, accept: float, rounds: int, b: int) -> list[int | str
         if plan is None:
             plan = rounds_.plan(records, {}, ready, False, stale.__getitem__)
         k, bare = plan.drafts, plan.bare
-        rounds_.dispatched(types.SimpleNamespace(batch_id=i), k, plan.outlooks)
+        rounds_.dispatched(types.SimpleNamespace(batch_id=i), k, plan.outlooks, bare)
         chained = k == 0
         now += cost(k, b) * (1 - 0.05 * bare)
         round_tokens = _drafts_land(policy, rng, [r.acceptance for r in records], stale, k,
@@ -420,6 +421,69 @@ def test_a_probe_far_from_winning_pays_the_upkeep_before_it(monkeypatch, upkeep,
     assert bare[0] <= tail.count("bare") / len(tail) <= bare[1]
     if upkeep is None:
         assert got > _simulate(0, cost, 0.8, 6000, 4)[0]
+
+
+def _turns_bare(policy: DraftPolicy, cost, accept: float, turns: int, b: int, length: int,
+                saving: float = 0.03) -> tuple[float, list[list[int | str]]]:
+    """`_simulate_bare` in turns of B fresh rows of `length` tokens each (the benchmark's
+    shape: the rows end together; a new row's drafter context is whole after its prefill).
+    Returns the tokens per second and each turn's rounds."""
+    rng = np.random.default_rng(0)
+    now, tokens, out = 0.0, 0, []
+    for _ in range(turns):
+        rows, stale, done, chosen = [RowAcceptance(max(KS)) for _ in range(b)], [0] * b, 0, []
+        while done < length:
+            outlook = [RowOutlook(a, length - done, n) for a, n in zip(rows, stale)]
+            k = policy.choose(outlook, lambda k, b: True)
+            bare = k == 0 and policy.bare(outlook)
+            policy.dispatched(k, outlook, bare)
+            now += cost(k, b) * (1 - saving * bare)
+            # every row's drafts land alike here: the rows advance together
+            produced = 1
+            while produced <= min(k, length - done - 1) and rng.random() < accept:
+                produced += 1
+            for r, acceptance in enumerate(rows):
+                policy.add_row(acceptance, k, min(k + 1, length - done), produced, produced)
+                stale[r] = policy.window if bare else max(stale[r] - produced, 0)
+            done += produced
+            tokens += b * produced
+            policy.round_done(k, b, now, b * produced)
+            chosen.append("bare" if bare else k)
+        policy.interrupt()  # the next turn's prefills
+        out.append(chosen)
+    return tokens / now, out
+
+
+def test_a_probe_pays_no_upkeep_its_rows_cannot_use():
+    """Turns of 4 rows of 96 tokens where drafting loses (the spec_policy benchmark at B = 4,
+    W = 64): the W rounds of upkeep before a probe were paid wherever its wait ended, and a
+    turn whose rows ended first wasted them (and its next probe paid them again). The upkeep
+    runs only for rows that live through it and the probe's two rounds, and a probe runs as
+    soon as its window begins if its rows' contexts are whole (fresh from their prefills): no
+    run of upkeep rounds after a bare one is cut short by a bare round or the turn's end, most
+    probes come at a turn's first round, and nearly every other round is bare."""
+    def cost(k, b):
+        return b * (1.0 + (k > 0) * (2.0 + 0.2 * k))
+
+    policy = DraftPolicy(KS, "dflash", window=64)
+    _, turns = _turns_bare(policy, cost, 0.5, 150, 4, 96)
+    first = later = 0
+    for chosen in turns[5:]:
+        upkeep = None  # rounds of 0 with the upkeep since the last bare one
+        for i, k in enumerate(chosen):
+            if k == "bare":
+                assert not upkeep, chosen  # upkeep given up: its rounds paid for nothing
+                upkeep = 0
+            elif k == 0:
+                upkeep = None if upkeep is None else upkeep + 1
+            else:
+                first += i == 0
+                later += i > 0 and chosen[i - 1] != k
+                upkeep = None
+        assert not upkeep, chosen  # upkeep cut by the turn's end
+    assert first >= 3 and first > later, (first, later)
+    tail = [k for chosen in turns[5:] for k in chosen]
+    assert tail.count("bare") > 0.9 * len(tail)
 
 
 def test_a_predictable_text_after_bare_rounds_waits_for_its_context_then_drafts():
@@ -701,22 +765,26 @@ def test_rounds_early_in_a_run_of_their_k_are_timed_as_steady_ones():
 _STORY = (0.9, 0.8, 0.7, 0.85, 0.85, 0.94, 0.89, 0.96) + (0.5,) * 7
 
 
-@pytest.mark.xfail(strict=True, reason="known limit ([spec-policy]): 0.85-0.93 of the best "
+@pytest.mark.xfail(strict=True, reason="known limit ([spec-policy]): 0.90-0.93 of the best "
                    "fixed K over seeds 0-3 (docs/speculative.md)")
 def test_a_change_of_k_slowing_its_first_rounds_does_not_hide_the_best_k():
     """A round right after a change of K is slower than steady ones (the demo's DFlash at B = 1
     on these cores); explorations and probes run few rounds of a K, all near a change. The
     best fixed K here is 7 (it commits 1.15x K = 3's tokens per second, as on the demo's first
-    story prompt); the policy should keep 0.95 of it. It does not: it runs rounds of 0 for
-    hundreds of rounds at a time (seed 1: 0.85), from its prior's acceptance of few rows
+    story prompt); the policy should keep 0.95 of it on every seed. It does not: it runs
+    rounds of 0 for hundreds of rounds at a time, from its prior's acceptance of few rows
     (drafts 0-2 0.80, 0.74, 0.64 after the exploration against 0.9, 0.8, 0.7; rounds of 0
-    add no counts, probes come a few hundred rounds apart), and flips between K = 3 and 7
-    near their break-even. Its times are the steady ones (`_steadied`)."""
+    add no counts, probes come a few hundred rounds apart; a request whose first drafts were
+    unlucky holds to rounds of 0 for its whole length), and flips between K = 3 and 7 near
+    their break-even. Its times are the steady ones (`_steadied`)."""
     ks = tuple(_STEADY)
-    fixed = {k: _turns(k, _Switching(), [lambda n: _STORY], 30, ks=ks) for k in ks}
-    got = _turns(DraftPolicy(ks, "dflash"), _Switching(), [lambda n: _STORY], 30, ks=ks)
-    assert max(fixed, key=fixed.get) == 7
-    assert got >= 0.95 * max(fixed.values()), (got, fixed)
+    for seed in range(4):
+        fixed = {k: _turns(k, _Switching(), [lambda n: _STORY], 30, ks=ks, seed=seed)
+                 for k in ks}
+        got = _turns(DraftPolicy(ks, "dflash"), _Switching(), [lambda n: _STORY], 30, ks=ks,
+                     seed=seed)
+        assert max(fixed, key=fixed.get) == 7
+        assert got >= 0.95 * max(fixed.values()), (seed, got / max(fixed.values()))
 
 
 class _CheckedPolicy(DraftPolicy):
@@ -755,7 +823,7 @@ def test_an_exploration_cut_short_measures_the_cheapest_round_before_it_ends():
     _, first = _simulate(policy, cost, 0.8, 3 * nd, b=4)
     assert first == [3] * nd + [2] * nd + [1] * nd  # the turn ends before 0 is measured
     _simulate(policy, cost, 0.8, 200, b=2)
-    assert policy._time(0, 4) > 1.4 * cost(0, 4)  # scaled from B = 2: too slow
+    assert policy._time(0, 4) > 1.3 * cost(0, 4)  # scaled from B = 2: too slow
     _, again = _simulate(policy, cost, 0.8, 200, b=4)
     n = 1 + WARM_ROUNDS + MIN_SAMPLES + SETTLE - 1
     assert again[:n] == [0] * n
