@@ -62,10 +62,13 @@ The choice: the K of most committed tokens per second for the round's rows.
   taken less at the best's rate, plus a round for the changes (a K that nearly ties the best is
   probed often). Where every K that drafts is expected to commit under 1 - FAR of the cheapest's
   tokens per second, a probe also costs the `window` rounds of upkeep before it (bare rounds,
-  below; UPKEEP of a round each). A probe interrupted (another unit, another B) is dropped, but
-  one whose first round is the first after another unit (a turn's first round after its
-  prefills) runs on, unmeasured. A request's counts decay with time (about the last 100 rounds
-  count), so one whose estimate fell below the break-even drifts back to the prior's.
+  below; UPKEEP of a round each), and they spend PROBE_BUDGET_FAR (the spec_policy benchmark's
+  MTP at B = 1, where drafting commits ~0.7 of 0's tokens per second: turns with a probe ran
+  0.94 of off's tokens per second, turns without 1.0, medians over 5 and 10 turns). A probe
+  interrupted (another unit, another B) is dropped, but one whose first round is the first after
+  another unit (a turn's first round after its prefills) runs on, unmeasured. A request's counts
+  decay with time (about the last 100 rounds count), so one whose estimate fell below the
+  break-even drifts back to the prior's.
 - Rows of requests with speculative="off" expect one token at every K; a round of only such
   rows is a round of 0. Only compiled Ks are chosen.
 - While a waiting request may be admitted next (`filling`: a free lane, an admission not
@@ -124,6 +127,7 @@ FAR = 0.15
 MARGIN = 0.05
 PROBE_EVERY = 32  # the fewest rounds at a B between probes
 PROBE_BUDGET = 0.01  # the most of the time probes may add (a costlier probe waits longer)
+PROBE_BUDGET_FAR = 0.004  # the same where drafting is FAR from winning (module docstring)
 PROBE_MEMORY = 5  # measured probes of a (K, B) whose median loss spaces the next
 PRIOR_WEIGHT = 4.0  # rounds of the prior acceptance a request's own counts start from
 # A request's first rounds, whose drafts' counts make the prior: what a request of which nothing
@@ -467,7 +471,7 @@ class DraftPolicy:
         far = max(scores[k] for k in ks[1:]) < (1.0 - FAR) * scores[ks[0]]
         if far:  # and the `window` rounds of upkeep before it, which bare rounds would skip
             lost += self.window * UPKEEP
-        wait = max(PROBE_EVERY, lost / PROBE_BUDGET)
+        wait = max(PROBE_EVERY, lost / (PROBE_BUDGET_FAR if far else PROBE_BUDGET))
         last = self._choice.get(b)
         if best == ks[0] and last is not None and last.best == best and self.window \
                 and self._since_probe[b] + self.window >= last.wait:
