@@ -66,9 +66,10 @@ The choice: the K of most committed tokens per second for the round's rows.
   MTP at B = 1, where drafting commits ~0.7 of 0's tokens per second: turns with a probe ran
   0.94 of off's tokens per second, turns without 1.0, medians over 5 and 10 turns). A probe
   interrupted (another unit, another B) is dropped, but one whose first round is the first after
-  another unit (a turn's first round after its prefills) runs on, unmeasured. A request's counts
-  decay with time (about the last 100 rounds count), so one whose estimate fell below the
-  break-even drifts back to the prior's.
+  another unit (a turn's first round after its prefills) runs on, that round timed as one of
+  its K (unmeasured, such probes came every turn at B = 4). A request's counts decay with time
+  (about the last 100 rounds count), so one whose estimate fell below the break-even drifts
+  back to the prior's.
 - Rows of requests with speculative="off" expect one token at every K; a round of only such
   rows is a round of 0. Only compiled Ks are chosen.
 - While a waiting request may be admitted next (`filling`: a free lane, an admission not
@@ -772,8 +773,13 @@ class DraftPolicy:
         if p is None:
             return
         if (self._last is None or self._last[1] != b) and b == p.b and k == p.k \
-                and not p.tokens:  # its first round, after another unit ran: it runs on (its
-            self._probing = None  # second round is timed), unmeasured (a turn's first round)
+                and not p.tokens:  # its first round, after another unit ran (a turn's first
+            # round after its prefills): it runs on, this round timed as one of K at B
+            t = self._time(k, b)
+            if t is None:
+                self._probing = None
+            else:
+                p.seconds, p.tokens = t, tokens
             return
         if self._last is None or b != p.b:
             self._probing = None

@@ -20,6 +20,7 @@ from ninfer_jax.engine.spec_policy import (
     MIN_SAMPLES,
     PROBE_BUDGET,
     PROBE_BUDGET_FAR,
+    PROBE_MEMORY,
     REFRESH,
     REFRESH_FAR,
     SETTLE,
@@ -486,6 +487,9 @@ def test_a_probe_pays_no_upkeep_its_rows_cannot_use():
                 upkeep = None
         assert not upkeep, chosen  # upkeep cut by the turn's end
     assert first >= 3 and first > later, (first, later)
+    # a turn's first-round probes are measured too (their first round timed as one of K):
+    # unmeasured, their estimated loss spaced them a turn apart
+    assert sum(len(lost) for lost in policy._probe_lost.values()) >= min(first, PROBE_MEMORY)
     tail = [k for chosen in turns[5:] for k in chosen]
     assert tail.count("bare") > 0.9 * len(tail)
 
