@@ -91,8 +91,9 @@ The choice: the K of most committed tokens per second for the round's rows.
   gain of a K that was losing until then). A probe that drafts while 0 is the best runs once
   its window begins if its rows' contexts are whole (rows fresh from their prefills: no upkeep;
   the spec_policy benchmark's DFlash at B = 4, whose turns of 130 rounds paid the W = 64 rounds
-  of upkeep in 3-11 of 15 turns, 2 of 5 cut short by the turn's end in a traced run), and a
-  choice whose probe's upkeep has begun keeps that probe and its wait.
+  of upkeep in 3-11 of 15 turns, 2 of 5 cut short by the turn's end in a traced run), and the
+  next wait starts that much later (probes stay as far apart as their budget says); a choice
+  whose probe's upkeep has begun keeps that probe and its wait.
 
 Does not own: which K values exist (`ProgramConfig.round_drafts`, compiled at start), the
 rows' limits (the Program clips them to K + 1), or exactness (every K gives the same greedy
@@ -576,7 +577,9 @@ class DraftPolicy:
             self._plan[b] = [k, SETTLE + MIN_SAMPLES - 1 if k == made.ks[0] else 1, keep]
             self._probing = _Probe(k, b, made.rate, made.round_s)
             self._probes[b] += 1
-            self._since_probe[b] = 0
+            # one that ran early (its rows' contexts whole) starts the next wait that much
+            # later: probes stay as far apart as their budget says
+            self._since_probe[b] = min(0, math.floor(self._since_probe[b] - made.wait))
             del self._choice[b]  # the next probe is another
         if k == 0:
             self._zeros[b] += 1
