@@ -381,7 +381,8 @@ class DraftPolicy:
         """Whether a round of 0 drafts (what `choose` just gave for `rows`) may skip the
         drafter's upkeep (`HostProgram.decode(bare=True)`; a `window` of W > 0): when its rows
         draft nothing, or when drafting loses for them (the choice's best is 0) and their B's
-        next probe is more than W rounds away (its rows' contexts whole again by then), after W
+        next probe is more than W rounds away (its rows' contexts whole again by then) or a row
+        ends before the upkeep still to run and the probe's rounds (`_life`), after W
         rounds of 0 in a row at B (a choice that turns to drafting waits for the rows'
         contexts, `choose`: up to W rounds of its gain, which a choice that hovers near the
         break-even would pay again and again); the rounds of a probe expected to lose by
