@@ -398,7 +398,7 @@ class DraftPolicy:
         return made is not None and made.rows == _rows_key(rows, refill) and made.best == 0 \
             and self._zeros[b] >= self.window and b not in self._plan \
             and self._probing is None and (
-                self._since_probe[b] + self.window < made.wait
+                self._since_probe[b] < self._due_at(made)
                 or _life(rows) < max(self.window - self._kept[b], 0) + 2 * (made.probe + 1))
 
     def holds(self, b: int) -> int:
@@ -413,7 +413,7 @@ class DraftPolicy:
                 or self._probing is not None:
             return 0
         return max(0, min(made.round + made.stands - self._round,
-                          math.ceil(made.wait - self.window - self._since_probe[b])))
+                          math.ceil(self._due_at(made) - self._since_probe[b])))
 
     def _check_ready(self, k: int, b: int, ready: Callable[[int, int], bool]) -> bool:
         """Whether a round of K at B may run now (the largest always: it is waited for);
@@ -477,7 +477,7 @@ class DraftPolicy:
         wait = max(PROBE_EVERY, lost / (PROBE_BUDGET_FAR if far else PROBE_BUDGET))
         last = self._choice.get(b)
         if best == ks[0] and last is not None and last.best == best and self.window \
-                and self._since_probe[b] + self.window >= last.wait:
+                and self._since_probe[b] >= self._due_at(last):
             probe, wait = last.probe, last.wait  # its upkeep has begun: the probe stays
         if best != ks[0] and not self._pairs.get((ks[0], best, b)) and \
                 self._last is not None and self._last[:2] == (best, b) and self._run >= 2:
