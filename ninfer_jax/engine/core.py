@@ -545,6 +545,7 @@ class EngineCore:
         else:
             r.move(S.FINISHED)
         self._finished += 1
+        self.rounds.policy.take_samples()  # the stats published with Finished time its rounds
         usage = Usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens, r.reasoning_tokens)
         self.publication.finish(r, Finished(r.request_id, reason, usage, error, r.stop_string))
 

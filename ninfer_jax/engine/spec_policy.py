@@ -166,6 +166,9 @@ UNMEASURED = 0.5  # acceptance assumed at a position nobody measured
 # 1.01-1.02x for K = 4; turns of K = 4 committed 1.13 and 1.20x the tokens per second of turns
 # of rounds of 0, the two's medians said 1.04 and 1.11x).
 CLIP = 3.0
+# Round times `round_done` keeps before adding them to the estimates when no choice asked for
+# them (a fixed K's, a held run of bare rounds'): `stats` shows the estimates as of then.
+KEPT_SAMPLES = 32
 SHRINK = 2.0  # rows of the position before that a position's prior rate starts from
 
 
@@ -315,6 +318,8 @@ class DraftPolicy:
         # (B, r) -> seconds of rounds r < STINT into a run over their K's steady median
         self._slow: dict[tuple[int, int], collections.deque] = {}
         self._explored: set[int] = set()  # Bs whose first exploration ended
+        # (K, B, seconds, round) of the round times not yet in the estimates (`take_samples`)
+        self._samples: list[tuple[int, int, float, int]] = []
 
     # The choice ----------------------------------------------------------------------------
     def choose(self, rows: Sequence[RowOutlook], ready: Callable[[int, int], bool],
@@ -328,6 +333,7 @@ class DraftPolicy:
         b = len(rows)
         if not self.adaptive:
             return self.kmax
+        self.take_samples()
         ks = self._all_ready.get(b)
         if ks is None:
             ks = [k for k in self.ks if (k, b) in self._ready or self._check_ready(k, b, ready)]
@@ -710,18 +716,40 @@ class DraftPolicy:
         known = [k for k in self.ks if self._known(k, b) and (k, b) in self._at]
         return max(known, key=lambda k: self._at[(k, b)][-1]) if known else None
 
-    def _pair(self, k: int, b: int, seconds: float) -> None:
-        """Pairs a sample of (K, B) with every other K's samples at B of the NEAR rounds
-        before (their `_typical`)."""
-        for (j, other), at in self._at.items():
-            if other != b or j == k or self._round - at[-1] > NEAR:
+    def _pair(self, k: int, b: int, seconds: float, at: int) -> None:
+        """Pairs a sample of (K, B) taken at round `at` with every other K's samples at B of
+        the NEAR rounds before (their `_typical`)."""
+        for j in self.ks:
+            rounds = self._at.get((j, b))
+            if j == k or rounds is None or at - rounds[-1] > NEAR:
                 continue
-            near = [t for t, r in zip(self._times[(j, b)], at) if self._round - r <= NEAR]
+            near = [t for t, r in zip(self._times[(j, b)], rounds) if at - r <= NEAR]
             if near:
                 self._pairs.setdefault((k, j, b), collections.deque(maxlen=PAIRS)).append(
                     seconds / max(_typical(near), 1e-9))
                 self._ratios.pop((k, j, b), None)
                 self._ratios.pop((j, k, b), None)
+
+    def take_samples(self) -> None:
+        """Adds the round times `round_done` kept (`_samples`) to the estimates, in their
+        order, as if each had been added as it landed (the EngineCore asks as a request ends:
+        stats read after its Finished count its rounds)."""
+        if not self._samples:
+            return
+        touched = set()
+        for k, b, seconds, at in self._samples:
+            if self.adaptive:  # a fixed K compares nothing
+                self._pair(k, b, seconds, at)
+            self._times.setdefault((k, b), collections.deque(maxlen=WINDOW)).append(seconds)
+            self._at.setdefault((k, b), collections.deque(maxlen=WINDOW)).append(at)
+            self._measured[(k, b)] = at
+            touched.add((k, b))
+        self._samples.clear()
+        for key in touched:
+            typical = _typical(self._times[key])
+            if self._typical.get(key) != typical:
+                self._typical[key] = typical
+                self._round_ms = None
 
     # What happened -------------------------------------------------------------------------
     def round_done(self, k: int, b: int, now: float, tokens: int) -> None:
@@ -731,7 +759,10 @@ class DraftPolicy:
         first round after a change is not a sample, nor for rounds of 0 the first SETTLE: they
         carry the change (a round chained ahead lands, a chain of rounds of 0 starts), which
         steady rounds do not; nor are the first WARM_ROUNDS steady ones of a (K, B) (an
-        executable's first runs are slower)."""
+        executable's first runs are slower). A sample waits in `_samples` until a choice
+        reads the estimates (at most KEPT_SAMPLES of them): a held run of bare rounds, which
+        asks no choice, costs the worker an append a round, not the estimates' upkeep (~30 µs
+        of its CPU a round on these cores, ~1.5% of the demo's rounds at B = 4)."""
         self._count_probe(k, b, now, tokens)
         self._run = self._run + 1 if self._last is not None and self._last[:2] == (k, b) else 0
         if self._run >= (SETTLE if k == 0 else 1):
@@ -739,16 +770,9 @@ class DraftPolicy:
                 seconds = max(now - self._last[2], 1e-9)
                 if k and self.adaptive:
                     seconds = self._steadied(k, b, seconds)
-                if self.adaptive:  # a fixed K compares nothing
-                    self._pair(k, b, seconds)
-                times = self._times.setdefault((k, b), collections.deque(maxlen=WINDOW))
-                times.append(seconds)
-                self._at.setdefault((k, b), collections.deque(maxlen=WINDOW)).append(self._round)
-                typical = _typical(times)
-                if self._typical.get((k, b)) != typical:
-                    self._typical[(k, b)] = typical
-                    self._round_ms = None
-                self._measured[(k, b)] = self._round
+                self._samples.append((k, b, seconds, self._round))
+                if len(self._samples) >= KEPT_SAMPLES:
+                    self.take_samples()
             self._warm[(k, b)] += 1
         self._last = (k, b, now)
 
@@ -779,6 +803,7 @@ class DraftPolicy:
         if (self._last is None or self._last[1] != b) and b == p.b and k == p.k \
                 and not p.tokens:  # its first round, after another unit ran (a turn's first
             # round after its prefills): it runs on, this round timed as one of K at B
+            self.take_samples()
             t = self._time(k, b)
             if t is None:
                 self._probing = None
@@ -834,7 +859,9 @@ class DraftPolicy:
             acceptance.accepted[i] += right
 
     def stats(self, bare_rounds: int = 0):
-        """`bare_rounds`: the Program's count (`ProgramStats.bare_rounds`)."""
+        """`bare_rounds`: the Program's count (`ProgramStats.bare_rounds`). `round_ms`: the
+        estimates as the policy's last choice or `take_samples` left them (KEPT_SAMPLES rounds
+        ago at most)."""
         from ninfer_jax.engine.spec_stats import SpeculativeStats
 
         if self._cum is None:

@@ -817,6 +817,39 @@ def test_kept_estimates_equal_fresh_ones():
     assert policy._ratios and sum(policy.rounds_by_k[k] for k in KS[1:]) > 0
 
 
+@settings(max_examples=30, deadline=None)
+@given(runs=st.lists(st.tuples(st.sampled_from(KS), st.sampled_from([1, 2, 4]),
+                               st.integers(1, 40)), min_size=1, max_size=12),
+       seed=st.integers(0, 2**16), adaptive=st.booleans())
+def test_kept_samples_give_the_estimates_taken_at_once(runs, seed, adaptive):
+    """Round times wait in the policy until a choice reads them (a held run of bare rounds
+    asks none): taken late, in one go, they leave every estimate as taking each as it landed
+    does (times, their rounds, pairs, the paired ratios, the times `stats` shows)."""
+    rng = np.random.default_rng(seed)
+    ks = KS if adaptive else (3,)
+    late, eager = DraftPolicy(ks, "mtp"), DraftPolicy(ks, "mtp")
+    now = 0.0
+    for k, b, n in runs:
+        k = k if adaptive else 3
+        rows = [RowOutlook(None, 10**6)] * b
+        for _ in range(n):
+            now += (1 + b) * (1 + k) * (1 + 0.3 * rng.random())
+            for policy in (late, eager):
+                policy.dispatched(k, rows)
+                policy.round_done(k, b, now, b)
+            eager.take_samples()
+        if rng.random() < 0.3:
+            for policy in (late, eager):
+                policy.interrupt()
+    assert len(late._samples) < 32
+    late.take_samples()
+    for name in ("_times", "_at", "_typical", "_measured", "_pairs", "_warm"):
+        assert getattr(late, name) == getattr(eager, name), name
+    for k, j, b in itertools.product(ks, ks, [1, 2, 4]):
+        assert late._ratio(k, j, b) == eager._ratio(k, j, b)
+    assert late.stats().round_ms == eager.stats().round_ms
+
+
 def test_an_exploration_cut_short_measures_the_cheapest_round_before_it_ends():
     """The demo's DFlash Engine: a turn at B = 4 ended amid the exploration there (its drafting
     Ks measured, not 0), its last rows ran at smaller B, and the next turn's B = 4 took a round
