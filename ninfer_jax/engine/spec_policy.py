@@ -104,6 +104,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -201,7 +202,7 @@ def _until_done(rounds: list[float], tails: list[float]) -> float:
 def _steps(prior: list[float]) -> list[float]:
     """[i]: the prior's ratio of position i + 1's rate to position i's (`DraftPolicy._rates`;
     the last one unused)."""
-    return [g / max(p, 1e-6) for p, g in zip(prior, prior[1:])] + [0.0]
+    return [g / max(p, 1e-6) for p, g in itertools.pairwise(prior)] + [0.0]
 
 
 def _life(rows: Sequence[RowOutlook]) -> int:
@@ -737,12 +738,20 @@ class DraftPolicy:
         if not self._samples:
             return
         touched = set()
-        for k, b, seconds, at in self._samples:
-            if self.adaptive:  # a fixed K compares nothing
-                self._pair(k, b, seconds, at)
-            self._times.setdefault((k, b), collections.deque(maxlen=WINDOW)).append(seconds)
-            self._at.setdefault((k, b), collections.deque(maxlen=WINDOW)).append(at)
-            self._measured[(k, b)] = at
+        for (k, b), run in itertools.groupby(self._samples, key=lambda s: s[:2]):
+            run = list(run)  # the other Ks' samples stay as they are meanwhile
+            latest = max((self._at[(j, b)][-1] for j in self.ks
+                          if j != k and (j, b) in self._at), default=None)
+            if self.adaptive and latest is not None:  # a fixed K compares nothing
+                for _, _, seconds, at in run:
+                    if at - latest > NEAR:
+                        break  # and every later one of the run: nothing left to pair with
+                    self._pair(k, b, seconds, at)
+            self._times.setdefault((k, b), collections.deque(maxlen=WINDOW)).extend(
+                s[2] for s in run)
+            self._at.setdefault((k, b), collections.deque(maxlen=WINDOW)).extend(
+                s[3] for s in run)
+            self._measured[(k, b)] = run[-1][3]
             touched.add((k, b))
         self._samples.clear()
         for key in touched:

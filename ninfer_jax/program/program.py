@@ -132,6 +132,7 @@ class Program(HostProgram):
         self._sampling_key: tuple | None = None  # the rows `_sampling_last` was built for
         self._sampling_last = None
         self.executables = ExecutableTable() if executables is None else executables
+        self._ready_rounds: set[tuple[int, int, bool]] = set()  # `round_ready` said so
         self.executables.mesh = self.mesh  # every step runs on the Program's devices
         self._compile_all()
 
@@ -150,7 +151,14 @@ class Program(HostProgram):
             self.executables.wait(on_ready=lambda key: b.update(1))
 
     def round_ready(self, drafts: int, batch: int, bare: bool = False) -> bool:
-        return self.executables.is_ready(round_key(self.pcfg, batch, drafts, bare))
+        """Remembered once true: a compiled executable stays (`decode` asks every bare
+        round)."""
+        if (drafts, batch, bare) in self._ready_rounds:
+            return True
+        if not self.executables.is_ready(round_key(self.pcfg, batch, drafts, bare)):
+            return False
+        self._ready_rounds.add((drafts, batch, bare))
+        return True
 
     def warm_up_next(self) -> bool:
         """Runs one compiled decode round (or the standalone commit) that no step ran yet, on

@@ -12,11 +12,12 @@ import types
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ninfer_jax.engine.rounds import Rounds
 from ninfer_jax.engine.spec_policy import (
+    KEPT_SAMPLES,
     MIN_SAMPLES,
     PROBE_BUDGET,
     PROBE_BUDGET_FAR,
@@ -26,9 +27,11 @@ from ninfer_jax.engine.spec_policy import (
     SETTLE,
     STINT,
     WARM_ROUNDS,
+    WINDOW,
     DraftPolicy,
     RowAcceptance,
     RowOutlook,
+    _typical,
 )
 from ninfer_jax.program.limits import ProgramLimits
 
@@ -817,14 +820,31 @@ def test_kept_estimates_equal_fresh_ones():
     assert policy._ratios and sum(policy.rounds_by_k[k] for k in KS[1:]) > 0
 
 
+def _take_each(policy: DraftPolicy) -> None:
+    """The policy's kept samples added one by one, each paired with every other K's samples
+    of the NEAR rounds before it: `take_samples` without its shortcuts."""
+    for k, b, seconds, at in policy._samples:
+        if policy.adaptive:
+            policy._pair(k, b, seconds, at)
+        policy._times.setdefault((k, b), collections.deque(maxlen=WINDOW)).append(seconds)
+        policy._at.setdefault((k, b), collections.deque(maxlen=WINDOW)).append(at)
+        policy._measured[(k, b)] = at
+        policy._typical[(k, b)] = _typical(policy._times[(k, b)])
+        policy._round_ms = None
+    policy._samples.clear()
+
+
 @settings(max_examples=30, deadline=None)
 @given(runs=st.lists(st.tuples(st.sampled_from(KS), st.sampled_from([1, 2, 4]),
                                st.integers(1, 40)), min_size=1, max_size=12),
        seed=st.integers(0, 2**16), adaptive=st.booleans())
+@example(runs=[(3, 1, 20), (1, 1, 12), (2, 1, 6), (0, 1, 40), (2, 4, 9), (0, 4, 30)], seed=0,
+         adaptive=True)  # runs right after two other Ks, one of them long ago
 def test_kept_samples_give_the_estimates_taken_at_once(runs, seed, adaptive):
     """Round times wait in the policy until a choice reads them (a held run of bare rounds
-    asks none): taken late, in one go, they leave every estimate as taking each as it landed
-    does (times, their rounds, pairs, the paired ratios, the times `stats` shows)."""
+    asks none; at most KEPT_SAMPLES wait): taken late, in runs, they leave every estimate as
+    adding each as it landed does (`_take_each`: times, their rounds, pairs, the paired ratios,
+    the times `stats` shows)."""
     rng = np.random.default_rng(seed)
     ks = KS if adaptive else (3,)
     late, eager = DraftPolicy(ks, "mtp"), DraftPolicy(ks, "mtp")
@@ -837,11 +857,11 @@ def test_kept_samples_give_the_estimates_taken_at_once(runs, seed, adaptive):
             for policy in (late, eager):
                 policy.dispatched(k, rows)
                 policy.round_done(k, b, now, b)
-            eager.take_samples()
+            _take_each(eager)
         if rng.random() < 0.3:
             for policy in (late, eager):
                 policy.interrupt()
-    assert len(late._samples) < 32
+    assert len(late._samples) < KEPT_SAMPLES
     late.take_samples()
     for name in ("_times", "_at", "_typical", "_measured", "_pairs", "_warm"):
         assert getattr(late, name) == getattr(eager, name), name
