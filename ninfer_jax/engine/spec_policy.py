@@ -168,7 +168,8 @@ UNMEASURED = 0.5  # acceptance assumed at a position nobody measured
 # of rounds of 0, the two's medians said 1.04 and 1.11x).
 CLIP = 3.0
 # Round times `round_done` keeps before adding them to the estimates when no choice asked for
-# them (a fixed K's, a held run of bare rounds'): `stats` shows the estimates as of then.
+# them (a fixed K's, a held run of bare rounds'), and the most rounds `stats` shows a changed
+# time late.
 KEPT_SAMPLES = 32
 SHRINK = 2.0  # rows of the position before that a position's prior rate starts from
 
@@ -323,7 +324,9 @@ class DraftPolicy:
         self._cum_accepted = [0] * self.kmax  # and drafts 0..i were all accepted
         self._cum: tuple | None = None  # `stats`' acceptance by position until a row adds
         self._gain = [0.0, 0]  # sum of estimated gains of chosen K over K = 0, rounds
-        self._round_ms: tuple | None = None  # `stats`' (K, B, ms) until a time changes
+        self._round_ms: tuple | None = None  # `stats`' (K, B, ms), rebuilt as `stats` says
+        self._round_ms_stale = False  # a time changed since (`_round_ms_at`: the round then)
+        self._round_ms_at = 0
         # (K, B) -> seconds of rounds STINT or more into a run of K (drafting Ks)
         self._steady: dict[tuple[int, int], collections.deque] = {}
         # (B, r) -> seconds of rounds r < STINT into a run over their K's steady median
@@ -748,8 +751,14 @@ class DraftPolicy:
         if not self._samples:
             return
         touched = set()
-        for (k, b), run in itertools.groupby(self._samples, key=lambda s: s[:2]):
-            run = list(run)  # the other Ks' samples stay as they are meanwhile
+        start = 0
+        while start < len(self._samples):  # runs of one (K, B)
+            k, b = self._samples[start][:2]
+            end = start + 1
+            while end < len(self._samples) and self._samples[end][:2] == (k, b):
+                end += 1
+            run = self._samples[start:end]  # the other Ks' samples stay as they are meanwhile
+            start = end
             latest = max((self._at[(j, b)][-1] for j in self.ks
                           if j != k and (j, b) in self._at), default=None)
             if self.adaptive and latest is not None:  # a fixed K compares nothing
@@ -757,18 +766,18 @@ class DraftPolicy:
                     if at - latest > NEAR:
                         break  # and every later one of the run: nothing left to pair with
                     self._pair(k, b, seconds, at)
-            _window(self._times, (k, b), WINDOW).extend(
-                s[2] for s in run)
-            _window(self._at, (k, b), WINDOW).extend(
-                s[3] for s in run)
+            _window(self._times, (k, b), WINDOW).extend(s[2] for s in run)
+            _window(self._at, (k, b), WINDOW).extend(s[3] for s in run)
             self._measured[(k, b)] = run[-1][3]
             touched.add((k, b))
         self._samples.clear()
         for key in touched:
             typical = _typical(self._times[key])
-            if self._typical.get(key) != typical:
-                self._typical[key] = typical
-                self._round_ms = None
+            if key not in self._typical:
+                self._round_ms = None  # a new (K, B): shown at once
+            elif self._typical[key] != typical:
+                self._round_ms_stale = True
+            self._typical[key] = typical
 
     # What happened -------------------------------------------------------------------------
     def round_done(self, k: int, b: int, now: float, tokens: int) -> None:
@@ -879,14 +888,17 @@ class DraftPolicy:
 
     def stats(self, bare_rounds: int = 0):
         """`bare_rounds`: the Program's count (`ProgramStats.bare_rounds`). `round_ms`: the
-        estimates as the policy's last choice or `take_samples` left them (KEPT_SAMPLES rounds
-        ago at most)."""
+        estimates as `take_samples` left them, a new (K, B) at once, a changed time within
+        KEPT_SAMPLES rounds (rebuilt every round, they took 30-35 µs of the worker's CPU a
+        drafting round at B = 1, the demo's DFlash)."""
         from ninfer_jax.engine.spec_stats import SpeculativeStats
 
         if self._cum is None:
             self._cum = tuple(a / n if n else 0.0 for a, n in zip(self._cum_accepted,
                                                                   self._cum_attempted))
-        if self._round_ms is None:
+        if self._round_ms is None or (self._round_ms_stale
+                                      and self._round - self._round_ms_at >= KEPT_SAMPLES):
+            self._round_ms_stale, self._round_ms_at = False, self._round
             self._round_ms = tuple(sorted((k, b, round(1e3 * t, 3))
                                           for (k, b), t in self._typical.items()))
         return SpeculativeStats(

@@ -843,8 +843,8 @@ def _take_each(policy: DraftPolicy) -> None:
 def test_kept_samples_give_the_estimates_taken_at_once(runs, seed, adaptive):
     """Round times wait in the policy until a choice reads them (a held run of bare rounds
     asks none; at most KEPT_SAMPLES wait): taken late, in runs, they leave every estimate as
-    adding each as it landed does (`_take_each`: times, their rounds, pairs, the paired ratios,
-    the times `stats` shows)."""
+    adding each as it landed does (`_take_each`: times, their rounds, pairs, the paired
+    ratios)."""
     rng = np.random.default_rng(seed)
     ks = KS if adaptive else (3,)
     late, eager = DraftPolicy(ks, "mtp"), DraftPolicy(ks, "mtp")
@@ -867,7 +867,31 @@ def test_kept_samples_give_the_estimates_taken_at_once(runs, seed, adaptive):
         assert getattr(late, name) == getattr(eager, name), name
     for k, j, b in itertools.product(ks, ks, [1, 2, 4]):
         assert late._ratio(k, j, b) == eager._ratio(k, j, b)
-    assert late.stats().round_ms == eager.stats().round_ms
+
+
+def test_stats_show_a_new_round_at_once_and_a_changed_time_within_kept_samples():
+    """`stats().round_ms` is not rebuilt every round: a (K, B) first measured shows in the
+    next stats, a changed time within KEPT_SAMPLES rounds of the last rebuild."""
+    policy, now, rows = DraftPolicy(KS, "mtp"), 0.0, [RowOutlook(None, 10**6)]
+
+    def rounds(k: int, n: int, seconds: float) -> None:
+        nonlocal now
+        for _ in range(n):
+            policy.dispatched(k, rows)
+            now += seconds
+            policy.round_done(k, 1, now, 1)
+        policy.take_samples()
+
+    rounds(0, 10, 1.0)
+    assert [ms for k, _, ms in policy.stats().round_ms if k == 0] == [1000.0]
+    rounds(0, 12, 2.0)  # the window's times all 2.0 now: shown late
+    assert [ms for k, _, ms in policy.stats().round_ms if k == 0] == [1000.0]
+    rounds(1, 5, 3.0)  # a new (K, B): at once, with every time as it is now
+    assert sorted(policy.stats().round_ms) == [(0, 1, 2000.0), (1, 1, 3000.0)]
+    rounds(0, 10, 4.0)
+    assert (0, 1, 2000.0) in policy.stats().round_ms
+    rounds(0, KEPT_SAMPLES, 4.0)
+    assert (0, 1, 4000.0) in policy.stats().round_ms
 
 
 def test_an_exploration_cut_short_measures_the_cheapest_round_before_it_ends():
