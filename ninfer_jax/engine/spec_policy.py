@@ -888,9 +888,10 @@ class DraftPolicy:
 
     def stats(self, bare_rounds: int = 0):
         """`bare_rounds`: the Program's count (`ProgramStats.bare_rounds`). `round_ms`: the
-        estimates as `take_samples` left them, a new (K, B) at once, a changed time within
-        KEPT_SAMPLES rounds (rebuilt every round, they took 30-35 µs of the worker's CPU a
-        drafting round at B = 1, the demo's DFlash)."""
+        estimates as `take_samples` left them (KEPT_SAMPLES samples late at most), rebuilt for
+        a new (K, B) at once and for a changed time KEPT_SAMPLES rounds after the last rebuild
+        (rebuilt every round, they took 30-35 µs of the worker's CPU a drafting round at B = 1,
+        the demo's DFlash)."""
         from ninfer_jax.engine.spec_stats import SpeculativeStats
 
         if self._cum is None:

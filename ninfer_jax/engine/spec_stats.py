@@ -26,5 +26,7 @@ class SpeculativeStats:
     # The chosen rounds' expected tokens per second over a round of 0 drafts', as the policy
     # estimated them (0.0 before it measured both)
     estimated_gain: float = 0.0
-    round_ms: tuple[tuple[int, int, float], ...] = ()  # (K, B, the policy's round milliseconds)
+    # (K, B, the policy's round milliseconds): a new (K, B) at once, a changed time up to ~64
+    # rounds late (`DraftPolicy.stats`)
+    round_ms: tuple[tuple[int, int, float], ...] = ()
     bare_rounds: int = 0  # rounds of 0 drafts that skipped the drafter's upkeep (DFlash, MTP)
