@@ -8,7 +8,8 @@ requests, 40 rounds each, drafts right with chance 0.8, round times of a CPU whe
 costs several rounds of 0; seeded), then times, per call: a choice scored afresh
 (`_choice_for`, what a drafting round or a refresh costs), `choose` while a choice of 0
 stands, `round_done`, `dispatched` and `stats`. Each round of the Engine's worker pays the
-last four, and the first every round that drafts (every REFRESH or REFRESH_FAR rounds of 0).
+last four, and the first every REFRESH_DRAFTING rounds that draft (every REFRESH or
+REFRESH_FAR rounds of 0).
 `--baseline=DIR`: the same from another checkout's ninfer_jax (`git worktree add DIR COMMIT`),
 in the same process, in turn. Medians of `--repeats`; the machine's noise is on both sides.
 """

@@ -41,9 +41,11 @@ The choice: the K of most committed tokens per second for the round's rows.
   progress unevenly leaves a tail of small rounds in which the last row runs nearly alone).
 - A K that drafts must promise MARGIN more than the cheapest round, and SWITCH more than the
   drafting K of the last round at its B if it is another one. A choice that drafts is
-  made again every round (each adds counts); one of the cheapest stands REFRESH rounds
+  made again every REFRESH_DRAFTING rounds (each adds counts; sooner where a row that drafts
+  may commit less than a whole round of it); one of the cheapest stands REFRESH rounds
   (REFRESH_FAR where every K that drafts is expected to commit under 1 - FAR of the
-  cheapest's tokens per second).
+  cheapest's tokens per second). The round times `round_done` kept are added to the
+  estimates when a choice is scored.
 - The first rounds explore every compiled K, largest first, until each has MIN_SAMPLES steady
   rounds (a drafting K, MIN_SAMPLES at least STINT rounds into its run: the process's first
   rounds and those after a change are slower); a new B measures its cheapest K first, and an
@@ -123,6 +125,12 @@ PAIRS = 2 * WINDOW  # the pairs' ratios of two Ks a ratio is taken over
 # where MTP drafting commits ~0.7 of it).
 REFRESH = 8
 REFRESH_FAR = 32
+# Rounds a choice that drafts stands while its rows stay the same and every row that drafts may
+# still commit a whole round of it (its budget past K): its rounds add counts, so it is scored
+# again sooner than the cheapest's. Scored every round, it took ~120 µs of the worker's CPU a
+# round (the demo's DFlash at B = 1 through the Engine, on the critical path between two
+# drafting rounds of ~6 ms; fixed K = 4's whole round plan took 34).
+REFRESH_DRAFTING = 4
 FAR = 0.15
 # How much more a K that drafts must promise than the cheapest to be chosen: its estimate is the
 # noisier (a request's acceptance from few rounds) and leaving the cheapest round's chain costs
@@ -257,7 +265,7 @@ class _Choice:
     best: int
     gain: float  # best's expected tokens per second over a round of 0's
     probe: int  # the next probe's K
-    stands: int  # rounds it stands while it is the cheapest and the rows stay the same
+    stands: int  # rounds it stands while the rows stay the same (`_standing`)
     # whether the probe is expected to lose by MARGIN or more: its rounds then leave a run of
     # rounds of 0 standing (`bare`)
     probe_loses: bool
@@ -347,7 +355,6 @@ class DraftPolicy:
         b = len(rows)
         if not self.adaptive:
             return self.kmax
-        self.take_samples()
         ks = self._all_ready.get(b)
         if ks is None:
             ks = [k for k in self.ks if (k, b) in self._ready or self._check_ready(k, b, ready)]
@@ -367,8 +374,9 @@ class DraftPolicy:
         if b in self._plan and self._plan[b][0] in ks:
             return self._plan[b][0]
         made = self._standing(rows, ks, refill)
-        if made is not None:  # before the checks below: the steady path where drafting loses
+        if made is not None:  # before the checks below: the steady path
             return made.probe if self._due(made, rows) else made.best
+        self.take_samples()
         if not any(self._known(k, b) for k in ks) and any(
                 self._known(*key) for key in self._typical if key[1] != b):
             return ks[0]  # a new B: its cheapest round's time scales the others'
@@ -445,12 +453,14 @@ class DraftPolicy:
 
     def _standing(self, rows: Sequence[RowOutlook], ks: list[int],
                   refill: bool) -> _Choice | None:
-        """The last choice at the rows' B when it chose the cheapest K among the same `ks` for
-        the same rows less than its `stands` rounds ago (made once every K had an estimate
-        there, so it stands without them), else None."""
+        """The last choice at the rows' B when it was made among the same `ks` for the same
+        rows less than its `stands` rounds ago (made once every K had an estimate there, so it
+        stands without them) and, if it drafts, every row that drafts may still commit a whole
+        round of it (a budget that cuts its round is scored anew: its tokens fall, the others'
+        Ks' less), else None."""
         made = self._choice.get(len(rows))
-        if made is not None and made.best == ks[0] and made.ks == ks \
-                and self._round - made.round < made.stands \
+        if made is not None and made.ks == ks and self._round - made.round < made.stands \
+                and (made.best == ks[0] or _life(rows) > made.best) \
                 and made.rows == _rows_key(rows, refill):
             return made
         return None
@@ -458,8 +468,8 @@ class DraftPolicy:
     def _choice_for(self, rows: Sequence[RowOutlook], ks: list[int], refill: bool) -> _Choice:
         """The K of most expected tokens per second for these rows and the next probe. A choice
         of the cheapest K stands REFRESH (far from the break-even REFRESH_FAR) rounds while the
-        rows stay the same (its rounds add no acceptance counts); one that drafts is made again
-        every round (its rounds do)."""
+        rows stay the same (its rounds add no acceptance counts); one that drafts
+        REFRESH_DRAFTING (its rounds do)."""
         b = len(rows)
         key = _rows_key(rows, refill)
         made = self._standing(rows, ks, refill)
@@ -506,7 +516,8 @@ class DraftPolicy:
             probe, wait = ks[0], 0
         made = self._choice[b] = _Choice(key, self._round, ks, best,
                                          scores[best] / scores[ks[0]], probe,
-                                         REFRESH_FAR if far else REFRESH,
+                                         REFRESH_DRAFTING if best != ks[0]
+                                         else REFRESH_FAR if far else REFRESH,
                                          scores[probe] < (1.0 - MARGIN) * scores[best], wait,
                                          sum(expected[best]) / times[best], times[best])
         return made

@@ -23,6 +23,7 @@ from ninfer_jax.engine.spec_policy import (
     PROBE_BUDGET_FAR,
     PROBE_MEMORY,
     REFRESH,
+    REFRESH_DRAFTING,
     REFRESH_FAR,
     SETTLE,
     STINT,
@@ -141,6 +142,36 @@ def test_a_choice_of_0_far_from_drafting_is_scored_less_often():
         made[name] = len(choices)
     assert made["far"] <= 1.3 * 2000 / REFRESH_FAR
     assert made["near"] >= 0.6 * 2000 / REFRESH > 2 * made["far"], made
+
+
+def test_a_drafting_choice_stands_refresh_drafting_rounds_until_a_budget_cuts_its_round():
+    """A choice that drafts is scored anew every REFRESH_DRAFTING rounds while its rows stay
+    the same (scoring every K is host time on the critical path between two drafting rounds),
+    and every round once a row's budget is under a whole round of it."""
+    policy, cost = DraftPolicy(KS, "mtp"), _cost(1.0, 0.1)  # drafts win
+    row, rng, now = RowAcceptance(max(KS)), np.random.default_rng(0), 0.0
+    made_at, tail = set(), []
+    drafting = 0
+    for i in range(1000):
+        budget = 10**6 if i < 990 else 1000 - i
+        outlook = [RowOutlook(row, budget)]
+        k = policy.choose(outlook, lambda k, b: True)
+        made = policy._choice.get(1)
+        if 200 <= i < 990 and k and made is not None and made.best == k:
+            made_at.add(made.round)
+            drafting += 1
+        elif i >= 990 and 1 < budget <= max(KS) and made is not None:
+            tail.append(made.round == policy._round)
+        policy.dispatched(k, outlook)
+        produced = 1
+        while produced <= min(k, budget - 1) and rng.random() < 0.9:
+            produced += 1
+        policy.add_row(row, k, min(k + 1, budget), produced, produced)
+        now += cost(k, 1)
+        policy.round_done(k, 1, now, produced)
+    assert drafting > 0.9 * 790
+    assert drafting / REFRESH_DRAFTING <= len(made_at) <= 1.3 * drafting / REFRESH_DRAFTING
+    assert tail and all(tail), tail
 
 
 def test_probes_lose_their_budget_with_the_cost_of_a_change():
