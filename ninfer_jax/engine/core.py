@@ -484,10 +484,10 @@ class EngineCore:
         batch.tokens  # noqa: B018 - waits for the round's step: counted apart from host work
         now = time.monotonic()
         self.rounds.counted(wait_s=now - start)
-        k, limits = self.rounds.landed(batch)
+        k, limits, bare = self.rounds.landed(batch)
         previews, accepted = preview_rows(batch, records, committed)
         if batch.kind is BatchKind.DECODE:
-            self.rounds.policy.round_done(k, len(records), now, sum(accepted))
+            self.rounds.policy.round_done(k, len(records), now, sum(accepted), bare)
         else:
             self.rounds.policy.interrupt()
         if not committed:

@@ -45,7 +45,8 @@ class Rounds:
         self.policy = DraftPolicy(limits.round_drafts, limits.speculative,
                                   limits.context_window)
         self._positions = limits.verify_width - 1  # draft positions a row's acceptance counts
-        self._in_flight: dict[int, tuple[int, list[int]]] = {}  # batch id -> (K, row limits)
+        # batch id -> (K, row limits or None, bare): rounds that draft, and bare rounds of 0
+        self._in_flight: dict[int, tuple[int, list[int] | None, bool]] = {}
         # A bare round of 0 chained for these rows, and the rounds after it the policy holds
         # to the same (`DraftPolicy.holds`; None: not asked yet, until it is dispatched)
         self._held: tuple[list[RequestRecord], RoundPlan] | None = None
@@ -129,13 +130,16 @@ class Rounds:
         if k:  # a round of 0 proposes one token a row
             self._in_flight[batch.batch_id] = (
                 k, [1 if o.acceptance is None else max(1, min(k + 1, o.budget))
-                    for o in outlooks])
+                    for o in outlooks], False)
+        elif bare:
+            self._in_flight[batch.batch_id] = (0, None, True)
         self._rounds += 1
         self._rows += len(outlooks)
 
-    def landed(self, batch: PendingBatch) -> tuple[int, list[int] | None]:
-        """A round's K and its rows' limits (None for a round of 0), as its output is read."""
-        return self._in_flight.pop(batch.batch_id, (0, None))
+    def landed(self, batch: PendingBatch) -> tuple[int, list[int] | None, bool]:
+        """A round's K, its rows' limits (None for a round of 0) and whether it was a bare
+        round of 0, as its output is read."""
+        return self._in_flight.pop(batch.batch_id, (0, None, False))
 
     def dropped(self, batch: PendingBatch) -> None:
         self._in_flight.pop(batch.batch_id, None)

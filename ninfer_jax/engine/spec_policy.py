@@ -10,7 +10,8 @@ counts behind `SpeculativeStats`.
     k = policy.choose(rows, ready, refill, filling)  # rows: one RowOutlook each
     bare = not k and policy.bare(rows, refill)  # may a round of 0 skip the drafter's upkeep
     policy.dispatched(k, rows, bare)        # the Program runs the round of k drafts
-    policy.round_done(k, len(rows), now, tokens)  # its output read (interrupt(): other units)
+    policy.round_done(k, len(rows), now, tokens, bare)  # its output read (interrupt(): other
+                                                       # units)
     policy.add_row(acceptance, k, limit, produced, committed)
 
 The choice: the K of most committed tokens per second for the round's rows.
@@ -64,7 +65,8 @@ The choice: the K of most committed tokens per second for the round's rows.
   taken less at the best's rate, plus a round for the changes (a K that nearly ties the best is
   probed often). Where every K that drafts is expected to commit under 1 - FAR of the cheapest's
   tokens per second, a probe also costs the `window` rounds of upkeep before it (bare rounds,
-  below; UPKEEP of a round each), and they spend PROBE_BUDGET_FAR (the spec_policy benchmark's
+  below; each what rounds of 0 with the upkeep took more than bare ones at its B, timed where
+  a stretch of one kind follows the other: `upkeep`), and they spend PROBE_BUDGET_FAR (the spec_policy benchmark's
   MTP at B = 1, where drafting commits ~0.7 of 0's tokens per second: turns with a probe ran
   0.94 of off's tokens per second, turns without 1.0, medians over 5 and 10 turns). A probe
   interrupted (another unit, another B) is dropped, but one whose first round is the first after
@@ -160,13 +162,13 @@ SWITCH = 0.05
 # 3.14, 3.05, 2.96, 2.91 ms in the 2nd-5th rounds of a run against 2.75 steady; K = 7 4.32,
 # 4.22, 3.99, 4.09 against 3.84), and a K the policy does not hold runs only such rounds.
 STINT = 5
-# What a round of 0 with the drafter's upkeep takes more than a bare one, in rounds (through
-# the Program on these cores, the spec_policy benchmark's "upkeep" lines: 0.02-0.08 for the
-# demo's DFlash and MTP at B = 1 and 4). Where drafting is FAR from winning, a probe is charged
-# the `window` of them before it: probed every ~140 rounds (its own loss), the demo's DFlash at
-# B = 4 ran 3-12 of its ~125 rounds a turn bare. Near the break-even it is not: probes there
-# are what gets a policy out of rounds of 0 chosen by mistake (charged everywhere, they came
-# half as often at B = 1).
+# What a round of 0 with the drafter's upkeep takes more than a bare one, in rounds, before
+# the policy measured it at a B (`_upkeep`: through the Program on these cores, the spec_policy
+# benchmark's "upkeep" lines: 0.02-0.13 for the demo's DFlash and MTP at B = 1 and 4). Where
+# drafting is FAR from winning, a probe is charged the `window` of them before it: probed
+# every ~140 rounds (its own loss), the demo's DFlash at B = 4 ran 3-12 of its ~125 rounds a
+# turn bare. Near the break-even it is not: probes there are what gets a policy out of rounds
+# of 0 chosen by mistake (charged everywhere, they came half as often at B = 1).
 UPKEEP = 0.03
 UNMEASURED = 0.5  # acceptance assumed at a position nobody measured
 # A round's time is the mean of its last samples, each clipped at CLIP times their median
@@ -340,8 +342,14 @@ class DraftPolicy:
         # (B, r) -> seconds of rounds r < STINT into a run over their K's steady median
         self._slow: dict[tuple[int, int], collections.deque] = {}
         self._explored: set[int] = set()  # Bs whose first exploration ended
-        # (K, B, seconds, round) of the round times not yet in the estimates (`take_samples`)
-        self._samples: list[tuple[int, int, float, int]] = []
+        # (K, B, seconds, round, bare) of the round times not yet in the estimates
+        # (`take_samples`)
+        self._samples: list[tuple[int, int, float, int, bool]] = []
+        # B -> [bare, its last NEAR seconds, the stretch before's (bare, `_typical`) or None,
+        # the round of its last]: the stretch of rounds of 0 of one kind (bare or with the
+        # upkeep) being taken
+        self._stretch: dict[int, list] = {}
+        self._upkeep: dict[int, collections.deque] = {}  # B -> ratios, upkeep over bare
 
     # The choice ----------------------------------------------------------------------------
     def choose(self, rows: Sequence[RowOutlook], ready: Callable[[int, int], bool],
@@ -503,7 +511,7 @@ class DraftPolicy:
                 1.0 - scores[probe] / scores[best], 0.0) + 1.0
         far = max(scores[k] for k in ks[1:]) < (1.0 - FAR) * scores[ks[0]]
         if far:  # and the `window` rounds of upkeep before it, which bare rounds would skip
-            lost += self.window * UPKEEP
+            lost += self.window * self.upkeep(b)
         wait = max(PROBE_EVERY, lost / (PROBE_BUDGET_FAR if far else PROBE_BUDGET))
         last = self._choice.get(b)
         if best == ks[0] and last is not None and last.best == best and self.window \
@@ -773,10 +781,12 @@ class DraftPolicy:
             latest = max((self._at[(j, b)][-1] for j in self.ks
                           if j != k and (j, b) in self._at), default=None)
             if self.adaptive and latest is not None:  # a fixed K compares nothing
-                for _, _, seconds, at in run:
+                for _, _, seconds, at, _ in run:
                     if at - latest > NEAR:
                         break  # and every later one of the run: nothing left to pair with
                     self._pair(k, b, seconds, at)
+            if k == 0 and self.window:
+                self._take_stretches(b, run)
             _window(self._times, (k, b), WINDOW).extend(s[2] for s in run)
             _window(self._at, (k, b), WINDOW).extend(s[3] for s in run)
             self._measured[(k, b)] = run[-1][3]
@@ -790,11 +800,42 @@ class DraftPolicy:
                 self._round_ms_stale = True
             self._typical[key] = typical
 
+    def _take_stretches(self, b: int, run: list) -> None:
+        """Times the upkeep from samples of rounds of 0 at B: a stretch of one kind (bare or
+        with the upkeep) that follows one of the other kind, once it has MIN_SAMPLES + 1
+        samples, gives the ratio of the two's `_typical` (of the one before, its last NEAR,
+        if it ended 2 * NEAR rounds before at most: the two taken close together, as pairs of
+        Ks are). Between them may lie a probe's rounds, whose upkeep before it is what the
+        ratio prices."""
+        st = self._stretch.get(b)
+        for _, _, seconds, at, bare in run:
+            if st is None or st[0] != bare:
+                before = (st[0], _typical(st[1])) if st is not None and len(
+                    st[1]) >= MIN_SAMPLES and at - st[3] <= 2 * NEAR else None
+                st = self._stretch[b] = [bare, collections.deque(maxlen=NEAR), before, at]
+            st[1].append(seconds)
+            st[3] = at
+            if st[2] is not None and len(st[1]) > MIN_SAMPLES:
+                now = _typical(st[1])
+                kept, bare_s = (st[2][1], now) if bare else (now, st[2][1])
+                _window(self._upkeep, b, WINDOW).append(kept / max(bare_s, 1e-12))
+                st[2] = None
+
+    def upkeep(self, b: int) -> float:
+        """What a round of 0 with the drafter's upkeep takes more than a bare one at B, in
+        rounds: the median of the measured ratios less one (UPKEEP before MIN_SAMPLES; at
+        least 0)."""
+        ratios = self._upkeep.get(b)
+        if ratios is None or len(ratios) < MIN_SAMPLES:
+            return UPKEEP
+        return max(_median(ratios) - 1.0, 0.0)
+
     # What happened -------------------------------------------------------------------------
-    def round_done(self, k: int, b: int, now: float, tokens: int) -> None:
+    def round_done(self, k: int, b: int, now: float, tokens: int, bare: bool = False) -> None:
         """A decode round of K drafts and B rows whose output was read at `now` (monotonic
         seconds) committed `tokens`; the time since the last one is its time when that one had
-        the same K and B (and tokens / time its rate). The
+        the same K and B (and tokens / time its rate; `bare`: a round of 0 that skipped the
+        drafter's upkeep, whose time also prices the upkeep, `upkeep`). The
         first round after a change is not a sample, nor for rounds of 0 the first SETTLE: they
         carry the change (a round chained ahead lands, a chain of rounds of 0 starts), which
         steady rounds do not; nor are the first WARM_ROUNDS steady ones of a (K, B) (an
@@ -810,7 +851,7 @@ class DraftPolicy:
                 seconds = max(now - self._last[2], 1e-9)
                 if k and self.adaptive:
                     seconds = self._steadied(k, b, seconds)
-                self._samples.append((k, b, seconds, self._round))
+                self._samples.append((k, b, seconds, self._round, bare))
                 if len(self._samples) >= KEPT_SAMPLES:
                     self.take_samples()
             self._warm[(k, b)] += 1

@@ -19,6 +19,7 @@ from ninfer_jax.engine.rounds import Rounds
 from ninfer_jax.engine.spec_policy import (
     KEPT_SAMPLES,
     MIN_SAMPLES,
+    NEAR,
     PROBE_BUDGET,
     PROBE_BUDGET_FAR,
     PROBE_MEMORY,
@@ -27,6 +28,7 @@ from ninfer_jax.engine.spec_policy import (
     REFRESH_FAR,
     SETTLE,
     STINT,
+    UPKEEP,
     WARM_ROUNDS,
     WINDOW,
     DraftPolicy,
@@ -306,7 +308,7 @@ def _simulate_bare(policy: DraftPolicy, cost, accept: float, rounds: int, b: int
         now += cost(k, b) * (1 - saving * bare)
         round_tokens = _drafts_land(policy, rng, rows, stale, k, bare, p)
         tokens += round_tokens
-        policy.round_done(k, b, now, round_tokens)
+        policy.round_done(k, b, now, round_tokens, bare)
         chosen.append("bare" if bare else k)
     return tokens / now, chosen
 
@@ -408,8 +410,9 @@ def _simulate_rounds(cost, accept: float, rounds: int, b: int) -> list[int | str
         now += cost(k, b) * (1 - 0.05 * bare)
         round_tokens = _drafts_land(policy, rng, [r.acceptance for r in records], stale, k,
                                     bare, accept)
-        rounds_.landed(types.SimpleNamespace(batch_id=i))
-        policy.round_done(k, b, now, round_tokens)
+        landed = rounds_.landed(types.SimpleNamespace(batch_id=i))
+        assert landed[::2] == (k, bare)
+        policy.round_done(k, b, now, round_tokens, landed[2])
         chosen.append("bare" if bare else k)
     return chosen
 
@@ -444,11 +447,12 @@ def test_a_probe_far_from_winning_pays_the_upkeep_before_it(monkeypatch, upkeep,
     """The demo's DFlash at B = 4: a verify costs ~3.5 rounds of 0 and drafting commits ~0.8
     of 0's tokens per second, while a probe of it loses little (~1.4 rounds). Spaced by that
     alone, probes came every ~140 rounds and the W = 64 rounds of upkeep before each left
-    under half the rounds bare; charged UPKEEP a round of the window (`upkeep` None; 0.0: not
-    charged, and spaced by PROBE_BUDGET as near the break-even), most rounds are bare and the
-    policy beats rounds of 0 with the upkeep."""
+    under half the rounds bare; charged what a round of the window was measured to take more
+    than a bare one (`upkeep` None: 3% here; 0.0: not charged, and spaced by PROBE_BUDGET as
+    near the break-even), most rounds are bare and the policy beats rounds of 0 with the
+    upkeep."""
     if upkeep is not None:  # and spaced by the budget of probes near the break-even
-        monkeypatch.setattr("ninfer_jax.engine.spec_policy.UPKEEP", upkeep)
+        monkeypatch.setattr(DraftPolicy, "upkeep", lambda self, b: upkeep)
         monkeypatch.setattr("ninfer_jax.engine.spec_policy.PROBE_BUDGET_FAR", PROBE_BUDGET)
 
     def cost(k, b):
@@ -460,6 +464,37 @@ def test_a_probe_far_from_winning_pays_the_upkeep_before_it(monkeypatch, upkeep,
     assert bare[0] <= tail.count("bare") / len(tail) <= bare[1]
     if upkeep is None:
         assert got > _simulate(0, cost, 0.8, 6000, 4)[0]
+
+
+def test_the_upkeep_is_timed_where_bare_rounds_and_rounds_with_it_meet():
+    """A probe far from winning is charged the window's upkeep: what rounds of 0 with it took
+    more than bare ones at its B, each ratio from a stretch of one kind next to one of the
+    other (UPKEEP before MIN_SAMPLES of them); stretches far apart give none."""
+    def run(policy, n, bare, seconds, b=2):
+        for _ in range(n):
+            clock[0] += seconds
+            rows = [RowOutlook(None, 10**6)] * b
+            policy.dispatched(0, rows, bare)
+            policy.round_done(0, b, clock[0], b, bare)
+
+    clock = [0.0]
+    policy = DraftPolicy(KS, "dflash", window=16)
+    run(policy, 20, True, 1.0)
+    policy.take_samples()
+    assert policy.upkeep(2) == UPKEEP
+    for _ in range(3):
+        run(policy, 12, False, 1.08)
+        run(policy, 12, True, 1.0)
+    policy.take_samples()
+    assert len(policy._upkeep[2]) == 6
+    assert policy.upkeep(2) == pytest.approx(0.08)
+
+    apart = DraftPolicy(KS, "dflash", window=16)
+    run(apart, 20, True, 1.0)
+    run(apart, 2 * NEAR + 1, True, 1.0, b=1)  # other rounds between the two stretches
+    run(apart, 12, False, 1.08)
+    apart.take_samples()
+    assert 2 not in apart._upkeep and apart.upkeep(2) == UPKEEP
 
 
 def _turns_bare(policy: DraftPolicy, cost, accept: float, turns: int, b: int, length: int,
@@ -486,7 +521,7 @@ def _turns_bare(policy: DraftPolicy, cost, accept: float, turns: int, b: int, le
                 stale[r] = policy.window if bare else max(stale[r] - produced, 0)
             done += produced
             tokens += b * produced
-            policy.round_done(k, b, now, b * produced)
+            policy.round_done(k, b, now, b * produced, bare)
             chosen.append("bare" if bare else k)
         policy.interrupt()  # the next turn's prefills
         out.append(chosen)
@@ -853,10 +888,14 @@ def test_kept_estimates_equal_fresh_ones():
 
 def _take_each(policy: DraftPolicy) -> None:
     """The policy's kept samples added one by one, each paired with every other K's samples
-    of the NEAR rounds before it: `take_samples` without its shortcuts."""
-    for k, b, seconds, at in policy._samples:
+    of the NEAR rounds before it, and a round of 0 added to its stretch of bare rounds or
+    rounds with the upkeep: `take_samples` without its shortcuts."""
+    for sample in policy._samples:
+        k, b, seconds, at, _ = sample
         if policy.adaptive:
             policy._pair(k, b, seconds, at)
+        if k == 0 and policy.window:
+            policy._take_stretches(b, [sample])
         policy._times.setdefault((k, b), collections.deque(maxlen=WINDOW)).append(seconds)
         policy._at.setdefault((k, b), collections.deque(maxlen=WINDOW)).append(at)
         policy._measured[(k, b)] = at
@@ -867,34 +906,39 @@ def _take_each(policy: DraftPolicy) -> None:
 
 @settings(max_examples=30, deadline=None)
 @given(runs=st.lists(st.tuples(st.sampled_from(KS), st.sampled_from([1, 2, 4]),
-                               st.integers(1, 40)), min_size=1, max_size=12),
+                               st.integers(1, 40), st.booleans()), min_size=1, max_size=12),
        seed=st.integers(0, 2**16), adaptive=st.booleans())
-@example(runs=[(3, 1, 20), (1, 1, 12), (2, 1, 6), (0, 1, 40), (2, 4, 9), (0, 4, 30)], seed=0,
+@example(runs=[(3, 1, 20, False), (1, 1, 12, False), (2, 1, 6, False), (0, 1, 40, True),
+               (2, 4, 9, False), (0, 4, 30, False)], seed=0,
          adaptive=True)  # runs right after two other Ks, one of them long ago
+@example(runs=[(0, 4, 20, True), (0, 4, 12, False), (2, 4, 2, False), (0, 4, 9, True),
+               (0, 4, 6, False)], seed=0, adaptive=True)  # stretches of bare rounds and not
 def test_kept_samples_give_the_estimates_taken_at_once(runs, seed, adaptive):
     """Round times wait in the policy until a choice reads them (a held run of bare rounds
     asks none; at most KEPT_SAMPLES wait): taken late, in runs, they leave every estimate as
     adding each as it landed does (`_take_each`: times, their rounds, pairs, the paired
-    ratios)."""
+    ratios, the upkeep's stretches and ratios)."""
     rng = np.random.default_rng(seed)
     ks = KS if adaptive else (3,)
-    late, eager = DraftPolicy(ks, "mtp"), DraftPolicy(ks, "mtp")
+    late, eager = DraftPolicy(ks, "mtp", window=8), DraftPolicy(ks, "mtp", window=8)
     now = 0.0
-    for k, b, n in runs:
+    for k, b, n, bare in runs:
         k = k if adaptive else 3
+        bare = bare and k == 0
         rows = [RowOutlook(None, 10**6)] * b
         for _ in range(n):
-            now += (1 + b) * (1 + k) * (1 + 0.3 * rng.random())
+            now += (1 + b) * (1 + k) * (1 + 0.3 * rng.random()) * (1 - 0.1 * bare)
             for policy in (late, eager):
-                policy.dispatched(k, rows)
-                policy.round_done(k, b, now, b)
+                policy.dispatched(k, rows, bare)
+                policy.round_done(k, b, now, b, bare)
             _take_each(eager)
         if rng.random() < 0.3:
             for policy in (late, eager):
                 policy.interrupt()
     assert len(late._samples) < KEPT_SAMPLES
     late.take_samples()
-    for name in ("_times", "_at", "_typical", "_measured", "_pairs", "_warm"):
+    for name in ("_times", "_at", "_typical", "_measured", "_pairs", "_warm", "_stretch",
+                 "_upkeep"):
         assert getattr(late, name) == getattr(eager, name), name
     for k, j, b in itertools.product(ks, ks, [1, 2, 4]):
         assert late._ratio(k, j, b) == eager._ratio(k, j, b)
