@@ -42,8 +42,9 @@ The choice: the K of most committed tokens per second for the round's rows.
   progress unevenly leaves a tail of small rounds in which the last row runs nearly alone).
 - A K that drafts must promise MARGIN more than the cheapest round, and SWITCH more than the
   drafting K of the last round at its B if it is another one. A choice that drafts is
-  made again every REFRESH_DRAFTING rounds (each adds counts; sooner where a row that drafts
-  may commit less than a whole round of it); one of the cheapest stands REFRESH rounds
+  made again every REFRESH_DRAFTING rounds where it promises 1 + FAR of the cheapest's tokens
+  per second or more, else every round (each adds counts; every round too where a row that
+  drafts may commit less than a whole round of it); one of the cheapest stands REFRESH rounds
   (REFRESH_FAR where every K that drafts is expected to commit under 1 - FAR of the
   cheapest's tokens per second). The round times `round_done` kept are added to the
   estimates when a choice is scored.
@@ -128,10 +129,11 @@ PAIRS = 2 * WINDOW  # the pairs' ratios of two Ks a ratio is taken over
 REFRESH = 8
 REFRESH_FAR = 32
 # Rounds a choice that drafts stands while its rows stay the same and every row that drafts may
-# still commit a whole round of it (its budget past K): its rounds add counts, so it is scored
-# again sooner than the cheapest's. Scored every round, it took ~120 µs of the worker's CPU a
-# round (the demo's DFlash at B = 1 through the Engine, on the critical path between two
-# drafting rounds of ~6 ms; fixed K = 4's whole round plan took 34).
+# still commit a whole round of it (its budget past K), where it promises 1 + FAR of the
+# cheapest's tokens per second or more (nearer the break-even: every round): its rounds add
+# counts, so it is scored again sooner than the cheapest's. Scored every round, it took ~120 µs
+# of the worker's CPU a round (the demo's DFlash at B = 1 through the Engine, on the critical
+# path between two drafting rounds of ~6 ms; fixed K = 4's whole round plan took 34).
 REFRESH_DRAFTING = 4
 FAR = 0.15
 # How much more a K that drafts must promise than the cheapest to be chosen: its estimate is the
@@ -477,7 +479,7 @@ class DraftPolicy:
         """The K of most expected tokens per second for these rows and the next probe. A choice
         of the cheapest K stands REFRESH (far from the break-even REFRESH_FAR) rounds while the
         rows stay the same (its rounds add no acceptance counts); one that drafts
-        REFRESH_DRAFTING (its rounds do)."""
+        REFRESH_DRAFTING far from the break-even, else one (its rounds do: `_stands`)."""
         b = len(rows)
         key = _rows_key(rows, refill)
         made = self._standing(rows, ks, refill)
@@ -524,11 +526,21 @@ class DraftPolicy:
             probe, wait = ks[0], 0
         made = self._choice[b] = _Choice(key, self._round, ks, best,
                                          scores[best] / scores[ks[0]], probe,
-                                         REFRESH_DRAFTING if best != ks[0]
-                                         else REFRESH_FAR if far else REFRESH,
+                                         self._stands(best, ks[0], far, scores),
                                          scores[probe] < (1.0 - MARGIN) * scores[best], wait,
                                          sum(expected[best]) / times[best], times[best])
         return made
+
+    @staticmethod
+    def _stands(best: int, cheapest: int, far: bool, scores: dict[int, float]) -> int:
+        """Rounds a choice stands (`_standing`): of the cheapest K, REFRESH (REFRESH_FAR where
+        every K that drafts is FAR from it); of a K that drafts, REFRESH_DRAFTING where it
+        promises 1 + FAR of the cheapest's tokens per second or more, else one (near the
+        break-even one round's counts may turn it, and a wrong drafting K costs the most
+        there)."""
+        if best == cheapest:
+            return REFRESH_FAR if far else REFRESH
+        return REFRESH_DRAFTING if scores[best] >= (1.0 + FAR) * scores[cheapest] else 1
 
     def _score(self, rows: Sequence[RowOutlook], expected: list[float], k: int, cheapest: int,
                times: dict[int, float], tails: dict[int, list[float]] | None) -> float:

@@ -146,11 +146,11 @@ def test_a_choice_of_0_far_from_drafting_is_scored_less_often():
     assert made["near"] >= 0.6 * 2000 / REFRESH > 2 * made["far"], made
 
 
-def test_a_drafting_choice_stands_refresh_drafting_rounds_until_a_budget_cuts_its_round():
-    """A choice that drafts is scored anew every REFRESH_DRAFTING rounds while its rows stay
-    the same (scoring every K is host time on the critical path between two drafting rounds),
-    and every round once a row's budget is under a whole round of it."""
-    policy, cost = DraftPolicy(KS, "mtp"), _cost(1.0, 0.1)  # drafts win
+def _drafting_choices(per_draft: float, accept: float) -> tuple[int, int, list[bool]]:
+    """Rounds that drafted the choice's K in rounds 200-989 of one row, the choices behind
+    them, and for each round of the last ten whose budget (10 - i tokens) is under a whole
+    round of the largest K, whether its choice was made that round."""
+    policy, cost = DraftPolicy(KS, "mtp"), _cost(1.0, per_draft)
     row, rng, now = RowAcceptance(max(KS)), np.random.default_rng(0), 0.0
     made_at, tail = set(), []
     drafting = 0
@@ -166,14 +166,28 @@ def test_a_drafting_choice_stands_refresh_drafting_rounds_until_a_budget_cuts_it
             tail.append(made.round == policy._round)
         policy.dispatched(k, outlook)
         produced = 1
-        while produced <= min(k, budget - 1) and rng.random() < 0.9:
+        while produced <= min(k, budget - 1) and rng.random() < accept:
             produced += 1
         policy.add_row(row, k, min(k + 1, budget), produced, produced)
         now += cost(k, 1)
         policy.round_done(k, 1, now, produced)
+    return drafting, len(made_at), tail
+
+
+def test_a_drafting_choice_far_from_the_break_even_stands_refresh_drafting_rounds():
+    """A choice that drafts where it promises 1 + FAR of the cheapest's tokens per second
+    (here ~2.4x) is scored anew every REFRESH_DRAFTING rounds while its rows stay the same
+    (scoring every K is host time on the critical path between two drafting rounds), and
+    every round once a row's budget is under a whole round of it; near the break-even (here
+    ~1.1x: drafting chosen in under half the rounds) every round, but where the row's
+    estimate reaches 1 + FAR now and then."""
+    drafting, made, tail = _drafting_choices(0.1, 0.9)
     assert drafting > 0.9 * 790
-    assert drafting / REFRESH_DRAFTING <= len(made_at) <= 1.3 * drafting / REFRESH_DRAFTING
+    assert drafting / REFRESH_DRAFTING <= made <= 1.3 * drafting / REFRESH_DRAFTING
     assert tail and all(tail), tail
+    drafting, made, _ = _drafting_choices(0.18, 0.5)
+    assert drafting > 0.3 * 790
+    assert made >= 0.9 * drafting
 
 
 def test_probes_lose_their_budget_with_the_cost_of_a_change():
