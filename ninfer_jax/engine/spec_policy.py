@@ -55,27 +55,25 @@ The choice: the K of most committed tokens per second for the round's rows.
   that ended amid the exploration at B = 4 left a round of 0 there scaled from B = 1 at 4.9 ms
   against 3.0 measured: K = 3 drafted at ~0.7 of 0's rate for two turns). Then probes keep the
   estimates current: while the cheapest K is the best, of the drafting K of the highest score; else
-  every other one of the cheapest K, the others of the largest K (acceptance at every position) or
-  of the K whose time is the oldest in turn; a K whose last probe beat the best's rate (lost less
-  than nothing) first; each until its time has a sample (two rounds; of the cheapest K, MIN_SAMPLES
-  samples), spaced so they lose at most PROBE_BUDGET of the time; a probe that drafts waits for rows
-  that live through its two rounds (drafts a row's end cuts time K for fewer tokens). A probe's loss
-  is measured: the time of its rounds and of the SETTLE rounds of the best after it (the change
-  back: a chain of rounds of 0 restarts) less what their tokens take at the best's rate, in rounds
-  of the best (the median of the last PROBE_MEMORY probes of that K and B, or the last one's where
-  it gained: the estimates are behind, and the probe runs again after PROBE_EVERY rounds); before
-  one is measured, each of its two rounds loses what its tokens would have taken less at the best's
-  rate, plus a round for the changes (a K that nearly ties the best is probed often). Where every K
-  that drafts is expected to commit under 1 - FAR of the cheapest's tokens per second, a probe also
-  costs the `window` rounds of upkeep before it (bare rounds, below; each what rounds of 0 with the
-  upkeep took more than bare ones at its B, timed where a stretch of one kind follows the other:
-  `upkeep`), and they spend PROBE_BUDGET_FAR (the spec_policy benchmark's MTP at B = 1, where
-  drafting commits ~0.7 of 0's tokens per second: turns with a probe ran 0.94 of off's tokens per
-  second, turns without 1.0, medians over 5 and 10 turns). A probe interrupted (another unit,
-  another B) is dropped, but one whose first round is the first after another unit (a turn's first
-  round after its prefills) runs on, that round timed as one of its K (unmeasured, such probes came
-  every turn at B = 4). A request's counts decay with time (about the last 100 rounds count), so one
-  whose estimate fell below the break-even drifts back to the prior's.
+  of the largest K (acceptance at every position) or of the K whose time is the oldest in turn; each
+  until its time has a sample (two rounds; of the cheapest K, MIN_SAMPLES samples), spaced so they
+  lose at most PROBE_BUDGET of the time; a probe that drafts waits for rows that live through its
+  two rounds (drafts a row's end cuts time K for fewer tokens). A probe's loss is measured: the time
+  of its rounds and of the SETTLE rounds of the best after it (the change back: a chain of rounds of
+  0 restarts) less what their tokens take at the best's rate, in rounds of the best (the median of
+  the last PROBE_MEMORY probes of that K and B); before one is measured, each of its two rounds
+  loses what its tokens would have taken less at the best's rate, plus a round for the changes (a K
+  that nearly ties the best is probed often). Where every K that drafts is expected to commit under
+  1 - FAR of the cheapest's tokens per second, a probe also costs the `window` rounds of upkeep
+  before it (bare rounds, below; each what rounds of 0 with the upkeep took more than bare ones at
+  its B, timed where a stretch of one kind follows the other: `upkeep`), and they spend
+  PROBE_BUDGET_FAR (the spec_policy benchmark's MTP at B = 1, where drafting commits ~0.7 of 0's
+  tokens per second: turns with a probe ran 0.94 of off's tokens per second, turns without 1.0,
+  medians over 5 and 10 turns). A probe interrupted (another unit, another B) is dropped, but one
+  whose first round is the first after another unit (a turn's first round after its prefills) runs
+  on, that round timed as one of its K (unmeasured, such probes came every turn at B = 4). A
+  request's counts decay with time (about the last 100 rounds count), so one whose estimate fell
+  below the break-even drifts back to the prior's.
 - Rows of requests with speculative="off" expect one token at every K; a round of only such
   rows is a round of 0. Only compiled Ks are chosen.
 - While a waiting request may be admitted next (`filling`: a free lane, an admission not
@@ -502,13 +500,13 @@ class DraftPolicy:
         best = max(ks, key=lambda k: (scores[k] / (1.0 if k == ks[0] else 1.0 + MARGIN) / (
             1.0 + SWITCH if held and k not in (held, ks[0]) else 1.0), -k))
         probe = self._probe(best, b, ks, scores)
-        # a probe may add at most PROBE_BUDGET of the time: what the last ones lost, measured
-        # (the last one's where it gained: the next comes after PROBE_EVERY); before any, two
-        # rounds of its K (the second measures its time) that lose what their tokens would
-        # have taken less at the best's rate, and a change each way (about a round of the best)
+        # a probe may add at most PROBE_BUDGET of the time: what the last ones lost, measured;
+        # before any, two rounds of its K (the second measures its time) that lose what their
+        # tokens would have taken less at the best's rate, and a change each way (about a
+        # round of the best)
         measured = self._probe_lost.get((probe, b))
         if measured:
-            lost = measured[-1] if measured[-1] < 0 else _median(measured)
+            lost = _median(measured)
         else:
             lost = 2.0 * times[probe] / times[best] * max(
                 1.0 - scores[probe] / scores[best], 0.0) + 1.0
@@ -585,22 +583,14 @@ class DraftPolicy:
         """The next probe's K. While the cheapest K is the best, the drafting K of the highest
         score (the one that would beat it first, and the cheapest probe: with the largest and
         the oldest in turn, runs of the demo's DFlash at B = 1 that held rounds of 0 by
-        mistake went 380-760 rounds without a probe). Else every other probe the cheapest (the
-        fallback, and the cheapest probe: probed only as the oldest in turn, a round of 0 of
-        the demo's DFlash at B = 4 first timed at 8.7 ms stayed estimated over 4.4 ms through
-        ten turns of drafting, 3.1-3.8 after), the others in turn the largest (every position's
-        acceptance at once; when that is the best, the K below it) and the K whose time is the
-        oldest (no estimate stays from a cold start or a busy moment)."""
+        mistake went 380-760 rounds without a probe). Else every other probe the
+        largest (every position's acceptance at once; when that is the best, the K below it),
+        the others the K whose time is the oldest (no estimate stays from a cold start or a
+        busy moment)."""
         others = [k for k in ks if k != best]
         if best == ks[0]:
             return max(others, key=lambda k: (scores[k], -k))
-        gained = {k: lost[-1] for k in others if (lost := self._probe_lost.get((k, b)))
-                  and lost[-1] < 0}
-        if gained:  # its last probe beat the best's rate: its estimate is behind
-            return min(gained, key=gained.get)
         if self._probes[b] % 2 == 0:
-            return ks[0]
-        if self._probes[b] % 4 == 1:
             return others[-1]
         return min(others, key=lambda k: self._measured.get((k, b), -1))
 

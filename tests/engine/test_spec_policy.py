@@ -187,7 +187,7 @@ def test_a_drafting_choice_far_from_the_break_even_stands_refresh_drafting_round
     assert tail and all(tail), tail
     drafting, made, _ = _drafting_choices(0.18, 0.5)
     assert drafting > 0.3 * 790
-    assert made >= 0.8 * drafting
+    assert made >= 0.9 * drafting
 
 
 def test_probes_lose_their_budget_with_the_cost_of_a_change():
@@ -227,45 +227,6 @@ def test_a_text_that_becomes_predictable_is_noticed():
     _, chosen = _simulate(policy, _cost(1.0, 0.3), 0.05, 1600, accept_after=0.97)
     assert chosen[700:800].count(0) > 80
     assert chosen[-200:].count(3) > 180
-
-
-def _rounds_until_0_after_its_time_fell(b: int) -> int:
-    """Drafting wins while a round of 0 takes 3 (its first measurements: the demo's DFlash at
-    B = 4 timed its first rounds of 0 at 8.7 ms against 3.1-3.8 later), then a round of 0
-    takes 1 and drafting loses (0.8 of 0's tokens per second at K = 1, less above): the rounds
-    after the change until 0 runs in 90% of a window of 100."""
-    policy, rng, now = DraftPolicy(KS, "dflash"), np.random.default_rng(0), 0.0
-    rows = [RowAcceptance(max(KS)) for _ in range(b)]
-    chosen = []
-    for i in range(6000):
-        outlook = [RowOutlook(a, 10**6) for a in rows]
-        k = policy.choose(outlook, lambda k, b: True)
-        policy.dispatched(k, outlook)
-        now += b * ((3.0 if i < 1000 else 1.0) if k == 0 else 1.0 + 0.5 * (1 + k))
-        tokens = 0
-        for a in rows:
-            produced = 1
-            while produced <= k and rng.random() < 0.6:
-                produced += 1
-            policy.add_row(a, k, k + 1, produced, produced)
-            tokens += produced
-        policy.round_done(k, b, now, tokens)
-        chosen.append(k)
-    assert chosen[900:1000].count(0) < 20  # drafting won before
-    for i in range(1000, len(chosen) - 100):
-        if chosen[i:i + 100].count(0) >= 90:
-            return i - 1000
-    return len(chosen)
-
-
-@pytest.mark.parametrize("b", [1, 4])
-def test_the_cheapest_round_is_timed_while_drafting_wins(b):
-    """While a K that drafts is the best, every other probe is of the cheapest K (the
-    fallback, and the cheapest probe), and a probe that beat the best's rate runs again after
-    PROBE_EVERY rounds: a round of 0 that became cheaper than its estimate is noticed within
-    900 rounds (803 and 571 here; with the largest and the oldest K in turn, each spaced by
-    the median of its last losses, 1401 and 1186)."""
-    assert _rounds_until_0_after_its_time_fell(b) < 900
 
 
 def test_a_probe_interrupted_by_a_change_of_batch_is_dropped():
@@ -495,7 +456,7 @@ def test_bare_rounds_never_cost_against_the_upkeep_every_round(per_draft, accept
         assert bare >= 0.99 * kept, (b, bare / kept)
 
 
-@pytest.mark.parametrize("upkeep, bare", [(None, (0.55, 1.0)), (0.0, (0.0, 0.55))])
+@pytest.mark.parametrize("upkeep, bare", [(None, (0.55, 1.0)), (0.0, (0.0, 0.5))])
 def test_a_probe_far_from_winning_pays_the_upkeep_before_it(monkeypatch, upkeep, bare):
     """The demo's DFlash at B = 4: a verify costs ~3.5 rounds of 0 and drafting commits ~0.8
     of 0's tokens per second, while a probe of it loses little (~1.4 rounds). Spaced by that
