@@ -346,8 +346,8 @@ class DraftPolicy:
         # (K, B, seconds, round, bare) of the round times not yet in the estimates
         # (`take_samples`)
         self._samples: list[tuple[int, int, float, int, bool]] = []
-        # B -> [bare, its last NEAR seconds, the stretch before's (bare, `_typical`) or None,
-        # the round of its last]: the stretch of rounds of 0 of one kind (bare or with the
+        # B -> [bare, its last NEAR seconds, the stretch before's `_typical` or None, the round
+        # of its last]: the stretch of rounds of 0 of one kind (bare or with the
         # upkeep) being taken
         self._stretch: dict[int, list] = {}
         self._upkeep: dict[int, collections.deque] = {}  # B -> ratios, upkeep over bare
@@ -821,14 +821,14 @@ class DraftPolicy:
         st = self._stretch.get(b)
         for _, _, seconds, at, bare in run:
             if st is None or st[0] != bare:
-                before = (st[0], _typical(st[1])) if st is not None and len(
+                before = _typical(st[1]) if st is not None and len(
                     st[1]) >= MIN_SAMPLES and at - st[3] <= 2 * NEAR else None
                 st = self._stretch[b] = [bare, collections.deque(maxlen=NEAR), before, at]
             st[1].append(seconds)
             st[3] = at
             if st[2] is not None and len(st[1]) > MIN_SAMPLES:
                 now = _typical(st[1])
-                kept, bare_s = (st[2][1], now) if bare else (now, st[2][1])
+                kept, bare_s = (st[2], now) if bare else (now, st[2])
                 _window(self._upkeep, b, WINDOW).append(kept / max(bare_s, 1e-12))
                 st[2] = None
 
