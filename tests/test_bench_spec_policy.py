@@ -61,3 +61,85 @@ def test_the_policys_bare_rounds_per_turn_are_the_differences_of_its_count():
 
     side = {"warmup_outputs": [out(40), out(90)], "outputs": [out(190), out(230)]}
     assert spec_policy._bare_by_turn(side) == [100, 40]
+
+
+class _Handle:
+    """A request's events as an Engine publishes them (a RequestHandle's reading side)."""
+
+    def __init__(self, events, fail: bool = False):
+        self.events, self.fail, self.read = list(events), fail, []
+
+    @property
+    def done(self) -> bool:
+        return not self.events
+
+    def next_event(self, timeout=None):
+        if self.fail:
+            raise RuntimeError("the Engine failed")
+        self.read.append(self.events.pop(0))
+        return self.read[-1]
+
+    def result(self, timeout=None):
+        import time
+
+        time.sleep(0.02)  # the rest of the output arrives meanwhile
+        tokens = [t for e in self.read + self.events for t in getattr(e, "token_ids", ())]
+        self.events = []
+        return type("Result", (), {"token_ids": tuple(tokens)})
+
+
+def test_a_requests_client_times_its_decode_from_its_first_token():
+    from ninfer_jax.engine.events import (
+        Channel,
+        Delta,
+        Finished,
+        FinishReason,
+        GenerationStart,
+        Usage,
+    )
+    from scripts.benchmarks.workers.spec_engine import _Watch
+
+    def delta(*ids):
+        return Delta(7, "", ids, Channel.CONTENT)
+
+    handle = _Handle([GenerationStart(7, 5, 0), delta(), delta(11, 12), delta(13),
+                      delta(14, 15, 16), Finished(7, FinishReason.LENGTH, Usage(5, 6))])
+    watch = _Watch(handle)
+    watch.join()
+    assert len(handle.read) == 3  # up to the first event with tokens, then the result
+    assert watch.before == 2 and len(watch.result.token_ids) == 6
+    assert watch.decode_tok_s == pytest.approx(4 / (watch.end - watch.first))
+    assert watch.end - watch.first >= 0.02
+    broken = _Watch(_Handle([GenerationStart(7, 5, 0)], fail=True))
+    with pytest.raises(RuntimeError, match="the Engine failed"):
+        broken.join()
+
+
+def test_the_targets_are_on_decode_tok_s_and_the_turns_rate_is_reported_beside():
+    def spread(x):
+        return {"median": x, "min": x, "max": x, "n": 1}
+
+    def side(decode, turn):
+        return {"decode_tok_s": spread(100 * decode), "decode_over_off": spread(decode),
+                "tok_s": spread(90 * turn), "over_off": spread(turn),
+                "first_token_over_off": spread(1.1), "same_tokens_as_off": True,
+                "worker_cpu_ms_per_round": spread(1.0)}
+
+    policy = {"best_fixed": "K=4", "decode_over_best_fixed": spread(1.3),
+              "over_best_fixed": spread(1.25),
+              "met": spec_policy._met(spread(0.98), spread(1.3)),
+              "turn_met": spec_policy._met(spread(0.96), spread(1.25))}
+    assert policy["met"] and not policy["turn_met"]
+    result = {"settings": {"method": "dflash", "new_tokens": 128, "warmup": 2, "reps": 15},
+              "measure": {"batches": {4: {"sides": {"off": side(1.0, 1.0),
+                                                    "policy": side(0.98, 0.96),
+                                                    "K=4": side(0.75, 0.74)},
+                                          "policy": policy, "load_1min": spread(1.2)}},
+                          "policy_stats": {"rounds_by_drafts": [[0, 10]],
+                                           "acceptance_by_position": [0.5],
+                                           "round_ms": [[0, 4, 3.2]]}}}
+    table = spec_policy.format_table(result)
+    assert ("policy / best fixed (K=4) per pair: decode 1.30 [1.30-1.30], turn 1.25 "
+            "[1.25-1.25]") in table
+    assert "met (on the turn's tok/s: not met)" in table
+    assert spec_policy._over([2.0, 3.0], [1.0, 2.0])["median"] == pytest.approx(1.75)

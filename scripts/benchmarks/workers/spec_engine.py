@@ -5,8 +5,12 @@ num_speculative_tokens, draft_policy); the Engine compiles every executable befo
 turn. Measurements:
 - "b<B>" (prepare args {"prompts": [text, ...], "new_tokens": n}): a repetition submits every
   prompt together, greedy with ignore_eos, and waits for the last result; its work is the
-  tokens generated; outputs the token ids, the Engine's speculative statistics and the CPU
-  time of its worker thread per decode round (host work: planning, dispatch, publication).
+  tokens generated; outputs the token ids, the Engine's speculative statistics, the CPU time
+  of its worker thread per decode round (host work: planning, dispatch, publication) and what
+  a client of each request saw: its first token's arrival and its end (a thread a request
+  reads events until the first token, then sleeps until the end: `_Watch`), hence the decode
+  tok/s (each request's tokens after its first over the seconds from its first to its end,
+  summed over the requests) and the last request's first token from the submit.
 - "upkeep_b<B>" (prepare args {"prompts": [...], "budget": n, "rounds": r, "bare": bool}):
   the Engine's worker stops (its Program stays usable) and a repetition runs r rounds of 0
   drafts on B prefilled sequences through the Program (`decode(drafts=0, bare=bare)` +
@@ -79,21 +83,62 @@ class SpecEngine(BenchWorker):
                     "outputs": {}}
         rounds, cpu = self.engine.stats().rounds.rounds, time.clock_gettime(self.worker_clock)
         start = time.perf_counter()
-        handles = [self.engine.submit(prompt=p, sampling=self.sampling) for p in self.prompts]
-        results = [h.result(600) for h in handles]
+        watches = [_Watch(self.engine.submit(prompt=p, sampling=self.sampling))
+                   for p in self.prompts]
+        for w in watches:
+            w.join()
         seconds = time.perf_counter() - start
         stats = self.engine.stats()
         worker_cpu = time.clock_gettime(self.worker_clock) - cpu
+        results = [w.result for w in watches]
         return {"seconds": seconds, "work": sum(len(r.token_ids) for r in results),
                 "outputs": {"tokens": [list(r.token_ids) for r in results],
                             "stats": dataclasses.asdict(stats.speculative),
                             "worker_cpu_ms_per_round":
-                                1e3 * worker_cpu / max(stats.rounds.rounds - rounds, 1)}}
+                                1e3 * worker_cpu / max(stats.rounds.rounds - rounds, 1),
+                            "decode_tok_s": sum(w.decode_tok_s for w in watches),
+                            "first_token_ms": 1e3 * (max(w.first for w in watches) - start)}}
 
     def finish(self, name: str) -> None:
         for h in self.handles:
             self.program.release(h)
         self.handles = []
+
+
+class _Watch(threading.Thread):
+    """A request's client: reads its events until the first token arrives (its time and the
+    tokens by then), then waits for the end (`RequestHandle.result`: no wake-up a token)."""
+
+    def __init__(self, handle):
+        super().__init__(daemon=True)
+        self.handle, self.error = handle, None
+        self.start()
+
+    def run(self) -> None:
+        from ninfer_jax.engine.events import Delta
+
+        try:
+            self.before = 0
+            while not self.handle.done:  # up to the first token's event (or the end)
+                event = self.handle.next_event(600)
+                if isinstance(event, Delta) and event.token_ids:
+                    self.before = len(event.token_ids)
+                    break
+            self.first = time.perf_counter()
+            self.result = self.handle.result(600)
+            self.end = time.perf_counter()
+        except BaseException as e:  # noqa: BLE001 - re-raised by join
+            self.error = e
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self.error is not None:
+            raise self.error
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens after the first arrival over the seconds from it to the end."""
+        return (len(self.result.token_ids) - self.before) / max(self.end - self.first, 1e-9)
 
 
 if __name__ == "__main__":
