@@ -146,10 +146,8 @@ def measure(s: Settings) -> dict:
                 "met": _met(row["sides"]["policy"]["decode_over_off"], over_best),
                 "turn_met": _met(row["sides"]["policy"]["over_off"], turn_over_best)}
             if s.baseline:
-                row["off_over_base"] = spread([x / y for x, y in zip(
-                    off["rates"], r["sides"]["base off"]["rates"])])
-                row["policy_over_base"] = spread([x / y for x, y in zip(
-                    pol, r["sides"]["base policy"]["rates"])])
+                row["off_over_base"] = _over(off["rates"], r["sides"]["base off"]["rates"])
+                row["policy_over_base"] = _over(pol, r["sides"]["base policy"]["rates"])
             row["policy_rounds_by_turn"] = _rounds_by_turn(r["sides"]["policy"])
             row["policy_bare_by_turn"] = _bare_by_turn(r["sides"]["policy"])
             out["batches"][b] = row
