@@ -35,7 +35,7 @@ CALLS = flags.DEFINE_integer("calls", 60, "chained calls per turn", lower_bound=
 def _inputs(prog, b: int, drafts: int):
     import numpy as np
 
-    from ninfer_jax.program.executable_specs import no_commit, round_width
+    from ninfer_jax.program.executable_specs import no_commit, reads_ring, round_width
     from ninfer_jax.program.host import GREEDY
     from ninfer_jax.program.sampling import sampling_arrays
     from ninfer_jax.program.steps import DecodeInputs
@@ -46,16 +46,18 @@ def _inputs(prog, b: int, drafts: int):
         positions=np.full(b, 150, np.int32), slots=np.arange(b, dtype=np.int32),
         page_tables=np.arange(b * w, dtype=np.int32).reshape(b, w) % pc.num_pages,
         sampling=sampling_arrays([GREEDY] * b, mask_words=prog.limits.mask_words),
-        step_index=np.full(b, 151, np.int32), limit=np.ones(b, np.int32), rope_delta=None)
+        step_index=np.full(b, 151, np.int32), limit=np.ones(b, np.int32), rope_delta=None,
+        context_from=np.zeros(b, np.int32) if reads_ring(pc, drafts) else None)
 
 
-def _turn(prog, exe, params, inputs, calls: int, every: bool) -> tuple[float, float]:
+def _turn(prog, exe, params, inputs, calls: int, every: bool,
+          bare: bool) -> tuple[float, float]:
     import jax
 
     from ninfer_jax.program.executable_specs import round_pools, with_images
 
     held = prog._pools
-    pools = held if every else round_pools(held)
+    pools = held if every else round_pools(held, bare)
     cpu, wall = time.thread_time(), time.perf_counter()
     for _ in range(calls):
         pools, out = exe(params, pools, inputs)
@@ -97,18 +99,18 @@ def main(argv) -> None:
         args = (prog.params, prog._pools, inputs)
         every = jit_step(spec.fn, args, spec.donate, None).lower(*args).compile()
         read = round_params(prog.params, prog.pcfg, drafts, bare)
-        sides += [(f"{name}, what it reads", prog.executables._get(key), read, inputs, False),
-                  (f"{name}, everything", every, prog.params, inputs, True)]
-    for _, exe, params, inputs, whole in sides:  # a first run of each
-        _turn(prog, exe, params, inputs, 2, whole)
+        sides += [(f"{name}, what it reads", prog.executables._get(key), read, inputs, False,
+                   bare), (f"{name}, everything", every, prog.params, inputs, True, bare)]
+    for _, exe, params, inputs, whole, bare in sides:  # a first run of each
+        _turn(prog, exe, params, inputs, 2, whole, bare)
     runs = {name: [] for name, *_ in sides}
     for rep in range(REPS.value):
-        for name, exe, params, inputs, whole in (sides if rep % 2 == 0 else sides[::-1]):
-            runs[name].append(_turn(prog, exe, params, inputs, CALLS.value, whole))
+        for name, exe, params, inputs, whole, bare in (sides if rep % 2 == 0 else sides[::-1]):
+            runs[name].append(_turn(prog, exe, params, inputs, CALLS.value, whole, bare))
     print(f"{METHOD.value} K={k}, B={b}: per call, median [min-max] of {REPS.value} turns of "
           f"{CALLS.value} calls")
-    for name, _, params, _, whole in sides:
-        pools = prog._pools if whole else round_pools(prog._pools)
+    for name, _, params, _, whole, bare in sides:
+        pools = prog._pools if whole else round_pools(prog._pools, bare)
         cpu = [1e6 * c for c, _ in runs[name]]
         wall = [1e6 * w for _, w in runs[name]]
         print(f"  {name:30s} {len(jax.tree.leaves(params)):4d} + "

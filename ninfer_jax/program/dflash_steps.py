@@ -3,7 +3,7 @@
 `dflash_verify_step(params, pools, inputs) -> (pools, outputs)` has the decode step's inputs and
 outputs (`steps.DecodeInputs`, `steps.StepOutputs`). For B rows at their frontiers f: the drafter
 (`models/dflash`) reads each row's context window (the ring of its slot, entries it holds at f,
-`pools.context_positions`) and the block [last token, mask * K] at positions f .. f + K, and
+`pools.context_positions`, from the row's `context_from`: past its last bare round) and the block [last token, mask * K] at positions f .. f + K, and
 proposes K drafts, from the full lm-head proposal or the candidate selector
 (`ProgramConfig.draft_head`); the target runs the last token and the drafts at T = K + 1
 positions, keeping its GDN state after each and returning its `target_layer_ids` outputs;
@@ -71,7 +71,8 @@ def dflash_verify_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg:
     ctx_pos, ctx_ok = context_positions(pos, ring, kept)
     ctx_k = pools.dk[slots]
     hidden = block_hidden(params["dflash"], drafter, embeds, block_pos, ctx_k, pools.dv[slots],
-                          ctx_pos, ctx_ok & context_written(ctx_k))[:, 1:]  # [B, K, H]
+                          ctx_pos, ctx_ok & context_written(ctx_k)
+                          & (ctx_pos >= inputs.context_from[:, None]))[:, 1:]  # [B, K, H]
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     logits = block_logits(drafter, hidden, head)  # [B, K, V]
     if pcfg.draft_head == "selector":

@@ -130,10 +130,11 @@ def program_executables(cfg: ModelConfig, pcfg: ProgramConfig, params: dict, poo
             positions=np.zeros(b, np.int32), slots=np.arange(b, dtype=np.int32),
             page_tables=np.zeros((b, w), np.int32), sampling=sampling(b),
             step_index=np.zeros(b, np.int32), limit=np.ones(b, np.int32),
-            rope_delta=np.zeros(b, np.int32) if vision else None)
+            rope_delta=np.zeros(b, np.int32) if vision else None,
+            context_from=np.zeros(b, np.int32) if reads_ring(pcfg, k) else None)
         return ExecutableSpec(round_key(pcfg, b, k, bare, lean), round_step(k, bare, lean),
-                              (round_params(params, pcfg, k, bare), round_pools(pools), example),
-                              background=True)
+                              (round_params(params, pcfg, k, bare), round_pools(pools, bare),
+                               example), background=True)
 
     vision_rows = {}
     if vision:  # MRoPE positions and the vision embeddings at placeholders
@@ -160,7 +161,8 @@ def program_executables(cfg: ModelConfig, pcfg: ProgramConfig, params: dict, poo
     if pcfg.num_checkpoint_slots:
         specs.append(ExecutableSpec(
             StepKey(StepKind.CAPTURE, 1), bind(capture_step, pcfg=pcfg, drafter=drafter),
-            (pools, CaptureInputs(slot=one, ckpt_slot=one, frontier=one)), background=True))
+            (pools, CaptureInputs(slot=one, ckpt_slot=one, frontier=one, context_from=one)),
+            background=True))
     specs.append(decode(1))
     if vision:  # the vision encoder for each bucket of patches, before a prompt needs it
         v = cfg.vision
@@ -216,16 +218,29 @@ def round_params(params: dict, pcfg: ProgramConfig, drafts: int, bare: bool = Fa
 IMAGE_POOLS = ("ck_conv", "ck_rec", "ck_ctx", "ck_dk", "ck_dv")
 
 
-def round_pools(pools: Pools) -> Pools:
-    """The pools a decode round's call passes (donated): all but the checkpoint images'
-    (`with_images` puts them back), which no round touches; each leaf passed and given back
-    costs the call host time, as `round_params`' do."""
-    return dataclasses.replace(pools, **dict.fromkeys(IMAGE_POOLS))
+# The drafter's rings: a bare round of 0 neither reads nor writes them (`steps.decode_step`).
+RING_POOLS = ("dk", "dv")
+
+
+def round_pools(pools: Pools, bare: bool = False) -> Pools:
+    """The pools a decode round's call passes (donated): all but the checkpoint images', which
+    no round touches, and for a `bare` round the drafter's rings (`with_images` puts them
+    back); each leaf passed and given back costs the call host time, as `round_params`' do
+    (`scripts/round_call_cost.py`)."""
+    left = IMAGE_POOLS + (RING_POOLS if bare else ())
+    return dataclasses.replace(pools, **dict.fromkeys(left))
 
 
 def with_images(pools: Pools, held: Pools) -> Pools:
-    """A round's `pools` (`round_pools`) with `held`'s checkpoint images."""
-    return dataclasses.replace(pools, **{f: getattr(held, f) for f in IMAGE_POOLS})
+    """A round's `pools` (`round_pools`) with `held`'s pools it did not pass."""
+    return dataclasses.replace(pools, **{f: getattr(held, f) for f in IMAGE_POOLS + RING_POOLS
+                                         if getattr(pools, f) is None})
+
+
+def reads_ring(pcfg: ProgramConfig, drafts: int) -> bool:
+    """Whether a round of `drafts` drafts reads the drafter's rings (`DecodeInputs.context_from`
+    its input): a DFlash round that drafts."""
+    return pcfg.speculative == "dflash" and drafts > 0
 
 
 def lean_rounds(pcfg: ProgramConfig) -> bool:

@@ -394,7 +394,8 @@ class HostProgram(CheckpointCopies):
         `bare`: a round of 0 may skip the drafter's upkeep (with `limits.context_window`, once
         that round is compiled, and with MTP when every row's last step was a decode round;
         else ignored): the same tokens, and the rows' drafter contexts lack this position
-        (DFlash: until the window moves past it; MTP: for good, the head's attention skips
+        (DFlash: a block reads a row's ring only past its last bare round, the whole window
+        once `context_stale` rounds of upkeep ran; MTP: for good, the head's attention skips
         it) with `context_stale` rounds of upkeep to go."""
         self._check_idle()
         seqs = [self._seq(h) for h in handles]
@@ -440,7 +441,7 @@ class HostProgram(CheckpointCopies):
         for i, s in enumerate(seqs):
             s.mask = checked[i]
             self._grow(s, s.frontier + int(limits[i]))
-            if bare:  # its entry at the frontier stays empty (even if the round is dropped)
+            if bare:  # no block reads its ring up to here (even if the round is dropped)
                 s.context_from = s.frontier + 1
         # The step runs on the device after this returns; reading batch.tokens waits for it.
         tokens, produced, logprobs, *ids = self._run_decode(seqs, limits, last, drafts, bare)

@@ -169,8 +169,9 @@ def write_context(pool: jax.Array, slots: jax.Array, positions: jax.Array, valid
 def context_written(dk: jax.Array) -> jax.Array:
     """Which ring entries hold a position's K [B, R + 1] of dk [B, R + 1, Ld, Hkv, D]: an
     entry of K is normed and rotated, never all zeros (its norm weights are not), so zeros
-    mark an entry a bare round of 0 left empty (`steps.decode_step`). A block reads an entry only
-    where both this and `context_positions` hold."""
+    mark an entry a checkpoint image left out (`steps.capture_step`: what a bare round of 0
+    did not write). A block reads an entry only where both this and `context_positions` hold,
+    at positions from the row's `DecodeInputs.context_from`."""
     return jnp.any(dk[:, :, 0] != 0, axis=(-2, -1))
 
 

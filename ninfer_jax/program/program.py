@@ -37,6 +37,7 @@ from ninfer_jax.program.executable_specs import (
     no_commit,
     page_parts,
     program_executables,
+    reads_ring,
     round_key,
     round_params,
     round_pools,
@@ -195,9 +196,11 @@ class Program(HostProgram):
                                 np.int32),
             sampling=sampling_arrays([GREEDY] * b, mask_words=self.limits.mask_words),
             step_index=np.zeros(b, np.int32), limit=np.full(b, drafts + 1, np.int32),
-            rope_delta=np.zeros(b, np.int32) if self.vision_on else None)
-        params = self._round_params[drafts > 0, key.extra[1:] == (1,)]
-        pools, _ = self.executables(key, params, round_pools(self._pools), inputs)
+            rope_delta=np.zeros(b, np.int32) if self.vision_on else None,
+            context_from=np.zeros(b, np.int32) if reads_ring(self.pcfg, drafts) else None)
+        bare = key.extra[1:] == (1,)
+        params = self._round_params[drafts > 0, bare]
+        pools, _ = self.executables(key, params, round_pools(self._pools, bare), inputs)
         self._pools = with_images(pools, self._pools)
 
     @property
@@ -381,7 +384,9 @@ class Program(HostProgram):
             sampling=self._sampling(seqs),
             step_index=np.array([s.frontier + 1 for s in seqs], np.int32), limit=limits,
             rope_delta=np.array([0 if s.rope is None else s.rope.delta for s in seqs],
-                                np.int32) if self.vision_on else None)
+                                np.int32) if self.vision_on else None,
+            context_from=np.array([s.context_from for s in seqs], np.int32)
+            if reads_ring(self.pcfg, drafts) else None)
         key = round_key(self.pcfg, len(seqs), drafts, bare)
         if self._lean and not bare and drafts == 0 and all(s.after_decode for s in seqs):
             lean = round_key(self.pcfg, len(seqs), 0, lean=True)
@@ -390,7 +395,7 @@ class Program(HostProgram):
                 self.lean_rounds += 1
         self._cold.pop(key, None)
         pools, out = self.executables(key, self._round_params[drafts > 0, bare],
-                                      round_pools(self._pools), inputs)
+                                      round_pools(self._pools, bare), inputs)
         self._pools = with_images(pools, self._pools)
         # On the device; the PendingBatch reads them when asked. A round of no drafts
         # proposes one token a row: nothing to read back for that.
@@ -412,7 +417,8 @@ class Program(HostProgram):
     def _run_capture(self, seq: SeqRecord, ckpt_slot: int) -> None:
         inputs = CaptureInputs(slot=np.array([seq.slot], np.int32),
                                ckpt_slot=np.array([ckpt_slot], np.int32),
-                               frontier=np.array([seq.frontier], np.int32))
+                               frontier=np.array([seq.frontier], np.int32),
+                               context_from=np.array([seq.context_from], np.int32))
         self._pools = self.executables(StepKey(StepKind.CAPTURE, 1), self.pools, inputs)
 
     def _run_restore(self, ckpt: CheckpointRecord, seq: SeqRecord,

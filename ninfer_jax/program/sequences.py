@@ -51,7 +51,8 @@ class SeqRecord:
     # decode round took them on the device; `HostProgram._resolve` appends them to `tokens`).
     unread: int = 0
     # The position after the last one a bare decode round left out of the drafter's context
-    # (0: none since the sequence's start): `HostProgram.context_stale`.
+    # (0: none since the sequence's start): a DFlash block reads the ring only from here on
+    # (`DecodeInputs.context_from`), a checkpoint keeps it from here on; `context_stale`.
     context_from: int = 0
     # Its last committed step was a decode round (not a prefill chunk or forced control), so
     # with MTP the head's K/V at frontier - 1 holds the token at the frontier (the Program's

@@ -44,7 +44,6 @@ from ninfer_jax.program.pools import (
     Pools,
     context_positions,
     context_ring,
-    write_context,
     write_rows,
 )
 from ninfer_jax.program.sampling import (
@@ -98,7 +97,7 @@ class PrefillInputs:
 
 
 @_register(["commit", "token_ids", "positions", "slots", "page_tables", "sampling",
-            "step_index", "limit", "rope_delta"])
+            "step_index", "limit", "rope_delta", "context_from"])
 @dataclasses.dataclass(frozen=True)
 class DecodeInputs:
     commit: CommitInputs  # the previous step's commit, applied first
@@ -112,6 +111,10 @@ class DecodeInputs:
     # A model with a vision tower (None otherwise): [B] int32, each row's MRoPE delta; its
     # rope position is positions + rope_delta in all three rows (0 for a text-only prompt).
     rope_delta: jax.Array | None = None
+    # A DFlash round that drafts (None for the others): [B] int32, the first position of each
+    # row's ring a block may read: the one after its last bare round (`SeqRecord.context_from`,
+    # 0: none), whose entries below it may hold an older position's (bare rounds write none).
+    context_from: jax.Array | None = None
 
 
 @_register(["patches", "pos_index", "pos_weight", "rope_hw", "segment"])
@@ -127,12 +130,13 @@ class VisionEncodeInputs:
     segment: jax.Array  # [N] int32
 
 
-@_register(["slot", "ckpt_slot", "frontier"])
+@_register(["slot", "ckpt_slot", "frontier", "context_from"])
 @dataclasses.dataclass(frozen=True)
 class CaptureInputs:
     slot: jax.Array  # [1] int32, the sequence's committed state slot
     ckpt_slot: jax.Array  # [1] int32, the checkpoint slot to fill
     frontier: jax.Array  # [1] int32, the sequence's committed frontier (the drafter's ring)
+    context_from: jax.Array  # [1] int32, the ring's first readable position (`DecodeInputs`)
 
 
 @_register(["ckpt_slot", "slot", "prefix_ids", "prefix_len", "copy_src", "copy_dst"])
@@ -338,10 +342,11 @@ def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
     reads current, as a verify round would: the MTP head's K/V at the frontier's last position
     and the new one (`verify_step`), or the drafter's context K/V of the new position. Its
     tokens come back [B, 1] and its commit is as narrow (`executable_specs.round_width`).
-    `bare` (DFlash with a sliding-window drafter): the new position's ring entry is marked
-    empty instead (zeros), which costs a write, not the drafter's
-    projections; blocks do not read it, and once the window has moved past it the context
-    is the one the upkeep would have left. `bare` (MTP, every row after a decode round): the
+    `bare` (DFlash with a sliding-window drafter): the drafter's rings are neither read nor
+    written, nor passed (`executable_specs.round_pools`): the new position's entry keeps an
+    older position's, which no block reads (a block reads only positions from the row's
+    `context_from`, past its last bare round) and the window's moving past it leaves the
+    context the upkeep would have left. `bare` (MTP, every row after a decode round): the
     head's K/V at the new position are zeros, which its attention does not read
     (`PagedKV.skip_empty`): the head's context lacks that position for good (what that
     costs the drafts: docs/speculative.md, bare rounds). `lean` (MTP): every row's last
@@ -378,15 +383,10 @@ def decode_step(params: dict, pools: Pools, inputs: DecodeInputs, *, cfg: ModelC
                         _mtp_kv(kv.with_layers(pools.kv), cfg, start,
                                 jnp.full((b,), after.shape[1], jnp.int32)), pcfg.moe_sharding)
         pools = pools.with_kv(mkv.layers)
-    if drafter is not None:
+    if drafter is not None and not bare:
         ring, _ = context_ring(drafter, pcfg)
-        if bare:  # the entry left empty: zeros, which blocks skip (`pools.context_written`)
-            empty = jnp.zeros((b, 1, *pools.dk.shape[2:]), pools.dk.dtype)
-            pools = dataclasses.replace(pools, dk=write_context(
-                pools.dk, slots, pos[:, None], jnp.ones((b, 1), bool), ring, empty))
-        else:
-            pools = write_drafter_context(params, drafter, pools, slots, out.features,
-                                          pos[:, None], jnp.ones((b, 1), bool), ring)
+        pools = write_drafter_context(params, drafter, pools, slots, out.features,
+                                      pos[:, None], jnp.ones((b, 1), bool), ring)
     return pools, outputs
 
 
@@ -469,8 +469,9 @@ def widen(tokens: jax.Array, width: int) -> jax.Array:
 def capture_step(pools: Pools, inputs: CaptureInputs, *, pcfg: ProgramConfig,
                  drafter: DFlashConfig | None = None) -> Pools:
     """Copies a sequence's committed GDN state, MTP context and the drafter's context window
-    (only the entries it holds at the frontier, the rest zero: the image depends on the
-    tokens alone) into a checkpoint slot (its K/V pages are shared)."""
+    (only the entries it holds at the frontier from its `context_from` on, the rest zero,
+    which blocks skip: the image depends on the tokens and the last bare round alone) into a
+    checkpoint slot (its K/V pages are shared)."""
     ck, slot = inputs.ckpt_slot, inputs.slot
     pools = dataclasses.replace(
         pools, ck_conv=write_rows(pools.ck_conv, ck, pools.conv[slot]),
@@ -478,8 +479,8 @@ def capture_step(pools: Pools, inputs: CaptureInputs, *, pcfg: ProgramConfig,
         ck_ctx=write_rows(pools.ck_ctx, ck, pools.ctx[slot]))
     if drafter is None:
         return pools
-    _, held = context_positions(inputs.frontier, *context_ring(drafter, pcfg))
-    keep = held[:, :, None, None, None]
+    pos, held = context_positions(inputs.frontier, *context_ring(drafter, pcfg))
+    keep = (held & (pos >= inputs.context_from[:, None]))[:, :, None, None, None]
     return dataclasses.replace(
         pools, ck_dk=write_rows(pools.ck_dk, ck, jnp.where(keep, pools.dk[slot], 0)),
         ck_dv=write_rows(pools.ck_dv, ck, jnp.where(keep, pools.dv[slot], 0)))

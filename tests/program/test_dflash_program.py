@@ -131,8 +131,10 @@ def _expected_context(prog: Program, tokens: list[int], frontier: int):
 
 def _check_ring(prog: Program, name: str, drafts) -> list[int]:
     """Decodes one row, round r with drafts[r] drafts ("bare": a round of 0 that skips the
-    drafter's upkeep), and checks its ring against a full forward (the positions of bare
-    rounds: empty) and what `context_stale` says; returns its tokens."""
+    drafter's upkeep), and checks its ring against a full forward (bare rounds' positions
+    aside: they keep an older position's entry, which no block reads), what `context_stale`
+    says, and a checkpoint's image of it (the held entries from `context_from` on, zeros
+    elsewhere); returns its tokens."""
     prompt = _prompts(1, prog.cfg.vocab_size, seed=7)[0]
     h = prog.materialize(prog.plan_admission(len(prompt), 48), prompt, GREEDY)
     while (b := prog.prefill(h)) is None:
@@ -159,13 +161,19 @@ def _check_ring(prog: Program, name: str, drafts) -> list[int]:
     got_k, got_v = (np.asarray(a)[seq.slot] for a in (prog.pools.dk, prog.pools.dv))
     assert held.sum() == min(frontier, kept)
     for i in np.flatnonzero(held):
-        if pos[i] in bare:
-            assert not np.any(got_k[i])
-            continue
-        np.testing.assert_allclose(got_k[i], want_k[pos[i]], atol=2e-5)
-        np.testing.assert_allclose(got_v[i], want_v[pos[i]], atol=2e-5)
+        if pos[i] not in bare:
+            np.testing.assert_allclose(got_k[i], want_k[pos[i]], atol=2e-5)
+            np.testing.assert_allclose(got_v[i], want_v[pos[i]], atol=2e-5)
+    assert seq.context_from == (bare[-1] + 1 if bare else 0)
     stale = max(bare[-1] + 1 + kept - frontier, 0) if bare else 0
     assert prog.context_stale(h) == stale
+    ckpt = prog.capture(h)
+    image = np.asarray(prog.pools.ck_dk)[prog.checkpoints.record(ckpt).slot]
+    readable = held & (pos >= seq.context_from)
+    assert not np.any(image[~readable])
+    for i in np.flatnonzero(readable):
+        np.testing.assert_allclose(image[i], want_k[pos[i]], atol=2e-5)
+    prog.release_checkpoint(ckpt)
     prog.release(h)
     return tokens
 
@@ -195,8 +203,8 @@ def test_rounds_of_any_draft_count_keep_greedy_output_and_the_ring():
 def test_bare_rounds_leave_their_positions_out_of_the_ring_and_the_output_unchanged():
     """Rounds of 0 that skip the drafter's upkeep (`decode(bare=True)`) between rounds of
     every K: the greedy tokens of no speculation; the ring holds the target's context at every
-    other held position and nothing at theirs; W rounds of upkeep after the last one, the ring
-    is the one the upkeep would have left (W: the drafter's window)."""
+    other held position; W rounds of upkeep after the last one, the ring is the one the upkeep
+    would have left (W: the drafter's window)."""
     prog = dflash_program("random", 7, 1, policy="adaptive")
     assert prog.limits.context_window == 16
     prompt = _prompts(1, prog.cfg.vocab_size, seed=7)[0]
@@ -204,6 +212,54 @@ def test_bare_rounds_leave_their_positions_out_of_the_ring_and_the_output_unchan
     gaps = _check_ring(prog, "random", [7, 0, "bare", 4, "bare", "bare", 1] * 6 + ["bare"] * 8)
     whole = _check_ring(prog, "random", [7, "bare", "bare", 4] * 5 + [0] * 40)
     assert gaps[len(prompt):] == whole[len(prompt):] == want
+
+
+def test_a_block_after_bare_rounds_reads_the_ring_only_past_them():
+    """A bare round writes no ring entry (its position's keeps an older one's), so a round
+    that drafts reads the ring only from the row's `context_from` on: of two rows of the same
+    tokens whose contexts had rounds of upkeep after bare ones, one ring's entries below it
+    overwritten with noise, both draft the same (their rings get the same entries at the
+    drafts' positions); noise at or past it changes the drafts (the check can fail)."""
+    prog = dflash_program("random", 7, 2, policy="adaptive")
+    prompt = _prompts(1, prog.cfg.vocab_size, seed=11)[0]
+    ring, kept = context_ring(prog.drafter, prog.pcfg)
+
+    def drafted(noise_below: bool) -> list[np.ndarray]:
+        hs = [prog.materialize(prog.plan_admission(len(prompt), 30), prompt, GREEDY)
+              for _ in range(2)]
+        for h in hs:
+            while (b := prog.prefill(h)) is None:
+                pass
+            prog.commit(b, [1])
+        for k in [0] * 6 + ["bare"] * 4 + [0] * 5:
+            b = prog.decode(hs, drafts=0, bare=k == "bare")
+            prog.commit(b, [1, 1])
+        seqs = [prog._seq(h) for h in hs]
+        frontier, start = seqs[0].frontier, seqs[0].context_from
+        assert start == frontier - 5 and prog.context_stale(hs[0]) > 0
+        pos, held = (np.asarray(a)[0] for a in context_positions(jnp.array([frontier]), ring,
+                                                                   kept))
+        noisy = np.flatnonzero(held & ((pos < start) if noise_below else (pos >= start)))
+        assert len(noisy) >= 5
+        pools = prog.pools
+        noise = jax.random.normal(jax.random.key(0), (len(noisy), *pools.dk.shape[2:]),
+                                  pools.dk.dtype)
+        prog._pools = dataclasses.replace(
+            pools, dk=pools.dk.at[seqs[1].slot, noisy].set(noise),
+            dv=pools.dv.at[seqs[1].slot, noisy].set(noise))
+        b = prog.decode(hs, drafts=7)
+        prog.commit(b, b.produced.tolist())
+        after = [frontier + 1 + j for j in range(7)]  # written from the drafts' features
+        dk = np.asarray(prog.pools.dk)
+        rows = [dk[s.slot][[p % ring for p in after]] for s in seqs]
+        for h in hs:
+            prog.release(h)
+        return rows
+
+    same = drafted(noise_below=True)
+    np.testing.assert_array_equal(same[0], same[1])
+    other = drafted(noise_below=False)
+    assert not np.array_equal(other[0], other[1])
 
 
 def test_bare_rounds_are_compiled_only_where_a_window_bounds_the_context():

@@ -78,7 +78,8 @@ def test_round_params_keeps_the_target_and_drops_the_vision_tower():
 
 def test_a_decode_round_passes_no_checkpoint_image_pools():
     """Only the capture, the restore and the image steps touch the checkpoint images' pools; a
-    round gets the others (the Program puts the images back after it, `with_images`)."""
+    round gets the others, a bare round all but the drafter's rings too (the Program puts
+    them back after it, `with_images`)."""
     cfg, pcfg, _ = _setups()["dflash"]
     pcfg = dataclasses.replace(pcfg, num_checkpoint_slots=2)
     drafter = tiny_drafter(cfg)
@@ -89,7 +90,10 @@ def test_a_decode_round_passes_no_checkpoint_image_pools():
     assert rounds
     for s in rounds:
         assert all(getattr(s.args[1], f) is None for f in IMAGE_POOLS), s.key
-        assert s.args[1].dk is not None and s.args[1].k is not None
+        bare = s.key.extra[1:] == (1,)
+        assert (s.args[1].dk is None) == (s.args[1].dv is None) == bare, s.key
+        assert s.args[1].k is not None
+    assert any(s.key.extra[1:] == (1,) for s in rounds)
     capture = next(s for s in specs if s.key.kind is StepKind.CAPTURE)
     assert all(getattr(capture.args[0], f) is not None for f in IMAGE_POOLS)
 
