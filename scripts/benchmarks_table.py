@@ -208,6 +208,12 @@ def _spec_policy(data: dict) -> tuple[list[Row], str]:
             rows.append(Row(config=f"{method} B={b}: {label} vs off",
                             ours=_rounded(sides[name][rate], 1), against=off,
                             ratio=_rounded(sides[name][over], 2), unit="tok/s"))
+        if policy.get("replicas", 1) > 1:  # BENCH_SPECPOL_REPLICAS: what the targets are on
+            n = policy["replicas"]
+            rows.append(Row(config=f"{method} B={b}: policy vs off, {n} processes a side",
+                            ratio=_rounded(policy["decode_over_off"], 2)))
+            rows.append(Row(config=f"{method} B={b}: off vs off, the same code in another "
+                                   f"process", ratio=_rounded(batch["replica_spread"]["off"], 3)))
         rows.append(Row(config=f"{method} B={b}: policy vs the best fixed {policy['best_fixed']}",
                         ratio=_rounded(policy["decode_over_best_fixed" if decode
                                               else "over_best_fixed"], 2)))

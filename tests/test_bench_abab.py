@@ -152,6 +152,18 @@ def test_serpentine_turns_reverse_every_other_round():
     assert r["sides"]["c"]["outputs"] == [1, 2, 3]
 
 
+def test_rotated_rounds_start_one_side_later_each_and_repeat_no_side():
+    log = []
+    sides = [_Counter(log) for _ in range(3)]
+    r = alternate([LocalSide(n, c) for n, c in zip("abc", sides)], "m", {}, reps=4, warmup=0,
+                  rotate=True)
+    assert r["order"] == [*"abc", *"bca", *"cab", *"abc"]
+    assert all(x != y for x, y in zip(r["order"], r["order"][1:]))
+    assert r["sides"]["a"]["outputs"] == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="serpentine or rotate, not both"):
+        alternate([LocalSide("a", sides[0])], "m", {}, reps=1, serpentine=True, rotate=True)
+
+
 @pytest.mark.parametrize("var, value, message", [
     ("BENCH_PROGRAM_BATCHES", "1,x", "BENCH_PROGRAM_BATCHES must be an integer, got 'x'"),
     ("BENCH_PROGRAM_BATCHES", "1,0", "BENCH_PROGRAM_BATCHES must be >= 1 and <= 64, got 0"),

@@ -143,3 +143,21 @@ def test_the_targets_are_on_decode_tok_s_and_the_turns_rate_is_reported_beside()
             "[1.25-1.25]") in table
     assert "met (on the turn's tok/s: not met)" in table
     assert spec_policy._over([2.0, 3.0], [1.0, 2.0])["median"] == pytest.approx(1.75)
+
+
+def test_replicas_pool_every_policy_process_over_every_off_process_per_turn(monkeypatch):
+    monkeypatch.setenv("BENCH_SPECPOL_REPLICAS", "2")
+    s = spec_policy.Settings.from_env()
+    assert s.replicas == 2 and spec_policy._replicas(s, "off") == ["off", "off 2"]
+    monkeypatch.setenv("BENCH_SPECPOL_REPLICAS", "5")
+    with pytest.raises(SettingError, match="BENCH_SPECPOL_REPLICAS must be >= 1 and <= 4"):
+        spec_policy.Settings.from_env()
+    # two turns; the second off process runs 10% faster than the first
+    rates = {"off": [100.0, 100.0], "off 2": [110.0, 110.0], "policy": [99.0, 97.0],
+             "policy 2": [108.9, 106.7]}
+    pooled = spec_policy._pooled(rates, ["policy", "policy 2"], ["off", "off 2"])
+    assert pooled["n"] == 8
+    assert pooled["median"] == pytest.approx(0.98, abs=0.011)
+    alone = spec_policy._pooled(rates, ["policy"], ["off"])
+    assert alone == spec_policy._over(rates["policy"], rates["off"])
+    assert spec_policy._pooled(rates, ["off 2"], ["off"])["median"] == pytest.approx(1.1)

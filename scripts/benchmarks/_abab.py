@@ -221,14 +221,19 @@ def _checked(side: str, rep: Any) -> dict:
 
 
 def alternate(sides: Sequence[Side], name: str, args: dict, *, reps: int,
-              warmup: int = 1, serpentine: bool = False) -> dict:
+              warmup: int = 1, serpentine: bool = False, rotate: bool = False) -> dict:
     """Measurement `name` on every side: prepare (untimed), `warmup` untimed repetitions per
     side, then `reps` rounds in which each side runs one repetition in turn (A B A B ...;
     `serpentine`: every other round in the reverse order, A B C C B A A B C ..., so the first
     two sides' repetitions of a round are always next to each other and each runs first half
-    the time), then finish. Returns the summary described in the module docstring."""
+    the time; `rotate`: round i starts at side i mod N, A B C B C A C A B ..., so each side
+    runs in every place of a round equally often and none twice in a row, where the
+    serpentine's turnarounds run the end sides twice in a row), then finish. Returns the
+    summary described in the module docstring."""
     if reps < 1 or warmup < 0:
         raise ValueError(f"reps must be >= 1 and warmup >= 0, got reps={reps} warmup={warmup}")
+    if serpentine and rotate:
+        raise ValueError("alternate takes serpentine or rotate, not both")
     names = [s.name for s in sides]
     if len(set(names)) != len(names):
         raise ValueError(f"side names must be distinct, got {names}")
@@ -243,7 +248,8 @@ def alternate(sides: Sequence[Side], name: str, args: dict, *, reps: int,
     order, loads = [], []
     started = time.perf_counter()
     for i in range(reps):
-        for s in (sides[::-1] if serpentine and i % 2 else sides):
+        at = i % len(sides) if rotate else 0
+        for s in (sides[::-1] if serpentine and i % 2 else [*sides[at:], *sides[:at]]):
             before = os.getloadavg()
             rep = _checked(s.name, s.rep(name))
             loads.append({"side": s.name, "before": before, "after": os.getloadavg()})

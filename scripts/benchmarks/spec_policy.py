@@ -8,9 +8,13 @@ every executable compiled before the first turn), each in its own long-lived pro
 (`workers/spec_engine.py`: in one process the Engines' idle workers and caches disturbed each
 other's rounds), taking turns: "off" (no speculation), "policy" (`draft_policy="adaptive"`,
 K = the largest of BENCH_SPECPOL_KS: each round's K, 0 included, chosen from what that Engine
-measured) and "K=k" (`draft_policy="fixed"`: every round drafts k) for each k of them, in that
-order and the reverse every other turn (`alternate(serpentine=True)`: a pair of off and
-policy turns always side by side, each first half the time). A turn submits the first B story
+measured) and "K=k" (`draft_policy="fixed"`: every round drafts k) for each k of them, each
+round of turns starting one side later (`alternate(rotate=True)`: every side in every place
+equally often, none twice in a row; the serpentine order used until 2026-12-07 ran its end
+sides, "off" among them, twice in a row at its turnarounds). A process has a speed of its own:
+two of the same code ran 0.93-1.06x apart (medians over 15 turns, docs/speculative.md), so
+with BENCH_SPECPOL_REPLICAS=N "off" and "policy" each run as N processes and the targets are on
+the ratios pooled over every pair of them. A turn submits the first B story
 prompts of `_engine_vs_program.py` together, greedy, `ignore_eos`, NEW_TOKENS each. A thread a
 request is its client: it reads events until the first token arrives, then waits for the end.
 Two rates a turn: the decode tok/s (each request's tokens after its first over the seconds
@@ -35,8 +39,10 @@ True)`) where it has one. The policy's bare rounds are counted per turn. Targets
 
 Settings (environment): BENCH_SPECPOL_METHOD=mtp (or dflash)  BENCH_SPECPOL_KS (mtp: 1,2,3;
 dflash: 4,8,15)  BENCH_SPECPOL_BATCHES=1,4  BENCH_SPECPOL_NEW_TOKENS=128  BENCH_SPECPOL_REPS=5
-BENCH_SPECPOL_WARMUP=2  BENCH_SPECPOL_BASELINE=DIR (a checkout of an earlier commit, `git
-worktree add DIR COMMIT`: its "off" and "policy" Engines join the turns as the sides "base
+BENCH_SPECPOL_WARMUP=2  BENCH_SPECPOL_REPLICAS=1 (processes of "off" and of "policy", "off 2",
+"policy 2", ...: the targets are then on every policy process over every off process per turn,
+and how far the same code's processes ran apart is reported)  BENCH_SPECPOL_BASELINE=DIR (a
+checkout of an earlier commit, `git worktree add DIR COMMIT`: its "off" and "policy" Engines join the turns as the sides "base
 off" and "base policy", and "off" and "policy" over them per pair are reported: a change to the
 Program, the Engine or the policy measured in the same turns).
 """
@@ -67,6 +73,7 @@ class Settings:
     reps: int = 5
     warmup: int = 2
     baseline: str | None = None
+    replicas: int = 1
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -85,7 +92,9 @@ class Settings:
                                       maximum=1024),
                    reps=env_int("BENCH_SPECPOL_REPS", d.reps),
                    warmup=env_int("BENCH_SPECPOL_WARMUP", d.warmup, minimum=0),
-                   baseline=env_checkout("BENCH_SPECPOL_BASELINE"))
+                   baseline=env_checkout("BENCH_SPECPOL_BASELINE"),
+                   replicas=env_int("BENCH_SPECPOL_REPLICAS", d.replicas, minimum=1,
+                                    maximum=4))
 
 
 UPKEEP_ROUNDS = 200  # rounds of 0 drafts per upkeep turn, at most
@@ -98,11 +107,20 @@ def _settings(s: Settings, k: int, policy: str) -> dict:
     return {"max_concurrency": max(s.batches), **spec}
 
 
+def _replicas(s: Settings, name: str) -> list[str]:
+    """The processes of side `name` ("off" or "policy"): itself, then "<name> 2", ..."""
+    return [name] + [f"{name} {r}" for r in range(2, s.replicas + 1)]
+
+
 def measure(s: Settings) -> dict:
     sides = [("off", 0, "fixed"), ("policy", max(s.ks), "adaptive"),
              *((f"K={k}", k, "fixed") for k in s.ks),
+             *((name, k, policy) for r in range(2, s.replicas + 1)
+               for name, k, policy in ((f"off {r}", 0, "fixed"),
+                                       (f"policy {r}", max(s.ks), "adaptive"))),
              *([("base off", 0, "fixed"), ("base policy", max(s.ks), "adaptive")]
                if s.baseline else [])]
+    offs, policies = _replicas(s, "off"), _replicas(s, "policy")
     out = {"setup": {}, "batches": {}, "upkeep": {}, "upkeep_bare": {}}
     fixed = [f"K={k}" for k in s.ks]
     with contextlib.ExitStack() as stack:
@@ -118,7 +136,7 @@ def measure(s: Settings) -> dict:
             progress(f"B={b}: {[n for n, _, _ in sides]} in turn")
             r = alternate(ordered, f"b{b}", {"prompts": list(PROMPTS[:b]),
                                             "new_tokens": s.new_tokens},
-                          reps=s.reps, warmup=s.warmup, serpentine=True)
+                          reps=s.reps, warmup=s.warmup, rotate=True)
             off = r["sides"]["off"]
             reference = off["outputs"][0]["tokens"]
             row = {"order": r["order"], "load_1min": r["load_1min"], "sides": {}}
@@ -138,13 +156,20 @@ def measure(s: Settings) -> dict:
                                               side["warmup_outputs"] + side["outputs"])}
             best = max(fixed, key=lambda n: row["sides"][n]["decode_tok_s"]["median"])
             pol = r["sides"]["policy"]["rates"]
-            over_best = _over(decode["policy"], decode[best])
-            turn_over_best = _over(pol, r["sides"][best]["rates"])
+            turns = {n: v["rates"] for n, v in r["sides"].items()}
+            over_off = _pooled(decode, policies, offs)
+            over_best = _pooled(decode, policies, [best])
+            turn_over_off = _pooled(turns, policies, offs)
+            turn_over_best = _pooled(turns, policies, [best])
             row["policy"] = {
-                "best_fixed": best, "decode_over_best_fixed": over_best,
-                "over_best_fixed": turn_over_best,
-                "met": _met(row["sides"]["policy"]["decode_over_off"], over_best),
-                "turn_met": _met(row["sides"]["policy"]["over_off"], turn_over_best)}
+                "best_fixed": best, "replicas": s.replicas, "decode_over_off": over_off,
+                "decode_over_best_fixed": over_best, "over_off": turn_over_off,
+                "over_best_fixed": turn_over_best, "met": _met(over_off, over_best),
+                "turn_met": _met(turn_over_off, turn_over_best)}
+            if s.replicas > 1:  # the same code in two processes: how far apart they run
+                row["replica_spread"] = {
+                    "off": _pooled(decode, offs[1:], offs[:1]),
+                    "policy": _pooled(decode, policies[1:], policies[:1])}
             if s.baseline:
                 row["off_over_base"] = _over(off["rates"], r["sides"]["base off"]["rates"])
                 row["policy_over_base"] = _over(pol, r["sides"]["base policy"]["rates"])
@@ -178,6 +203,15 @@ def _outputs(side: dict, key: str) -> list[float]:
 def _over(xs: list[float], ys: list[float]) -> dict:
     """x / y per turn pair, as a spread."""
     return spread([x / y for x, y in zip(xs, ys)])
+
+
+def _pooled(rates: dict[str, list[float]], tops: list[str], bottoms: list[str]) -> dict:
+    """x / y per turn for every side x of `tops` and y of `bottoms` (the same turn), as one
+    spread: with replicas, what each process of a side runs more or less than another of the
+    same code (a process's own speed: two of the same code ran 0.93-1.06x apart, medians of
+    15 turns) weighs equally on both sides of the ratio."""
+    return spread([x / y for top in tops for bottom in bottoms
+                   for x, y in zip(rates[top], rates[bottom])])
 
 
 def _met(over_off: dict, over_best: dict) -> bool:
@@ -220,7 +254,15 @@ def format_table(result: dict) -> str:
                          f"{'yes' if v['same_tokens_as_off'] else 'NO':>13}"
                          f"{fmt_spread(cpu, 3) if cpu else '':>24}")
         p, load = row["policy"], row["load_1min"]
-        lines.append(f"    policy / best fixed ({p['best_fixed']}) per pair: decode "
+        pooled = f" (pooled over {p['replicas']} processes a side)" if \
+            p.get("replicas", 1) > 1 else ""
+        if pooled:
+            lines.append(f"    policy / off per pair{pooled}: decode "
+                         f"{fmt_spread(p['decode_over_off'], 2)}, turn "
+                         f"{fmt_spread(p['over_off'], 2)}; the same code's processes apart, "
+                         f"decode per pair: off {fmt_spread(row['replica_spread']['off'], 3)}"
+                         f", policy {fmt_spread(row['replica_spread']['policy'], 3)}")
+        lines.append(f"    policy / best fixed ({p['best_fixed']}) per pair{pooled}: decode "
                      f"{fmt_spread(p['decode_over_best_fixed'], 2)}, turn "
                      f"{fmt_spread(p['over_best_fixed'], 2)}; target on decode tok/s >= "
                      f"{TARGET_OVER_OFF}x off and >= {TARGET_OVER_BEST}x best fixed: "
