@@ -238,8 +238,17 @@ def _spec_policy(data: dict) -> tuple[list[Row], str]:
                         ours=_rounded(upkeep["round_ms"]["policy"], 3),
                         against=_rounded(upkeep["round_ms"]["off"], 3),
                         ratio=_rounded(upkeep["over_off"], 2), unit="ms"))
-    reps = data["settings"]["reps"]
+    settings = data["settings"]
+    reps = settings["reps"]
     env = "" if reps == 5 else f"BENCH_SPECPOL_REPS={reps} "
+    if list(settings.get("ks", ())) != {"mtp": [1, 2, 3], "dflash": [4, 8, 15]}[method]:
+        env += f"BENCH_SPECPOL_KS={','.join(map(str, settings['ks']))} "
+    if list(settings.get("batches", (1, 4))) != [1, 4]:
+        env += f"BENCH_SPECPOL_BATCHES={','.join(map(str, settings['batches']))} "
+    if settings.get("replicas", 1) > 1:
+        env += f"BENCH_SPECPOL_REPLICAS={settings['replicas']} "
+    if settings.get("baseline"):  # a worktree of the commit it was run against
+        env += "BENCH_SPECPOL_BASELINE=DIR "
     measure = ("decode tok/s (each request's tokens after its first over its first to its "
                "end, summed)" if decode else "tok/s (submit to the last result)")
     legend = (f"`{env}BENCH_SPECPOL_METHOD={method} python scripts/bench.py "
