@@ -3,14 +3,14 @@
 `dflash_verify_step(params, pools, inputs) -> (pools, outputs)` has the decode step's inputs and
 outputs (`steps.DecodeInputs`, `steps.StepOutputs`). For B rows at their frontiers f: the drafter
 (`models/dflash`) reads each row's context window (the ring of its slot, entries it holds at f,
-`pools.context_positions`, from the row's `context_from`: past its last bare round) and the block [last token, mask * K] at positions f .. f + K, and
-proposes K drafts, from the full lm-head proposal or the candidate selector
-(`ProgramConfig.draft_head`); the target runs the last token and the drafts at T = K + 1
-positions, keeping its GDN state after each and returning its `target_layer_ids` outputs;
-`speculative.accept` picks each row's tokens; the drafter's context K/V of the T positions is
-written into the ring. A commit of n tokens adopts the state after position n - 1; the ring
-entries of rejected positions are past the new frontier, so no block reads them before a later
-step rewrites them.
+`pools.context_positions`, from the row's `context_from`: past its last bare round) and the
+block [last token, mask * K] at positions f .. f + K, and proposes K drafts, from the full
+lm-head proposal or the candidate selector (`ProgramConfig.draft_head`); the target runs the
+last token and the drafts at T = K + 1 positions, keeping its GDN state after each and
+returning its `target_layer_ids` outputs; `speculative.accept` picks each row's tokens; the
+drafter's context K/V of the T positions is written into the ring. A commit of n tokens
+adopts the state after position n - 1; the ring entries of rejected positions are past the new
+frontier, so no block reads them before a later step rewrites them.
 
 Sampled rows: the full proposal draws each position under the row's full transform (as MTP's
 drafts do); the selector draws from softmax(scores / temperature) over its top-k candidates,

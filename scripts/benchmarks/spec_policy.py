@@ -12,7 +12,7 @@ measured) and "K=k" (`draft_policy="fixed"`: every round drafts k) for each k of
 round of turns starting one side later (`alternate(rotate=True)`: every side in every place
 equally often, none twice in a row; the serpentine order used until 2026-12-07 ran its end
 sides, "off" among them, twice in a row at its turnarounds). A process has a speed of its own:
-two of the same code ran 0.93-1.06x apart (medians over 15 turns, docs/speculative.md), so
+two of the same code ran 0.92-1.07x apart (medians over 15 turns, docs/speculative.md), so
 with BENCH_SPECPOL_REPLICAS=N "off" and "policy" each run as N processes and the targets are on
 the ratios pooled over every pair of them. A turn submits the first B story
 prompts of `_engine_vs_program.py` together, greedy, `ignore_eos`, NEW_TOKENS each. A thread a
@@ -42,9 +42,10 @@ dflash: 4,8,15)  BENCH_SPECPOL_BATCHES=1,4  BENCH_SPECPOL_NEW_TOKENS=128  BENCH_
 BENCH_SPECPOL_WARMUP=2  BENCH_SPECPOL_REPLICAS=1 (processes of "off" and of "policy", "off 2",
 "policy 2", ...: the targets are then on every policy process over every off process per turn,
 and how far the same code's processes ran apart is reported)  BENCH_SPECPOL_BASELINE=DIR (a
-checkout of an earlier commit, `git worktree add DIR COMMIT`: its "off" and "policy" Engines join the turns as the sides "base
-off" and "base policy", and "off" and "policy" over them per pair are reported: a change to the
-Program, the Engine or the policy measured in the same turns).
+checkout of an earlier commit, `git worktree add DIR COMMIT`: its "off" and "policy" Engines
+join the turns as the sides "base off" and "base policy", and "off" and "policy" over them per
+pair are reported: a change to the Program, the Engine or the policy measured in the same
+turns).
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ def _over(xs: list[float], ys: list[float]) -> dict:
 def _pooled(rates: dict[str, list[float]], tops: list[str], bottoms: list[str]) -> dict:
     """x / y per turn for every side x of `tops` and y of `bottoms` (the same turn), as one
     spread: with replicas, what each process of a side runs more or less than another of the
-    same code (a process's own speed: two of the same code ran 0.93-1.06x apart, medians of
+    same code (a process's own speed: two of the same code ran 0.92-1.07x apart, medians of
     15 turns) weighs equally on both sides of the ratio."""
     return spread([x / y for top in tops for bottom in bottoms
                    for x, y in zip(rates[top], rates[bottom])])
