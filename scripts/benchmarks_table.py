@@ -238,14 +238,16 @@ def _spec_policy(data: dict) -> tuple[list[Row], str]:
                         ours=_rounded(upkeep["round_ms"]["policy"], 3),
                         against=_rounded(upkeep["round_ms"]["off"], 3),
                         ratio=_rounded(upkeep["over_off"], 2), unit="ms"))
-    settings = data["settings"]
+    from scripts.benchmarks.spec_policy import DEFAULT_KS, Settings
+
+    settings, default = data["settings"], Settings()
     reps = settings["reps"]
-    env = "" if reps == 5 else f"BENCH_SPECPOL_REPS={reps} "
-    if list(settings.get("ks", ())) != {"mtp": [1, 2, 3], "dflash": [4, 8, 15]}[method]:
-        env += f"BENCH_SPECPOL_KS={','.join(map(str, settings['ks']))} "
-    if list(settings.get("batches", (1, 4))) != [1, 4]:
-        env += f"BENCH_SPECPOL_BATCHES={','.join(map(str, settings['batches']))} "
-    if settings.get("replicas", 1) > 1:
+    env = "" if reps == default.reps else f"BENCH_SPECPOL_REPS={reps} "
+    for var, key, usual in (("KS", "ks", DEFAULT_KS[method]),
+                            ("BATCHES", "batches", default.batches)):
+        if tuple(settings.get(key, usual)) != tuple(usual):
+            env += f"BENCH_SPECPOL_{var}={','.join(map(str, settings[key]))} "
+    if settings.get("replicas", default.replicas) != default.replicas:
         env += f"BENCH_SPECPOL_REPLICAS={settings['replicas']} "
     if settings.get("baseline"):  # a worktree of the commit it was run against
         env += "BENCH_SPECPOL_BASELINE=DIR "
