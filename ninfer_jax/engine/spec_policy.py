@@ -25,7 +25,12 @@ The choice: the K of most committed tokens per second for the round's rows.
   Ks' samples of the NEAR rounds before it, and a K other than the anchor (the K of the
   latest sample, mostly the choice) is timed as the anchor's time times their paired ratio
   (the geometric mean of the two directions': a busy stretch of the machine slows both sides
-  of a pair; times taken at different moments would compare the stretches, not the Ks). A
+  of a pair; times taken at different moments would compare the stretches, not the Ks). A K
+  with no pairs of its own with the anchor (the largest ones, timed in the first exploration
+  only and paired there with the K they ran after) is timed through the chain of pairs that
+  links them, once that puts it more than BAND from its own time: in a burst of the machine
+  the rounds of 0 slowed 2-3x while such a K's time stayed, and the demo's DFlash at B = 1
+  drafted K = 8 and 15 for 8-16 rounds of a turn at ~0.6 of off's tokens per second. A
   drafting choice paired only with rounds of 0 before it is checked by rounds of 0 right
   after its samples.
 - Tokens: a row with acceptance a_i (the chance draft i is right when drafts 0..i-1 were) and
@@ -171,6 +176,14 @@ STINT = 5
 # turn bare. Near the break-even it is not: probes there are what gets a policy out of rounds
 # of 0 chosen by mistake (charged everywhere, they came half as often at B = 1).
 UPKEEP = 0.03
+# How far from a K's own time the chain of paired ratios that links it to the anchor
+# (`_chained`) must put it before it moves it (by what lies past BAND): the mix of rounds of 0
+# behind the anchor's time (bare or with the upkeep, ~5% apart) and a chain's product of ratios
+# move it by less, a burst of the machine since its samples by 2-3x. Moved within the band too,
+# it made the policy slow to climb where drafting wins by about MARGIN (a text that turns
+# predictable after bare rounds: the choice flipped back to 0 as the upkeep's rounds of 0
+# raised the anchor's time by 5%).
+BAND = 1.1
 UNMEASURED = 0.5  # acceptance assumed at a position nobody measured
 # A round's time is the mean of its last samples, each clipped at CLIP times their median
 # (`_typical`): the median alone flattered rounds of 0, whose tail is the heavier (the demo's
@@ -306,6 +319,7 @@ class DraftPolicy:
         # (K, J, B) -> t(K) / t(J) of samples of K and the J samples of the NEAR rounds before
         self._pairs: dict[tuple[int, int, int], collections.deque] = {}
         self._ratios: dict[tuple[int, int, int], float | None] = {}  # (K, J, B) -> `_ratio`
+        self._chains: dict[tuple[int, int, int], float | None] = {}  # (K, J, B) -> `_chained`
         self._measured: dict[tuple[int, int], int] = {}  # (K, B) -> the round of its last
         self._warm: collections.Counter = collections.Counter()  # (K, B) -> steady rounds
         self._ready: set[tuple[int, int]] = set()  # (K, B) whose executable is compiled
@@ -710,9 +724,10 @@ class DraftPolicy:
 
     def _time(self, k: int, b: int, anchor: int | None = -1) -> float | None:
         """A round's seconds: measured at this B (for a K other than the anchor, the anchor's
-        time times their paired ratio, once there are MIN_SAMPLES pairs), else the time of a K
-        measured here scaled by the two's ratio at the nearest B where both were (None: no
-        estimate). `anchor`: `_anchor(b)` when the caller has it (-1: looked up here)."""
+        time times their paired ratio, once there are MIN_SAMPLES pairs; without one, its own
+        time moved past BAND by the chain of ratios that links it to the anchor), else the
+        time of a K measured here scaled by the two's ratio at the nearest B where both were
+        (None: no estimate). `anchor`: `_anchor(b)` when the caller has it (-1: looked up here)."""
         if self._known(k, b):
             if anchor == -1:
                 anchor = self._anchor(b)
@@ -720,6 +735,11 @@ class DraftPolicy:
                 ratio = self._ratio(k, anchor, b)
                 if ratio is not None:
                     return max(self._typical[(anchor, b)] * ratio, 1e-9)
+                ratio = self._chained(k, anchor, b)
+                if ratio is not None:  # its own time, moved by what lies past BAND
+                    own = self._typical[(k, b)]
+                    moved = self._typical[(anchor, b)] * ratio / max(own, 1e-12)
+                    return max(own * min(1.0, moved * BAND) * max(1.0, moved / BAND), 1e-9)
             return max(self._typical[(k, b)], 1e-9)
         pairs = [(abs(other - b), self._scaled(k, b, other, ref))
                  for other, ref in self._scales(k, b)]
@@ -745,6 +765,29 @@ class DraftPolicy:
         if (k, j, b) in self._ratios:
             return self._ratios[(k, j, b)]
         self._ratios[(k, j, b)] = ratio = self._paired_ratio(k, j, b)
+        return ratio
+
+    def _chained(self, k: int, anchor: int, b: int) -> float | None:
+        """t(K) / t(anchor) at B through the Ks between them, where the two have no pairs of
+        their own: the product of the paired ratios along the shortest chain of Ks each paired
+        with the next (the first exploration pairs each K with the one it ran after), None
+        without one. Kept until a pair at B comes."""
+        key = (k, anchor, b)
+        if key in self._chains:
+            return self._chains[key]
+        ratio, level, seen = None, [(anchor, 1.0)], {anchor}  # (J, t(J) / t(anchor))
+        while level and ratio is None:
+            nearer = []
+            for j, to_anchor in level:
+                for other in self.ks:
+                    if other in seen or (r := self._ratio(other, j, b)) is None:
+                        continue
+                    seen.add(other)
+                    nearer.append((other, r * to_anchor))
+                    if other == k:
+                        ratio = r * to_anchor
+            level = nearer
+        self._chains[key] = ratio
         return ratio
 
     def _paired_ratio(self, k: int, j: int, b: int) -> float | None:
@@ -773,6 +816,7 @@ class DraftPolicy:
                     seconds / max(_typical(near), 1e-9))
                 self._ratios.pop((k, j, b), None)
                 self._ratios.pop((j, k, b), None)
+                self._chains.clear()
 
     def take_samples(self) -> None:
         """Adds the round times `round_done` kept (`_samples`) to the estimates, in their

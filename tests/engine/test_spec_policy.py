@@ -733,6 +733,29 @@ def test_a_busy_machine_does_not_make_drafting_look_cheap(name, cost, accept):
     assert got >= 0.97 * max(fixed.values()), (got, fixed)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_burst_does_not_make_a_k_timed_before_it_look_cheap(seed):
+    """DFlash's Ks on these cores where drafting loses (the spec_policy benchmark at B = 1
+    on 2026-12-07: fixed K = 4 ran 0.66-0.95 of off, rounds of 0 ~0.9 ms, K = 15 ~8.5), on a
+    machine with bursts. The largest Ks are timed in the first exploration only and paired
+    there with the K they ran after, never with 0: in a burst the rounds of 0 (and the Ks
+    paired with them) slowed 2.5x while their times stayed, and the policy drafted K = 8 for
+    159 rounds of seed 2 (0.91 of rounds of 0) as the benchmark's did (8 and 15 for 8-16
+    rounds of its 2nd-4th turns, ~0.6 of off's tokens per second there). Timed through the
+    chain of pairs that links them to the anchor, they slow with it."""
+    ks = (0, 1, 4, 8, 15)
+    rates = [0.94, 0.85, 0.82, 0.85, 0.6, 0.85, 0.9, 1.0, 0.4, 0.5] + [0.9] * 5
+
+    def cost(k, b):
+        return (1 + b) * 0.5 * (0.9 if k == 0 else 3.2 + 0.36 * k)
+
+    accept = [lambda position: rates]
+    fixed = {k: _turns(k, cost, accept, 30, load=_bursts, seed=seed, ks=ks) for k in ks}
+    got = _turns(DraftPolicy(ks, "dflash"), cost, accept, 30, load=_bursts, seed=seed, ks=ks)
+    assert max(fixed, key=fixed.get) == 0
+    assert got >= 0.97 * fixed[0], (got, fixed)
+
+
 class _TailedZeros:
     """Rounds of 0 that take 1 but every fourth 2.6 (a host stall in a short round: mean 1.4,
     median 1); rounds that draft take 3.2 + 0.2 K every time."""
