@@ -30,7 +30,7 @@ The choice: the K of most committed tokens per second for the round's rows.
   only and paired there with the K they ran after) is timed through the chain of pairs that
   links them, once that puts it more than BAND from its own time: in a burst of the machine
   the rounds of 0 slowed 2-3x while such a K's time stayed, and the demo's DFlash at B = 1
-  drafted K = 8 and 15 for 8-16 rounds of a turn at ~0.6 of off's tokens per second. A
+  drafted K = 8 and 15 for 5-14 rounds of a turn (three such turns: 0.57-0.76 of off). A
   drafting choice paired only with rounds of 0 before it is checked by rounds of 0 right
   after its samples.
 - Tokens: a row with acceptance a_i (the chance draft i is right when drafts 0..i-1 were) and

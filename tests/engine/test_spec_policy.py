@@ -740,9 +740,9 @@ def test_a_burst_does_not_make_a_k_timed_before_it_look_cheap(seed):
     machine with bursts. The largest Ks are timed in the first exploration only and paired
     there with the K they ran after, never with 0: in a burst the rounds of 0 (and the Ks
     paired with them) slowed 2.5x while their times stayed, and the policy drafted K = 8 for
-    159 rounds of seed 2 (0.91 of rounds of 0) as the benchmark's did (8 and 15 for 8-16
-    rounds of its 2nd-4th turns, ~0.6 of off's tokens per second there). Timed through the
-    chain of pairs that links them to the anchor, they slow with it."""
+    159 rounds of seed 2 (0.91 of rounds of 0) as the benchmark's did (8 and 15 for 5-14
+    rounds of a turn; three such turns ran 0.57-0.76 of off's tokens per second). Timed
+    through the chain of pairs that links them to the anchor, they slow with it."""
     ks = (0, 1, 4, 8, 15)
     rates = [0.94, 0.85, 0.82, 0.85, 0.6, 0.85, 0.9, 1.0, 0.4, 0.5] + [0.9] * 5
 
