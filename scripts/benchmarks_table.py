@@ -214,6 +214,12 @@ def _spec_policy(data: dict) -> tuple[list[Row], str]:
                             ratio=_rounded(policy["decode_over_off"], 2)))
             rows.append(Row(config=f"{method} B={b}: off vs off, the same code in another "
                                    f"process", ratio=_rounded(batch["replica_spread"]["off"], 3)))
+        if "decode_over_own_off" in policy:  # the policy's process, requests drafting nothing
+            rows.append(Row(config=f"{method} B={b}: policy vs speculative=\"off\" requests "
+                                   f"of its own process", ratio=_rounded(
+                                       policy["decode_over_own_off"], 2)))
+            rows.append(Row(config=f"{method} B={b}: those requests vs off",
+                            ratio=_rounded(policy["own_off_over_off"], 2)))
         rows.append(Row(config=f"{method} B={b}: policy vs the best fixed {policy['best_fixed']}",
                         ratio=_rounded(policy["decode_over_best_fixed" if decode
                                               else "over_best_fixed"], 2)))

@@ -44,23 +44,39 @@ def test_the_ab_script_loads_a_revisions_policy_and_names_a_bad_one():
         spec_policy_ab._policy_at("no-such-rev")
 
 
-def test_the_policys_rounds_by_k_per_turn_are_the_differences_of_its_counts():
-    def out(counts):
-        return {"stats": {"rounds_by_drafts": [[k, n] for k, n in counts.items()]}}
+def test_a_turns_rounds_by_k_are_the_differences_of_the_engines_counts():
+    from scripts.benchmarks.workers.spec_engine import _since
 
-    side = {"warmup_outputs": [out({15: 6, 0: 20}), out({15: 6, 0: 20, 3: 38})],
-            "outputs": [out({15: 6, 0: 20, 3: 76}), out({15: 8, 0: 21, 3: 110, 7: 2})]}
-    assert spec_policy._rounds_by_turn(side) == [{3: 38}, {15: 2, 0: 1, 3: 34, 7: 2}]
-    side = {"warmup_outputs": [], "outputs": [out({0: 20}), out({0: 30, 3: 5})]}
+    assert _since(((0, 20), (3, 38), (15, 6)), ((0, 20), (15, 6))) == {3: 38}
+    assert _since(((0, 21), (3, 110), (7, 2), (15, 8)), ((0, 20), (3, 76), (15, 6))) == {
+        0: 1, 3: 34, 7: 2, 15: 2}
+    side = {"warmup_outputs": [{"rounds_by_drafts": {0: 9}, "bare_rounds": 9}],
+            "outputs": [{"rounds_by_drafts": {0: 20}, "bare_rounds": 12},
+                        {"rounds_by_drafts": {0: 10, 3: 5}, "bare_rounds": 0}]}
     assert spec_policy._rounds_by_turn(side) == [{0: 20}, {0: 10, 3: 5}]
+    assert spec_policy._bare_by_turn(side) == [12, 0]
 
 
-def test_the_policys_bare_rounds_per_turn_are_the_differences_of_its_count():
-    def out(bare):
-        return {"stats": {"rounds_by_drafts": [[0, 100]], "bare_rounds": bare}}
+class _Recorder:
+    name = "policy 2"
 
-    side = {"warmup_outputs": [out(40), out(90)], "outputs": [out(190), out(230)]}
-    assert spec_policy._bare_by_turn(side) == [100, 40]
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, op):
+        return lambda *a: self.calls.append((op, *a)) or {"seconds": 1.0, "work": 1}
+
+
+def test_the_policys_process_serves_requests_that_draft_nothing_as_a_side_of_its_own():
+    worker = _Recorder()
+    side = spec_policy.RequestsOff(worker)
+    assert side.name == "policy 2:off"
+    side.prepare("b4", {"prompts": ["a"], "new_tokens": 8})
+    side.rep("b4")
+    side.finish("b4")
+    assert worker.calls == [
+        ("prepare", "b4:off", {"prompts": ["a"], "new_tokens": 8, "speculative": "off"}),
+        ("rep", "b4:off"), ("finish", "b4:off")]
 
 
 class _Handle:
@@ -126,7 +142,8 @@ def test_the_targets_are_on_decode_tok_s_and_the_turns_rate_is_reported_beside()
                 "worker_cpu_ms_per_round": spread(1.0)}
 
     policy = {"best_fixed": "K=4", "decode_over_best_fixed": spread(1.3),
-              "over_best_fixed": spread(1.25),
+              "over_best_fixed": spread(1.25), "decode_over_own_off": spread(0.99),
+              "own_off_over_off": spread(0.97),
               "met": spec_policy._met(spread(0.98), spread(1.3)),
               "turn_met": spec_policy._met(spread(0.96), spread(1.25))}
     assert policy["met"] and not policy["turn_met"]
@@ -142,6 +159,9 @@ def test_the_targets_are_on_decode_tok_s_and_the_turns_rate_is_reported_beside()
     assert ("policy / best fixed (K=4) per pair: decode 1.30 [1.30-1.30], turn 1.25 "
             "[1.25-1.25]") in table
     assert "met (on the turn's tok/s: not met)" in table
+    assert ("policy / its own process's speculative=\"off\" requests per pair (the same "
+            "process): decode 0.99 [0.99-0.99]; those requests / off per pair: decode 0.97 "
+            "[0.97-0.97]") in table
     assert spec_policy._over([2.0, 3.0], [1.0, 2.0])["median"] == pytest.approx(1.75)
 
 

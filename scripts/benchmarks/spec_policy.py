@@ -8,7 +8,9 @@ every executable compiled before the first turn), each in its own long-lived pro
 (`workers/spec_engine.py`: in one process the Engines' idle workers and caches disturbed each
 other's rounds), taking turns: "off" (no speculation), "policy" (`draft_policy="adaptive"`,
 K = the largest of BENCH_SPECPOL_KS: each round's K, 0 included, chosen from what that Engine
-measured) and "K=k" (`draft_policy="fixed"`: every round drafts k) for each k of them, each
+measured), "K=k" (`draft_policy="fixed"`: every round drafts k) for each k of them and
+"policy:off" (the policy's Engine, in its process, serving requests with speculative="off":
+rounds of 0, bare ones where it has them; `RequestsOff`), each
 round of turns starting one side later (`alternate(rotate=True)`: every side in every place
 equally often, none twice in a row; the serpentine order used until 2026-12-07 ran its end
 sides, "off" among them, twice in a row at its turnarounds). A process has a speed of its own:
@@ -27,7 +29,10 @@ measurements carry from one request to the next (its first requests, the warm-up
 explore every K).
 
 Reported per B: each side's decode tok/s and turn tok/s (median [min-max] over turns), their
-ratios to "off" per turn pair, the first token's ratio, "policy" over the best fixed K (by
+ratios to "off" per turn pair, the first token's ratio, "policy" over "policy:off" per turn
+pair (what its choices did: the same process, so a process's own speed is on both sides) and
+"policy:off" over "off" (what an Engine opened with speculation costs a request that drafts
+nothing, a process's speed included), "policy" over the best fixed K (by
 decode tok/s) per turn pair, whether every side's tokens equal "off"'s, the policy's rounds
 by K (in all and per turn), and the 1-minute load average. Then the
 upkeep: the same Programs driven directly (their Engines stopped), ms per round of 0 drafts
@@ -52,7 +57,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import os
 import time
 
@@ -133,6 +137,7 @@ def measure(s: Settings) -> dict:
             out["setup"][name] = w.setup({"settings": _settings(s, k, policy), "code": code})
             workers[name] = w
         ordered = [workers[name] for name, _, _ in sides]
+        ordered += [RequestsOff(workers[name]) for name in policies]
         for b in s.batches:
             progress(f"B={b}: {[n for n, _, _ in sides]} in turn")
             r = alternate(ordered, f"b{b}", {"prompts": list(PROMPTS[:b]),
@@ -167,6 +172,12 @@ def measure(s: Settings) -> dict:
                 "decode_over_best_fixed": over_best, "over_off": turn_over_off,
                 "over_best_fixed": turn_over_best, "met": _met(over_off, over_best),
                 "turn_met": _met(turn_over_off, turn_over_best)}
+            # The policy's process serving requests that draft nothing: its choices apart
+            # from its process's speed (same process), and that speed apart from them
+            own = [f"{n}:off" for n in policies]
+            row["policy"]["decode_over_own_off"] = spread(
+                [x / y for n in policies for x, y in zip(decode[n], decode[f"{n}:off"])])
+            row["policy"]["own_off_over_off"] = _pooled(decode, own, offs)
             if s.replicas > 1:  # the same code in two processes: how far apart they run
                 row["replica_spread"] = {
                     "off": _pooled(decode, offs[1:], offs[:1]),
@@ -197,6 +208,26 @@ def measure(s: Settings) -> dict:
     return out
 
 
+class RequestsOff:
+    """Side "<policy>:off": the policy's Engine (the same process) serving requests with
+    `SamplingParams(speculative="off")`, which draft nothing (rounds of 0, bare where the
+    Program has them). Over it, the policy per turn pair is what the policy's choices did, a
+    process's own speed aside; it over "off" is what an Engine opened with speculation costs
+    a request that does not draft."""
+
+    def __init__(self, worker: Worker):
+        self.name, self._worker = f"{worker.name}:off", worker
+
+    def prepare(self, name: str, args: dict):
+        return self._worker.prepare(f"{name}:off", {**args, "speculative": "off"})
+
+    def rep(self, name: str) -> dict:
+        return self._worker.rep(f"{name}:off")
+
+    def finish(self, name: str):
+        return self._worker.finish(f"{name}:off")
+
+
 def _outputs(side: dict, key: str) -> list[float]:
     return [o[key] for o in side["outputs"]]
 
@@ -220,21 +251,14 @@ def _met(over_off: dict, over_best: dict) -> bool:
 
 
 def _rounds_by_turn(side: dict) -> list[dict[int, int]]:
-    """The policy's decode rounds by K in each measured turn (the differences of its Engine's
-    cumulative counts, every B's rounds: a turn runs one B)."""
-    cumulative = [{}] + [dict(o["stats"]["rounds_by_drafts"])
-                         for o in side["warmup_outputs"] + side["outputs"]]
-    turns = [{k: n - before.get(k, 0) for k, n in after.items() if n - before.get(k, 0)}
-             for before, after in itertools.pairwise(cumulative)]
-    return turns[-len(side["outputs"]):]
+    """The policy's decode rounds by K in each measured turn (its Engine's counts over the
+    turn: a turn runs one B)."""
+    return [o["rounds_by_drafts"] for o in side["outputs"]]
 
 
 def _bare_by_turn(side: dict) -> list[int]:
     """The policy's bare rounds of 0 in each measured turn."""
-    cumulative = [0] + [o["stats"].get("bare_rounds", 0)
-                        for o in side["warmup_outputs"] + side["outputs"]]
-    turns = [after - before for before, after in itertools.pairwise(cumulative)]
-    return turns[-len(side["outputs"]):]
+    return [o["bare_rounds"] for o in side["outputs"]]
 
 
 def format_table(result: dict) -> str:
@@ -242,13 +266,13 @@ def format_table(result: dict) -> str:
     lines = [(f"{s['method']} on the embedded model, through the Engine: {s['new_tokens']} "
               f"greedy tokens per request, B requests together, {s['warmup']} warm-up + "
               f"{s['reps']} turns per side in turn"),
-             (f"{'B':>3}{'side':>12}{'decode tok/s':>24}{'/off per pair':>20}"
+             (f"{'B':>3}{'side':>14}{'decode tok/s':>24}{'/off per pair':>20}"
               f"{'turn tok/s':>24}{'/off per pair':>20}{'first token /off':>20}"
               f"{'same as off':>13}{'worker CPU ms/round':>24}")]
     for b, row in m["batches"].items():
         for name, v in row["sides"].items():
             cpu = v.get("worker_cpu_ms_per_round")
-            lines.append(f"{b:>3}{name:>12}{fmt_spread(v['decode_tok_s']):>24}"
+            lines.append(f"{b:>3}{name:>14}{fmt_spread(v['decode_tok_s']):>24}"
                          f"{fmt_spread(v['decode_over_off'], 2):>20}"
                          f"{fmt_spread(v['tok_s']):>24}{fmt_spread(v['over_off'], 2):>20}"
                          f"{fmt_spread(v['first_token_over_off'], 2):>20}"
@@ -263,6 +287,11 @@ def format_table(result: dict) -> str:
                          f"{fmt_spread(p['over_off'], 2)}; the same code's processes apart, "
                          f"decode per pair: off {fmt_spread(row['replica_spread']['off'], 3)}"
                          f", policy {fmt_spread(row['replica_spread']['policy'], 3)}")
+        if "decode_over_own_off" in p:
+            lines.append(f"    policy / its own process's speculative=\"off\" requests per "
+                         f"pair (the same process): decode "
+                         f"{fmt_spread(p['decode_over_own_off'], 2)}; those requests / off per "
+                         f"pair: decode {fmt_spread(p['own_off_over_off'], 2)}")
         lines.append(f"    policy / best fixed ({p['best_fixed']}) per pair{pooled}: decode "
                      f"{fmt_spread(p['decode_over_best_fixed'], 2)}, turn "
                      f"{fmt_spread(p['over_best_fixed'], 2)}; target on decode tok/s >= "

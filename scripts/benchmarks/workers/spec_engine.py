@@ -3,10 +3,13 @@
 setup args: settings (`Engine.open` keywords: max_concurrency, speculative,
 num_speculative_tokens, draft_policy); the Engine compiles every executable before the first
 turn. Measurements:
-- "b<B>" (prepare args {"prompts": [text, ...], "new_tokens": n}): a repetition submits every
-  prompt together, greedy with ignore_eos, and waits for the last result; its work is the
-  tokens generated; outputs the token ids, the Engine's speculative statistics, the CPU time
-  of its worker thread per decode round (host work: planning, dispatch, publication) and what
+- "b<B>" (prepare args {"prompts": [text, ...], "new_tokens": n, "speculative": "on" or "off"
+  (`SamplingParams.speculative`, default "on")}; any name that starts with it, so one Engine
+  holds two such measurements, its requests' speculation on and off): a repetition submits
+  every prompt together, greedy with ignore_eos, and waits for the last result; its work is
+  the tokens generated; outputs the token ids, the Engine's speculative statistics (and its
+  decode rounds by K and its bare rounds in this repetition), the CPU time of its worker
+  thread per decode round (host work: planning, dispatch, publication) and what
   a client of each request saw: its first token's arrival and its end (a thread a request
   reads events until the first token, then sleeps until the end: `_Watch`), hence the decode
   tok/s (each request's tokens after its first over the seconds from its first to its end,
@@ -42,7 +45,7 @@ class SpecEngine(BenchWorker):
         self.engine = Engine.open(prefix_reuse=False, **args["settings"])
         self.engine.wait_compiled()
         self.program = self.engine.core.program
-        self.handles = []
+        self.handles, self.sampling = [], {}
         worker = next(t for t in threading.enumerate() if t.name == "ninfer-engine")
         self.worker_clock = time.pthread_getcpuclockid(worker.ident)
         import ninfer_jax
@@ -56,8 +59,9 @@ class SpecEngine(BenchWorker):
 
         self.prompts = args["prompts"]
         if not name.startswith("upkeep"):
-            self.sampling = SamplingParams(temperature=0.0, max_new_tokens=args["new_tokens"],
-                                           ignore_eos=True)
+            self.sampling[name] = SamplingParams(
+                temperature=0.0, max_new_tokens=args["new_tokens"], ignore_eos=True,
+                speculative=args.get("speculative", "on"))
             return
         self.engine.close()  # stops its worker: the Program is driven from here on
         prog, self.rounds, self.bare = self.program, args["rounds"], args.get("bare", False)
@@ -81,9 +85,10 @@ class SpecEngine(BenchWorker):
             prog.tokens(self.handles[0])  # waits for the last round
             return {"seconds": time.perf_counter() - start, "work": self.rounds,
                     "outputs": {}}
-        rounds, cpu = self.engine.stats().rounds.rounds, time.clock_gettime(self.worker_clock)
+        before = self.engine.stats()
+        rounds, cpu = before.rounds.rounds, time.clock_gettime(self.worker_clock)
         start = time.perf_counter()
-        watches = [_Watch(self.engine.submit(prompt=p, sampling=self.sampling))
+        watches = [_Watch(self.engine.submit(prompt=p, sampling=self.sampling[name]))
                    for p in self.prompts]
         for w in watches:
             w.join()
@@ -94,6 +99,10 @@ class SpecEngine(BenchWorker):
         return {"seconds": seconds, "work": sum(len(r.token_ids) for r in results),
                 "outputs": {"tokens": [list(r.token_ids) for r in results],
                             "stats": dataclasses.asdict(stats.speculative),
+                            "rounds_by_drafts": _since(stats.speculative.rounds_by_drafts,
+                                                       before.speculative.rounds_by_drafts),
+                            "bare_rounds": stats.speculative.bare_rounds
+                            - before.speculative.bare_rounds,
                             "worker_cpu_ms_per_round":
                                 1e3 * worker_cpu / max(stats.rounds.rounds - rounds, 1),
                             "decode_tok_s": sum(w.decode_tok_s for w in watches),
@@ -103,6 +112,12 @@ class SpecEngine(BenchWorker):
         for h in self.handles:
             self.program.release(h)
         self.handles = []
+
+
+def _since(after: tuple, before: tuple) -> dict[int, int]:
+    """Rounds by K between two of the Engine's cumulative ((K, rounds), ...)."""
+    was = dict(before)
+    return {k: n - was.get(k, 0) for k, n in after if n - was.get(k, 0)}
 
 
 class _Watch(threading.Thread):
