@@ -96,8 +96,14 @@ The choice: the K of most committed tokens per second for the round's rows.
   positions: DFlash's until W rounds of upkeep later, MTP's for good (the head's attention skips
   them) but its last W positions whole after W rounds of upkeep (`RowOutlook.stale`). A choice
   that drafts for a stale row runs rounds of 0 with the upkeep first, so no probe or drafting
-  round reads a context whose recent positions have holes (the cost: at most W rounds of the
-  gain of a K that was losing until then). A probe that drafts while 0 is the best runs once
+  round reads a context whose recent positions have holes; its drafting Ks are scored with
+  those rounds first (their time, upkeep included, and a token a row each: `_score`), so a
+  choice that would draft holds the bare rounds where what the rows draft after the upkeep
+  does not pay for it (the demo's DFlash at B = 1, where fixed K = 15 ran 1.02 of off and
+  the policy ran the upkeep for most rounds of a turn to draft a few rounds of 4-15: 0.86 of
+  its own process's requests that drafted nothing). Only which K is best changes: the rest
+  of the choice (its probe, their wait, how long it stands) is what it would be without the
+  upkeep, as a choice the Engine makes without asking the rows' staleness is. A probe that drafts while 0 is the best runs once
   its window begins if its rows' contexts are whole (rows fresh from their prefills: no upkeep;
   the spec_policy benchmark's DFlash at B = 4, whose turns of 130 rounds paid the W = 64 rounds
   of upkeep in 3-11 of 15 turns, 2 of 5 cut short by the turn's end in a traced run), and the
@@ -245,6 +251,12 @@ def _life(rows: Sequence[RowOutlook]) -> int:
     return min((r.budget for r in rows if r.acceptance is not None), default=0)
 
 
+def _stale(rows: Sequence[RowOutlook]) -> int:
+    """Rounds of upkeep until every row that drafts has its drafter context whole (0 where
+    `RowOutlook.stale` was not asked: `Rounds` asks only for a choice that drafts)."""
+    return max((r.stale for r in rows if r.acceptance is not None), default=0)
+
+
 def _rows_key(rows: Sequence[RowOutlook], refill: bool) -> tuple:
     """What a choice was made for: refill, then the rows' requests."""
     return (refill, *(id(r.acceptance) for r in rows))
@@ -288,6 +300,7 @@ class _Choice:
     wait: float  # rounds at this B before it
     rate: float  # tokens per second a round of the best is expected to commit
     round_s: float  # best's round
+    stale: int = 0  # the rounds of upkeep its drafting Ks were charged first (`_score`)
 
 
 @dataclasses.dataclass
@@ -339,6 +352,7 @@ class DraftPolicy:
         # (K, B) -> the measured losses of its last probes, in rounds of the best
         self._probe_lost: dict[tuple[int, int], collections.deque] = {}
         self._choice: dict[int, _Choice] = {}  # B -> the last choice
+        self._displaced: dict[int, _Choice | None] = {}  # B -> the choice before it
         self._last: tuple[int, int, float] | None = None  # (K, B, time) of the last round
         self._run = 0  # rounds of that K and B in a row
         self.rounds_by_kb: collections.Counter = collections.Counter()  # (K, B) -> rounds
@@ -483,7 +497,8 @@ class DraftPolicy:
         Ks' less), else None."""
         made = self._choice.get(len(rows))
         if made is not None and made.ks == ks and self._round - made.round < made.stands \
-                and (made.best == ks[0] or _life(rows) > made.best) \
+                and (made.best == ks[0] or (_life(rows) > made.best
+                                            and _stale(rows) <= made.stale)) \
                 and made.rows == _rows_key(rows, refill):
             return made
         return None
@@ -510,8 +525,13 @@ class DraftPolicy:
         tails = None if refill or b == 1 else {  # one row: the round's rate is its work's
             k: self._tail_times(k, b, times[k], ks[0]) for k in ks}
         scores = {k: self._score(rows, expected[k], k, ks[0], times, tails) for k in ks}
+        ranked, stale = scores, _stale(rows)
+        if stale:  # the drafting Ks pay the upkeep first: that changes only which K is best
+            lead = stale * times[ks[0]] * (1.0 + self.upkeep(b))
+            ranked = {k: scores[k] if k == ks[0] else self._score(
+                rows, expected[k], k, ks[0], times, tails, (stale, lead)) for k in ks}
         held = self._last[0] if self._last is not None and self._last[1] == b else 0
-        best = max(ks, key=lambda k: (scores[k] / (1.0 if k == ks[0] else 1.0 + MARGIN) / (
+        best = max(ks, key=lambda k: (ranked[k] / (1.0 if k == ks[0] else 1.0 + MARGIN) / (
             1.0 + SWITCH if held and k not in (held, ks[0]) else 1.0), -k))
         probe = self._probe(best, b, ks, scores)
         # a probe may add at most PROBE_BUDGET of the time: what the last ones lost, measured;
@@ -529,6 +549,10 @@ class DraftPolicy:
             lost += self.window * self.upkeep(b)
         wait = max(PROBE_EVERY, lost / (PROBE_BUDGET_FAR if far else PROBE_BUDGET))
         last = self._choice.get(b)
+        if last is not None and last.round == self._round and last.rows == key:
+            last = self._displaced.get(b)  # made again with the rows' stale (`_standing`)
+        else:
+            self._displaced[b] = last
         if best == ks[0] and last is not None and last.best == best and self.window \
                 and self._since_probe[b] >= self._due_at(last):
             probe, wait = last.probe, last.wait  # its upkeep has begun: the probe stays
@@ -541,7 +565,7 @@ class DraftPolicy:
                                          scores[best] / scores[ks[0]], probe,
                                          self._stands(best, ks[0], far, scores),
                                          scores[probe] < (1.0 - MARGIN) * scores[best], wait,
-                                         sum(expected[best]) / times[best], times[best])
+                                         sum(expected[best]) / times[best], times[best], stale)
         return made
 
     @staticmethod
@@ -556,7 +580,8 @@ class DraftPolicy:
         return REFRESH_DRAFTING if scores[best] >= (1.0 + FAR) * scores[cheapest] else 1
 
     def _score(self, rows: Sequence[RowOutlook], expected: list[float], k: int, cheapest: int,
-               times: dict[int, float], tails: dict[int, list[float]] | None) -> float:
+               times: dict[int, float], tails: dict[int, list[float]] | None,
+               first: tuple[int, float] = (0, 0.0)) -> float:
         """Expected tokens per second at K for rows expecting expected[i] tokens a round
         (times: each K's round at the rows' B).
         With requests waiting (`tails` None: refill), of the round. Else of the rows' work to
@@ -564,19 +589,26 @@ class DraftPolicy:
         rounds of fewer rows (tails[K][n]: a round of K with n rows; a K whose rows progress
         unevenly leaves a tail of small rounds; a row's budget is its tokens left or its cap),
         with K kept to the end or, if sooner, until the first row ends and the cheapest round
-        after it."""
+        after it. `first`: (s, seconds): s rounds of 0 with the drafter's upkeep run first,
+        taking those seconds and committing a token a row each (rows that bare rounds left
+        stale: the upkeep is paid for by what the rows draft after it, so near a row's end
+        or the break-even a choice that would draft holds the bare rounds of 0)."""
         b = len(rows)
         t = times[k]
-        if tails is None:
+        stale, lead = first
+        if tails is None and not stale:
             return sum(expected) / t
         budgets = [max(r.budget, 1) for r in rows]
-        seconds = _until_done(sorted(n / e for n, e in zip(budgets, expected)), tails[k])
+        after = [max(n - stale, 0) for n in budgets]
+        if tails is None:  # with refill: what follows the upkeep at the round's rate
+            return sum(budgets) / max(lead + sum(after) * t / sum(expected), 1e-12)
+        seconds = _until_done(sorted(n / e for n, e in zip(after, expected)), tails[k])
         if k != cheapest and b > 1:
-            first = min(n / e for n, e in zip(budgets, expected))
-            left = sorted(n - first * e for n, e in zip(budgets, expected))
-            seconds = min(seconds, first * t + _until_done([n for n in left if n > 1e-6],
-                                                           tails[cheapest]))
-        return sum(budgets) / max(seconds, 1e-12)
+            first_end = min(n / e for n, e in zip(after, expected))
+            left = sorted(n - first_end * e for n, e in zip(after, expected))
+            seconds = min(seconds, first_end * t + _until_done([n for n in left if n > 1e-6],
+                                                               tails[cheapest]))
+        return sum(budgets) / max(lead + seconds, 1e-12)
 
     def _tail_times(self, k: int, b: int, t: float, cheapest: int) -> list[float]:
         """[n]: a round of K with n <= B rows (a round of all B takes t): measured, else t

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import types
 
 import numpy as np
@@ -588,6 +589,65 @@ def test_a_predictable_text_after_bare_rounds_waits_for_its_context_then_drafts(
     rows = [RowOutlook(RowAcceptance(3), 50, 5)]  # a stale row: drafting waits
     assert policy.choose(rows, lambda k, b: True) == 0 and not policy.bare(rows)
     assert policy.bare([RowOutlook(None, 50), RowOutlook(RowAcceptance(3), 1)])
+
+
+def test_a_choice_for_stale_rows_pays_the_upkeep_before_its_drafts():
+    """K = 4 commits 1.15x the tokens per second of rounds of 0 for a row, once its drafter
+    context is whole; after bare rounds it first needs W = 64 rounds of 0 with the upkeep. A
+    row with 100 tokens left would draft for 36 of them (the demo's DFlash at B = 1 near the
+    break-even paid 64 rounds of upkeep again and again for a few rounds of K = 15: 0.86 of
+    the same process's requests that drafted nothing): it holds the bare rounds of 0. A row
+    with 10,000 left drafts after the upkeep, and a fresh one at once. The Engine asks a row's
+    staleness only of a choice that drafts (`Rounds`): the choice made again with it stands
+    for the next round's first question (which does not know it)."""
+    policy = DraftPolicy((0, 4), "dflash", window=64)
+    a = RowAcceptance(4)
+    a.attempted, a.accepted = [1000.0] * 4, [900.0] * 4
+    e4 = DraftPolicy._row_expected(RowOutlook(a, 10**6), policy._rates(a, [0.9] * 4))[4]
+    for k, t in ((0, 1.0), (4, e4 / 1.15)):
+        policy._ready.add((k, 1))
+        for table in (policy._times, policy._steady):
+            table[(k, 1)] = collections.deque([t] * 3)
+        policy._typical[(k, 1)] = t
+    policy._explored.add(1)
+    policy._last = (0, 1, 0.0)
+    ready = lambda k, b: True
+    assert policy.choose([RowOutlook(a, 100)], ready) == 4  # fresh from its prefill
+    assert policy.choose([RowOutlook(a, 100, stale=64)], ready) == 0
+    assert policy._choice[1].best == 0 and policy._choice[1].stale == 64
+    assert policy.choose([RowOutlook(a, 100)], ready) == 0  # the standing choice
+    policy._choice.clear()
+    assert policy.choose([RowOutlook(a, 10**4, stale=64)], ready) == 0  # the upkeep first
+    assert policy._choice[1].best == 4
+
+
+def test_a_choice_made_again_for_stale_rows_keeps_the_probe_whose_upkeep_began():
+    """A choice of 0 whose probe's upkeep has begun keeps that probe and its wait. A choice
+    made for the same rows without their staleness (`Rounds`' first question), then again
+    with it, is the choice made once with it: the probe and its wait stay those of the
+    choice before the first."""
+    policy = DraftPolicy((0, 4), "dflash", window=64)
+    a = RowAcceptance(4)
+    a.attempted, a.accepted = [1000.0] * 4, [900.0] * 4
+    e4 = DraftPolicy._row_expected(RowOutlook(a, 10**6), policy._rates(a, [0.9] * 4))[4]
+    for k, t in ((0, 1.0), (4, e4 / 1.12)):
+        policy._ready.add((k, 1))
+        for table in (policy._times, policy._steady):
+            table[(k, 1)] = collections.deque([t] * 3)
+        policy._typical[(k, 1)] = t
+    policy._explored.add(1)
+    policy._last = (0, 1, 0.0)
+    ready = lambda k, b: True
+    a.accepted = [840.0] * 4  # drafting loses by a little: 0, and a probe of 4
+    assert policy.choose([RowOutlook(a, 100)], ready) == 0
+    before = policy._choice[1]
+    policy._since_probe[1] = math.ceil(policy._due_at(before))  # its upkeep has begun
+    policy._round += before.stands
+    a.accepted = [900.0] * 4  # now K = 4 wins by 12% where the row's context is whole
+    assert policy.choose([RowOutlook(a, 100)], ready) == 4
+    assert policy.choose([RowOutlook(a, 100, stale=64)], ready) == 0
+    made = policy._choice[1]
+    assert (made.best, made.probe, made.wait) == (0, 4, before.wait)
 
 
 def test_rows_that_draft_nothing_and_unready_executables():
