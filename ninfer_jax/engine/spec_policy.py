@@ -21,7 +21,10 @@ The choice: the K of most committed tokens per second for the round's rows.
   a steady one, its time divided by how much slower such rounds were than steady ones at that
   B); at a B where some K was measured and this one not, its time at the nearest B scaled by
   a K measured at both (the larger of their ratio and K's extra over it in proportion to the
-  rows). Ks are compared on times taken close together: every sample is paired with the other
+  rows), but a drafting K from a smaller B the least it can take (its time there, or the
+  cheapest's here, whichever is longer): a K that may win at the new B runs there and is
+  measured (scaled by the rows, the demo's DFlash K = 8 read ~29 ms at B = 4 where it took
+  ~15, and the policy held rounds of 0 where fixed K = 8 ran 1.05-1.22x off). Ks are compared on times taken close together: every sample is paired with the other
   Ks' samples of the NEAR rounds before it, and a K other than the anchor (the K of the
   latest sample, mostly the choice) is timed as the anchor's time times their paired ratio
   (the geometric mean of the two directions': a busy stretch of the machine slows both sides
@@ -782,10 +785,17 @@ class DraftPolicy:
         larger of the reference's time here times their ratio there, and the reference's time
         here plus K's extra over it there in proportion to the rows (a verify's extra work
         grows with its rows, a round of 0's less: the ratio alone under-estimated the demo's
-        DFlash K = 3 at B = 4 from B = 1, 5.2 ms against 6.4, so its first rounds there
-        drafted at a loss; the extra alone under-estimates a smaller B)."""
+        DFlash K = 3 at B = 4 from B = 1, 5.2 ms against 6.4; the extra alone under-estimates
+        a smaller B). A drafting K from a smaller B and a cheaper reference: the least it can
+        take (no fewer rows there, no more drafts in the reference), so that where it may win
+        it runs and is measured: neither scaling holds on every machine (the extra read the
+        demo's DFlash K = 8 at B = 4 ~29 ms where it took ~15), and a K scaled too slow is
+        never measured (its probes, spaced by the loss they are expected to have, came a few
+        times in 15 turns of the spec_policy benchmark, and drafted two rounds each)."""
         here, there, k_there = self._typical[(ref, b)], self._typical[(ref, other)], \
             self._typical[(k, other)]
+        if k and ref < k and other < b:  # the least it can take: K runs where that may win
+            return max(k_there, here)
         return max(here * k_there / max(there, 1e-9), here + (k_there - there) * b / other)
 
     def _ratio(self, k: int, j: int, b: int) -> float | None:
