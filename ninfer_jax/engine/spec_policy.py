@@ -19,7 +19,7 @@ The choice: the K of most committed tokens per second for the round's rows.
   their median (a change, the start of a chain of rounds of 0 and an executable's first runs
   are not samples; a drafting round fewer than STINT rounds into a run of its K is counted as
   a steady one, its time divided by how much slower such rounds were than steady ones at that
-  B); at a B where some K was measured and this one not, its time at the nearest B scaled by
+  B, or at the nearest B that ran a drafting K long enough to tell); at a B where some K was measured and this one not, its time at the nearest B scaled by
   a K measured at both (the larger of their ratio and K's extra over it in proportion to the
   rows), but a drafting K from a smaller B the least it can take (its time there, or the
   cheapest's here, whichever is longer): a K that may win at the new B runs there and is
@@ -958,7 +958,10 @@ class DraftPolicy:
         """A drafting round's seconds as a steady one's: a round r < STINT rounds into a run of
         its K is divided by how much slower such rounds are at this B (the median, over the
         last PAIRS of them of any K measured steady, of their seconds over their K's steady
-        median; none before MIN_SAMPLES)."""
+        median; none before MIN_SAMPLES), or at the nearest B where that was measured: a B at
+        which no drafting K runs STINT rounds (rounds of 0 and probes) has no factor of its
+        own, and its probes' rounds, all early in a run, timed the demo's DFlash K = 8 at
+        B = 4 at 18.4 ms where its fixed process's rounds took ~15.7."""
         r = self._run
         if r >= STINT:
             _window(self._steady, (k, b), WINDOW).append(seconds)
@@ -967,6 +970,10 @@ class DraftPolicy:
         slow = _window(self._slow, (b, r), PAIRS)
         if steady is not None and len(steady) >= MIN_SAMPLES:
             slow.append(seconds / _median(steady))
+        if len(slow) < MIN_SAMPLES:  # no run of a drafting K this long at B: the nearest B's
+            slow = min(((abs(other - b), s) for (other, at), s in self._slow.items()
+                        if at == r and len(s) >= MIN_SAMPLES),
+                       key=lambda x: x[0], default=(0, slow))[1]
         return seconds / _median(slow) if len(slow) >= MIN_SAMPLES else seconds
 
     def _count_probe(self, k: int, b: int, now: float, tokens: int) -> None:

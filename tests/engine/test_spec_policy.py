@@ -951,6 +951,24 @@ def test_rounds_early_in_a_run_of_their_k_are_timed_as_steady_ones():
     assert policy._time(3, 1) == pytest.approx(_STEADY[3], rel=0.03)
 
 
+def test_a_b_without_long_runs_of_a_drafting_k_steadies_its_rounds_as_the_nearest_b():
+    """At B = 4 the policy runs rounds of 0 and probes of K = 7 two rounds at a time: no
+    drafting K runs long enough there to measure how much slower a run's first rounds are.
+    They are steadied by B = 1's (as the demo's DFlash at B = 4, whose K = 8 the policy
+    timed at 18.4 ms where fixed K = 8's rounds took ~15.7: the policy held rounds of 0)."""
+    policy = DraftPolicy((0, 3, 7), "dflash")
+    clock, now = _Switching(), 0.0
+    for b, ks in ((1, [7] * 12 + [3] * 12 + ([3] * 20 + [7] * 2) * 6),
+                  (4, [0] * 12 + ([0] * 20 + [7] * 2) * 12)):
+        rows = [RowOutlook(RowAcceptance(7), 10**6)] * b
+        for k in ks:
+            policy.dispatched(k, rows)
+            now += clock(k, b)
+            policy.round_done(k, b, now, b * (k + 1))
+    assert not any(len(s) for (b, _), s in policy._slow.items() if b == 4)
+    assert policy._time(7, 4) == pytest.approx(4 * _STEADY[7], rel=0.03)
+
+
 # acceptance by draft position (conditional) with which K = 7 commits 1.15x the tokens per
 # second of K = 3, as it does on the demo's first story prompt at B = 1 (1,340-1,370 tok/s
 # against 1,170-1,200 through the Engine, a K forced)
