@@ -15,27 +15,27 @@ counts behind `SpeculativeStats`.
     policy.add_row(acceptance, k, limit, produced, committed)
 
 The choice: the K of most committed tokens per second for the round's rows.
-- t(K, B): the mean of the last steady rounds of that (K, B), each clipped at CLIP times
-  their median (a change, the start of a chain of rounds of 0 and an executable's first runs
-  are not samples; a drafting round fewer than STINT rounds into a run of its K is counted as
-  a steady one, its time divided by how much slower such rounds were than steady ones at that
-  B, or at the nearest B that ran a drafting K long enough to tell); at a B where some K was measured and this one not, its time at the nearest B scaled by
-  a K measured at both (the larger of their ratio and K's extra over it in proportion to the
-  rows), but a drafting K from a smaller B the least it can take (its time there, or the
-  cheapest's here, whichever is longer): a K that may win at the new B runs there and is
-  measured (scaled by the rows, the demo's DFlash K = 8 read ~29 ms at B = 4 where it took
-  ~15, and the policy held rounds of 0 where fixed K = 8 ran 1.05-1.22x off). Ks are compared on times taken close together: every sample is paired with the other
-  Ks' samples of the NEAR rounds before it, and a K other than the anchor (the K of the
-  latest sample, mostly the choice) is timed as the anchor's time times their paired ratio
-  (the geometric mean of the two directions': a busy stretch of the machine slows both sides
-  of a pair; times taken at different moments would compare the stretches, not the Ks). A K
-  with no pairs of its own with the anchor (the largest ones, timed in the first exploration
-  only and paired there with the K they ran after) is timed through the chain of pairs that
-  links them, once that puts it more than BAND from its own time: in a burst of the machine
-  the rounds of 0 slowed 2-3x while such a K's time stayed, and the demo's DFlash at B = 1
-  drafted K = 8 and 15 for 5-14 rounds of a turn (three such turns: 0.57-0.76 of off). A
-  drafting choice paired only with rounds of 0 before it is checked by rounds of 0 right
-  after its samples.
+- t(K, B): the mean of the last steady rounds of that (K, B), each clipped at CLIP times their
+  median (a change, the start of a chain of rounds of 0 and an executable's first runs are not
+  samples; a drafting round fewer than STINT rounds into a run of its K is counted as a steady
+  one, its time divided by how much slower such rounds were than steady ones at that B, or at the
+  nearest B that ran a drafting K long enough to tell); at a B where some K was measured and this
+  one not, its time at the nearest B scaled by a K measured at both (the larger of their ratio and
+  K's extra over it in proportion to the rows), but a drafting K from a smaller B the least it can
+  take (its time there, or the cheapest's here, whichever is longer): a K that may win at the new
+  B runs there and is measured (scaled by the rows, the demo's DFlash K = 8 read ~29 ms at B = 4
+  where it took ~15, and the policy held rounds of 0 where fixed K = 8 ran 1.05-1.22x off). Ks are
+  compared on times taken close together: every sample is paired with the other Ks' samples of the
+  NEAR rounds before it, and a K other than the anchor (the K of the latest sample, mostly the
+  choice) is timed as the anchor's time times their paired ratio (the geometric mean of the two
+  directions': a busy stretch of the machine slows both sides of a pair; times taken at different
+  moments would compare the stretches, not the Ks). A K with no pairs of its own with the anchor
+  (the largest ones, timed in the first exploration only and paired there with the K they ran
+  after) is timed through the chain of pairs that links them, once that puts it more than BAND
+  from its own time: in a burst of the machine the rounds of 0 slowed 2-3x while such a K's time
+  stayed, and the demo's DFlash at B = 1 drafted K = 8 and 15 for 5-14 rounds of a turn (three
+  such turns: 0.57-0.76 of off). A drafting choice paired only with rounds of 0 before it is
+  checked by rounds of 0 right after its samples.
 - Tokens: a row with acceptance a_i (the chance draft i is right when drafts 0..i-1 were) and
   a limit of L tokens expects E(K) = 1 + sum_{j=1..min(K, L-1)} prod_{i<j} a_i from a round
   of K. A request's a_i are its own counts on PRIOR_WEIGHT rounds of an anchor: the prior at
@@ -89,29 +89,29 @@ The choice: the K of most committed tokens per second for the round's rows.
   drafting round delays the next admission by its extra time (four requests submitted
   together to the demo's DFlash Engine: the first row's drafting rounds alone, ~6 ms, ~2% of
   the turn at B = 4, which then waited for its last row).
-- Bare rounds (a `window` W > 0, `bare`): a round of 0 may skip the drafter's upkeep (DFlash
-  with a sliding-window drafter: its projections of the new position, 3-4% of a round of the
-  embedded model on these cores; MTP: the head's K/V of it, up to 12% there) when its rows draft
-  nothing, or when the choice for them is 0, W rounds of 0 ran in a row at their B (the rounds
-  of a probe expected to lose aside) and either its next probe is more than W rounds away or a
-  row ends before the upkeep still to run and the probe's two rounds (`_life`: the upkeep would
-  be paid for nothing; the probe waits for the next rows). A row's context then lacks those
-  positions: DFlash's until W rounds of upkeep later, MTP's for good (the head's attention skips
-  them) but its last W positions whole after W rounds of upkeep (`RowOutlook.stale`). A choice
-  that drafts for a stale row runs rounds of 0 with the upkeep first, so no probe or drafting
-  round reads a context whose recent positions have holes; its drafting Ks are scored with
-  those rounds first (their time, upkeep included, and a token a row each: `_score`), so a
-  choice that would draft holds the bare rounds where what the rows draft after the upkeep
-  does not pay for it (the demo's DFlash at B = 1, where fixed K = 15 ran 1.02 of off and
-  the policy ran the upkeep for most rounds of a turn to draft a few rounds of 4-15: 0.86 of
-  its own process's requests that drafted nothing). Only which K is best changes: the rest
-  of the choice (its probe, their wait, how long it stands) is what it would be without the
-  upkeep, as a choice the Engine makes without asking the rows' staleness is. A probe that drafts while 0 is the best runs once
-  its window begins if its rows' contexts are whole (rows fresh from their prefills: no upkeep;
-  the spec_policy benchmark's DFlash at B = 4, whose turns of 130 rounds paid the W = 64 rounds
-  of upkeep in 3-11 of 15 turns, 2 of 5 cut short by the turn's end in a traced run), and the
-  next wait starts that much later (probes stay as far apart as their budget says); a choice
-  whose probe's upkeep has begun keeps that probe and its wait.
+- Bare rounds (a `window` W > 0, `bare`): a round of 0 may skip the drafter's upkeep (DFlash with
+  a sliding-window drafter: its projections of the new position, 3-4% of a round of the embedded
+  model on these cores; MTP: the head's K/V of it, up to 12% there) when its rows draft nothing,
+  or when the choice for them is 0, W rounds of 0 ran in a row at their B (the rounds of a probe
+  expected to lose aside) and either its next probe is more than W rounds away or a row ends
+  before the upkeep still to run and the probe's two rounds (`_life`: the upkeep would be paid for
+  nothing; the probe waits for the next rows). A row's context then lacks those positions:
+  DFlash's until W rounds of upkeep later, MTP's for good (the head's attention skips them) but
+  its last W positions whole after W rounds of upkeep (`RowOutlook.stale`). A choice that drafts
+  for a stale row runs rounds of 0 with the upkeep first, so no probe or drafting round reads a
+  context whose recent positions have holes; its drafting Ks are scored with those rounds first
+  (their time, upkeep included, and a token a row each: `_score`), so a choice that would draft
+  holds the bare rounds where what the rows draft after the upkeep does not pay for it (the demo's
+  DFlash at B = 1, where fixed K = 15 ran 1.02 of off and the policy ran the upkeep for most
+  rounds of a turn to draft a few rounds of 4-15: 0.86 of its own process's requests that drafted
+  nothing). Only which K is best changes: the rest of the choice (its probe, their wait, how long
+  it stands) is what it would be without the upkeep, as a choice the Engine makes without asking
+  the rows' staleness is. A probe that drafts while 0 is the best runs once its window begins if
+  its rows' contexts are whole (rows fresh from their prefills: no upkeep; the spec_policy
+  benchmark's DFlash at B = 4, whose turns of 130 rounds paid the W = 64 rounds of upkeep in 3-11
+  of 15 turns, 2 of 5 cut short by the turn's end in a traced run), and the next wait starts that
+  much later (probes stay as far apart as their budget says); a choice whose probe's upkeep has
+  begun keeps that probe and its wait.
 
 Does not own: which K values exist (`ProgramConfig.round_drafts`, compiled at start), the
 rows' limits (the Program clips them to K + 1), or exactness (every K gives the same greedy
