@@ -591,6 +591,24 @@ def test_a_predictable_text_after_bare_rounds_waits_for_its_context_then_drafts(
     assert policy.bare([RowOutlook(None, 50), RowOutlook(RowAcceptance(3), 1)])
 
 
+def _windowed_policy(gain: float) -> tuple[DraftPolicy, RowAcceptance]:
+    """A DFlash policy with W = 64 whose times at B = 1 are measured (K = 4 committing `gain`
+    times the tokens per second of rounds of 0 for a row right 0.9 of the time, its context
+    whole), its last round one of 0, and that row's acceptance."""
+    policy = DraftPolicy((0, 4), "dflash", window=64)
+    a = RowAcceptance(4)
+    a.attempted, a.accepted = [1000.0] * 4, [900.0] * 4
+    e4 = DraftPolicy._row_expected(RowOutlook(a, 10**6), policy._rates(a, [0.9] * 4))[4]
+    for k, t in ((0, 1.0), (4, e4 / gain)):
+        policy._ready.add((k, 1))
+        for table in (policy._times, policy._steady):
+            table[(k, 1)] = collections.deque([t] * 3)
+        policy._typical[(k, 1)] = t
+    policy._explored.add(1)
+    policy._last = (0, 1, 0.0)
+    return policy, a
+
+
 def test_a_choice_for_stale_rows_pays_the_upkeep_before_its_drafts():
     """K = 4 commits 1.15x the tokens per second of rounds of 0 for a row, once its drafter
     context is whole; after bare rounds it first needs W = 64 rounds of 0 with the upkeep. A
@@ -600,17 +618,7 @@ def test_a_choice_for_stale_rows_pays_the_upkeep_before_its_drafts():
     with 10,000 left drafts after the upkeep, and a fresh one at once. The Engine asks a row's
     staleness only of a choice that drafts (`Rounds`): the choice made again with it stands
     for the next round's first question (which does not know it)."""
-    policy = DraftPolicy((0, 4), "dflash", window=64)
-    a = RowAcceptance(4)
-    a.attempted, a.accepted = [1000.0] * 4, [900.0] * 4
-    e4 = DraftPolicy._row_expected(RowOutlook(a, 10**6), policy._rates(a, [0.9] * 4))[4]
-    for k, t in ((0, 1.0), (4, e4 / 1.15)):
-        policy._ready.add((k, 1))
-        for table in (policy._times, policy._steady):
-            table[(k, 1)] = collections.deque([t] * 3)
-        policy._typical[(k, 1)] = t
-    policy._explored.add(1)
-    policy._last = (0, 1, 0.0)
+    policy, a = _windowed_policy(1.15)
     ready = lambda k, b: True
     assert policy.choose([RowOutlook(a, 100)], ready) == 4  # fresh from its prefill
     assert policy.choose([RowOutlook(a, 100, stale=64)], ready) == 0
@@ -626,17 +634,7 @@ def test_a_choice_made_again_for_stale_rows_keeps_the_probe_whose_upkeep_began()
     made for the same rows without their staleness (`Rounds`' first question), then again
     with it, is the choice made once with it: the probe and its wait stay those of the
     choice before the first."""
-    policy = DraftPolicy((0, 4), "dflash", window=64)
-    a = RowAcceptance(4)
-    a.attempted, a.accepted = [1000.0] * 4, [900.0] * 4
-    e4 = DraftPolicy._row_expected(RowOutlook(a, 10**6), policy._rates(a, [0.9] * 4))[4]
-    for k, t in ((0, 1.0), (4, e4 / 1.12)):
-        policy._ready.add((k, 1))
-        for table in (policy._times, policy._steady):
-            table[(k, 1)] = collections.deque([t] * 3)
-        policy._typical[(k, 1)] = t
-    policy._explored.add(1)
-    policy._last = (0, 1, 0.0)
+    policy, a = _windowed_policy(1.12)
     ready = lambda k, b: True
     a.accepted = [840.0] * 4  # drafting loses by a little: 0, and a probe of 4
     assert policy.choose([RowOutlook(a, 100)], ready) == 0
