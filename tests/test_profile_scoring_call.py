@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from scripts.profile_scoring_call import _hlo_names, _wall_shares
 
 
@@ -26,6 +28,7 @@ def test_hlo_names_give_shape_and_op():
                                 "add.1": ("f32[8]{0}", "add")}
 
 
+@pytest.mark.slow  # ~30 s: a profiling script's run; its parsers are tested above
 def test_a_tiny_call_is_split_into_weight_matmuls_and_the_rest():
     done = subprocess.run([sys.executable, "-m", "scripts.profile_scoring_call", "tiny",
                            "--rows=2", "--length=64", "--top=3"],

@@ -19,7 +19,9 @@ def _suffix(frontend) -> list[int]:
     return [*tok.encode("\n"), tok.think_ids[1], *tok.encode("\n\n")]
 
 
-@pytest.mark.parametrize("k", [0, 2])
+# with MTP in the slow tier (~20 s): forced control text with speculation is
+# test_structured_engine.py's test_text_the_grammar_forces_goes_in_as_forced_control
+@pytest.mark.parametrize("k", [0, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_thinking_budget_forces_the_end_and_then_samples_as_a_prompt_holding_it(k,
                                                                                     temperature):

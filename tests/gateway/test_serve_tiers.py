@@ -12,6 +12,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from ninfer_jax.testing.redis_server import RedisServer
 
@@ -111,6 +112,7 @@ def test_disk_tier_survives_sigkill_and_restart(tmp_path):
         server.kill()
 
 
+@pytest.mark.slow  # ~30 s; the Engine over a real Redis: tests/engine/test_tiers_storm.py
 def test_two_servers_share_one_redis():
     with RedisServer() as redis:
         flag = f"--redis_url={redis.url}"

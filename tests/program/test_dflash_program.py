@@ -204,8 +204,8 @@ def test_bare_rounds_leave_their_positions_out_of_the_ring_and_the_output_unchan
     """Rounds of 0 that skip the drafter's upkeep (`decode(bare=True)`) between rounds of
     every K: the greedy tokens of no speculation; the ring holds the target's context at every
     other held position; W rounds of upkeep after the last one, the ring is the one the upkeep
-    would have left (W: the drafter's window)."""
-    prog = dflash_program("random", 7, 1, policy="adaptive")
+    would have left (W: the drafter's window). On the Program of the next test (one row)."""
+    prog = dflash_program("random", 7, 2, policy="adaptive")
     assert prog.limits.context_window == 16
     prompt = _prompts(1, prog.cfg.vocab_size, seed=7)[0]
     want = generate(spec_program("demo", 0), [prompt], budget=48)[0][0]

@@ -15,6 +15,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from ninfer_jax.program import executable_cache
 from ninfer_jax.program.steps import commit_step
 from tests.conftest import REPO
@@ -31,7 +33,7 @@ def _run(cache: pathlib.Path, programs: int = 1) -> dict:
 
 
 def test_a_second_process_loads_every_step_a_damaged_entry_is_rebuilt(tmp_path):
-    """One cache directory through four processes (jax's own keys name the directory, so a
+    """One cache directory through three processes (jax's own keys name the directory, so a
     copy elsewhere would miss in jax's cache)."""
     cold = _run(tmp_path)
     entries = sorted((tmp_path / executable_cache.SUBDIR).glob("*.exe"))
@@ -53,8 +55,12 @@ def test_a_second_process_loads_every_step_a_damaged_entry_is_rebuilt(tmp_path):
     assert damaged["tokens"] == cold["tokens"]
     assert not entries[0].exists() and not entries[1].exists()
 
-    # jax's cache warm, ours empty: the first Program's steps come from jax's cache, the
-    # second's from jax's in-memory cache of those; neither kind is stored
+
+@pytest.mark.slow  # ~45 s: two more processes; the damaged entries above are not stored either
+def test_steps_jax_loaded_are_never_stored(tmp_path):
+    """jax's cache warm, ours empty: the first Program's steps come from jax's cache, the
+    second's from jax's in-memory cache of those; neither kind is stored."""
+    cold = _run(tmp_path)
     shutil.rmtree(tmp_path / executable_cache.SUBDIR)
     jax_only = _run(tmp_path, programs=2)
     assert jax_only["counts"] == {"loaded": 0, "stored": 0, "dropped": 0}

@@ -22,6 +22,8 @@ from ninfer_jax.testing.configs import tiny_drafter
 PCFG = ProgramConfig(max_concurrency=2, max_seq_len=64, num_pages=16, page_size=8,
                      prefill_chunk=16, num_checkpoint_slots=0, draft_policy="adaptive")
 
+SLOW = pytest.mark.slow
+
 
 def _setups():
     cfg = tiny_dense(mtp_num_layers=1)
@@ -44,7 +46,10 @@ def _unread(fn, args: tuple, donate: tuple[str, ...]) -> int:
     return sum(i not in kept for i in range(len(jax.tree.leaves(args[0]))))
 
 
-@pytest.mark.parametrize("setup", ["dflash", "dflash_selector", "mtp", "mtp_int8"])
+# the selector head and int8 weights in the slow tier (~18 s): the same rounds' params, the
+# head's and the quantized leaves
+@pytest.mark.parametrize("setup", ["dflash", pytest.param("dflash_selector", marks=SLOW), "mtp",
+                                   pytest.param("mtp_int8", marks=SLOW)])
 def test_every_param_a_decode_round_passes_is_read(setup):
     cfg, pcfg, quantize = _setups()[setup]
     drafter = tiny_drafter(cfg) if pcfg.speculative == "dflash" else None

@@ -103,6 +103,7 @@ def test_results_and_error_lines(model_dir, tmp_path):
         assert reason in error, (reason, error)
 
 
+@pytest.mark.slow  # ~25 s; the full-disk test resumes in the default run
 def test_sigkill_then_resume_equals_an_uninterrupted_run(model_dir, tmp_path):
     src = write_input(tmp_path / "in.jsonl", 600)
     total = len(src.read_bytes().splitlines())
