@@ -45,9 +45,13 @@ The choice: the K of most committed tokens per second for the round's rows.
   with rounds of 0 adds only its probes; a position's rate starts from SHRINK rows of the one
   before it, 0.5 at the first) and forgets by rows counted, not by time.
 - With requests waiting (`refill`: a row that ends is replaced) the rate is the round's,
-  sum E / t(K, B). Else it is that of the rows' work to their ends with K kept: row i needs
-  budget_i / E_i rounds, and rows that end first leave rounds of fewer rows (a K whose rows
-  progress unevenly leaves a tail of small rounds in which the last row runs nearly alone).
+  sum E / t(K, B). Else it is the rows' own speed to their ends, as their streams see it (rows
+  over the sum of each row's seconds a token) with K kept: row i needs budget_i / E_i rounds,
+  and rows that end first leave rounds of fewer rows. Scoring the rows' work to the last
+  one's end instead held the demo's DFlash at B = 4 mostly to rounds of 0, where fixed K = 4
+  and 8 end three of four requests sooner and the fourth about when it would: their decode
+  tok/s 1.18x and 1.28x off's, the turn's tokens per second 0.92x and 0.97x
+  (`results/spec_policy_2026-12-07_dflash_w.json`).
 - A K that drafts must promise MARGIN more than the cheapest round, and SWITCH more than the
   drafting K of the last round at its B if it is another one. A choice that drafts is
   made again every REFRESH_DRAFTING rounds where it promises 1 + FAR of the cheapest's tokens
@@ -232,15 +236,17 @@ def _typical(xs) -> float:
     return sum(min(x, cap) for x in xs) / len(xs)
 
 
-def _until_done(rounds: list[float], tails: list[float]) -> float:
-    """Seconds of rounds for rows that end after rounds[0] <= rounds[1] <= ... rounds
-    (len(rounds) of them running at first; tails[n]: a round of n rows)."""
+def _ends(rounds: list[float], tails: list[float]) -> list[float]:
+    """[i]: the seconds until the row that ends after rounds[i] rounds ends (rounds[0] <=
+    rounds[1] <= ...; len(rounds) of them running at first; tails[n]: a round of n rows)."""
     seconds = done = 0.0
     alive = len(rounds)
+    ends = []
     for n in rounds:
         seconds += (n - done) * tails[alive]
+        ends.append(seconds)
         done, alive = n, alive - 1
-    return seconds
+    return ends
 
 
 def _steps(prior: list[float]) -> list[float]:
@@ -587,12 +593,11 @@ class DraftPolicy:
                first: tuple[int, float] = (0, 0.0)) -> float:
         """Expected tokens per second at K for rows expecting expected[i] tokens a round
         (times: each K's round at the rows' B).
-        With requests waiting (`tails` None: refill), of the round. Else of the rows' work to
-        their ends: row i needs budget_i / E_i rounds, and the rows that end first leave
-        rounds of fewer rows (tails[K][n]: a round of K with n rows; a K whose rows progress
-        unevenly leaves a tail of small rounds; a row's budget is its tokens left or its cap),
-        with K kept to the end or, if sooner, until the first row ends and the cheapest round
-        after it. `first`: (s, seconds): s rounds of 0 with the drafter's upkeep run first,
+        With requests waiting (`tails` None: refill), of the round. Else the rows' speed to
+        their ends (`_speeds`): row i needs budget_i / E_i rounds, and the rows that end first
+        leave rounds of fewer rows (tails[K][n]: a round of K with n rows; a row's budget is
+        its tokens left or its cap), with K kept to the end or, if faster, until the first row
+        ends and the cheapest round after it. `first`: (s, seconds): s rounds of 0 with the drafter's upkeep run first,
         taking those seconds and committing a token a row each (rows that bare rounds left
         stale: the upkeep is paid for by what the rows draft after it, so near a row's end
         or the break-even a choice that would draft holds the bare rounds of 0)."""
@@ -605,13 +610,27 @@ class DraftPolicy:
         after = [max(n - stale, 0) for n in budgets]
         if tails is None:  # with refill: what follows the upkeep at the round's rate
             return sum(budgets) / max(lead + sum(after) * t / sum(expected), 1e-12)
-        seconds = _until_done(sorted(n / e for n, e in zip(after, expected)), tails[k])
-        if k != cheapest and b > 1:
-            first_end = min(n / e for n, e in zip(after, expected))
-            left = sorted(n - first_end * e for n, e in zip(after, expected))
-            seconds = min(seconds, first_end * t + _until_done([n for n in left if n > 1e-6],
-                                                               tails[cheapest]))
-        return sum(budgets) / max(lead + seconds, 1e-12)
+        order = sorted(range(b), key=lambda i: after[i] / expected[i])
+        ends = _ends([after[i] / expected[i] for i in order], tails[k])
+        score = self._speeds([budgets[i] for i in order], ends, lead)
+        if k != cheapest and b > 1:  # or K until the first row ends, then the cheapest
+            first_end = after[order[0]] / expected[order[0]]
+            left = {i: after[i] - first_end * expected[i] for i in order[1:]}
+            rest = sorted(left, key=left.get)
+            ends = [first_end * t] + [first_end * t + e for e in _ends(
+                [max(left[i], 0.0) for i in rest], tails[cheapest])]
+            score = max(score, self._speeds([budgets[i] for i in [order[0], *rest]], ends,
+                                            lead))
+        return score
+
+    @staticmethod
+    def _speeds(budgets: list[float], ends: list[float], lead: float) -> float:
+        """The rows' speed as their streams see it while nothing waits: rows over the sum of
+        each row's seconds a token (from now to its end; its tokens per second for one row).
+        A K that ends the rows it suits sooner gains though the last row ends when it would
+        have; one that slows a row counts that row's loss in full, not in proportion to its
+        tokens per second."""
+        return len(budgets) / max(sum((lead + e) / n for n, e in zip(budgets, ends)), 1e-12)
 
     def _tail_times(self, k: int, b: int, t: float, cheapest: int) -> list[float]:
         """[n]: a round of K with n <= B rows (a round of all B takes t): measured, else t
