@@ -396,7 +396,7 @@ class DraftPolicy:
         asked again before the round is dispatched). `ready(k, b)`: whether that round's
         executable is compiled (one that is not is never waited for, the largest aside).
         `refill`: requests are waiting, so a row that ends is replaced (the round's own tokens
-        per second count); else these rows' work to their ends does. `filling`: a waiting
+        per second count); else these rows' own speeds to their ends do. `filling`: a waiting
         request may be admitted next: the cheapest round (module docstring)."""
         b = len(rows)
         if not self.adaptive:
