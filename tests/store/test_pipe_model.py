@@ -203,3 +203,36 @@ TestPipeModel = PipeMachine.TestCase
 # shrunk steps already say what happened.
 TestPipeModel.settings = settings(max_examples=100, stateful_step_count=30, deadline=None,
                                   phases=[p for p in Phase if p is not Phase.explain])
+
+
+class _Draws:
+    """`st.data()` for a rule called directly: its draws, given in order."""
+
+    def __init__(self, *values):
+        self.values = list(values)
+
+    def draw(self, strategy, label=None):
+        return self.values.pop(0)
+
+
+def test_a_finished_requests_put_waits_for_a_prefetch_of_its_block():
+    """A falsifying run of the machine, kept: r2 puts block 0 (evicted from the head, still in
+    posix), then prefetches it and finishes with both jobs unconsumed. Its put window waited
+    only for its put job; released once that was consumed, its final commit was refused (the
+    prefetch still wrote the block) and the overflow alloc stayed."""
+    m = PipeMachine()
+    try:
+        m.build(capacity=2, policy="lru")
+        m.put(consume=False, data=_Draws("r0"), numbers=[0, 1, 2])
+        m.consume(all_finished=False, data=_Draws([1]))
+        m.new_request()
+        m.new_request()
+        m.finish(data=_Draws("r0"))
+        m.prefetch_then_finish(data=_Draws("r1"), numbers=[1, 2])
+        m.put(consume=False, data=_Draws("r2"), numbers=[0])
+        m.consume(all_finished=False, data=_Draws([2]))
+        m.prefetch_then_finish(data=_Draws("r2"), numbers=[0])
+        m.consume(all_finished=False, data=_Draws([3]))  # the put; the prefetch still unconsumed
+        assert m.node._deferred
+    finally:
+        m.teardown()  # consumes the prefetch, then checks nothing is left

@@ -7,9 +7,11 @@ untokened store, prepare_get/put mint keys-only tokens without calling the store
 that cannot prefetch, submit_prefetch synthesizes a successful completion. Leftover windows are
 closed best-effort when a request finishes (G11): a window with no unconsumed job at once; one
 with unconsumed jobs when the last of them is consumed by get_finished/wait (G4: a slot is never
-released under a transfer, and never left held once its jobs are consumed). A job belongs to
-every window whose token equals the one it was submitted with (the token prepare_* returned),
-so a job submitted on a finished request's token also holds back that window's release. After
+released under a transfer, and never left held once its jobs are consumed). A window waits for
+every job submitted on its token (the one prepare_* returned; one submitted on a finished
+request's token too) and every other job on one of its blocks: the store refuses a final commit
+under any unconsumed write of the block, e.g. another request's prefetch of it (`_holding`;
+the jobs on its blocks are looked up again when the last one it waited for is consumed). After
 `close()` (idempotent; the first call closes the store) every call but `wait`/`get_finished`
 raises InvalidParam at once, the completions of jobs that were in flight stay consumable, and
 releases still waiting on them are dropped with the store.
@@ -92,7 +94,7 @@ class StoreEntry(StoreNode):
                 token = request.windows.pop(kind, None)
                 if token is None:
                     continue
-                pending = {j for j, job in self._in_flight.items() if job.token == token}
+                pending = self._holding(token)
                 if pending:
                     self._deferred.append(_Deferred(request_id, kind, token, pending))
                 else:
@@ -268,8 +270,17 @@ class StoreEntry(StoreNode):
             for deferred in list(self._deferred):
                 deferred.pending.discard(job_id)
                 if not deferred.pending:
+                    deferred.pending = self._holding(deferred.token)  # submitted since
+                if not deferred.pending:
                     self._deferred.remove(deferred)
                     self._release_leftover(deferred.request_id, deferred.kind, deferred.token)
+
+    def _holding(self, token: AddressedToken) -> set[int]:
+        """The unconsumed jobs a finished request's window waits for before its release: those
+        submitted on its token and those on any of its blocks."""
+        keys = set(token.keys)
+        return {j for j, job in self._in_flight.items()
+                if job.token == token or not keys.isdisjoint(job.token.keys)}
 
     def get_finished(self) -> list[IoResult]:
         results = self.store.get_finished() + self._synthesized.get_finished()
