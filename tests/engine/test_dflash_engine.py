@@ -104,6 +104,7 @@ def test_multi_turn_chat_restores_the_drafters_context_and_equals_recompute():
                 rows.clear()
 
 
+@pytest.mark.slow  # ~23 s; with MTP in the default run (test_speculative_engine.py)
 def test_seeded_sampling_is_reproducible_alone_or_in_any_company():
     sampled = [SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_new_tokens=16)
                for seed in (7, 8, 9)]

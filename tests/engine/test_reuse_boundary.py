@@ -65,7 +65,7 @@ def test_a_follow_up_reuses_the_conversation_up_to_the_boundary():
 SHORT = [{"role": "user", "content": "A cat?"}]
 
 
-@pytest.mark.parametrize("k", [0, 2])
+@pytest.mark.parametrize("k", [pytest.param(0, marks=pytest.mark.slow), 2])  # 0: ~14 s
 def test_a_reused_turn_samples_what_a_fresh_one_does_on_the_demo_model(k):
     from tests.engine.test_speculative_engine import _opened
 

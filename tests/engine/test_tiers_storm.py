@@ -241,6 +241,7 @@ def test_storm_answers_identically_and_leaves_nothing_behind(data):
         _storm(data, Path(root), damage=False)
 
 
+@pytest.mark.slow  # ~13 s; damaged block files: tests/store/ (posix quarantine)
 @STORM
 @given(data=st.data())
 def test_storm_with_damaged_block_files_answers_identically(data):

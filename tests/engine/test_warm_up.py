@@ -4,6 +4,8 @@ output is what an Engine that did not gives."""
 
 from __future__ import annotations
 
+import pytest
+
 from ninfer_jax.api import Engine
 from ninfer_jax.sampling_params import SamplingParams
 from tests.program.test_speculative_program import PCFG
@@ -12,6 +14,7 @@ from tests.program.test_speculative_program import PCFG
 SETTINGS = {k: v for k, v in PCFG.items() if k != "max_concurrency"}
 
 
+@pytest.mark.slow  # ~30 s: two Engines of their own
 def test_wait_compiled_returns_with_every_round_run_once():
     greedy = SamplingParams(temperature=0.0, max_new_tokens=16)
     prompts = ["Once upon a time", "Tom had a big red ball."]

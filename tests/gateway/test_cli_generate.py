@@ -142,6 +142,7 @@ def test_jsonl_longer_than_the_queue_gets_one_answer_per_line(tmp_path):
     assert out.returncode == 1 and errors == ["error: 10 of 70 requests failed"]
 
 
+@pytest.mark.slow  # ~8 s: a process; the jsonl job's bad lines are tested above
 def test_chat_skips_a_line_that_is_not_utf8():
     out = subprocess.run([sys.executable, "-m", "ninfer_jax.gateway.cli", "chat", *COMMON],
                          check=False, capture_output=True, cwd=REPO, timeout=600,

@@ -92,6 +92,7 @@ def scored(errs: list[str]) -> int:
     return sum(int(m) for err in errs for m in re.findall(r"process \d of 2: (\d+) records", err))
 
 
+@pytest.mark.slow  # ~50 s: three processes; one process's job is tests/scoring/test_cli.py's
 def test_two_processes_equal_one(job, tmp_path):
     src, one = job
     out = tmp_path / "two.jsonl"

@@ -147,7 +147,7 @@ def test_an_int8_kv_program_lowers_for_cuda_with_the_kernels_reading_int8_pages(
         assert f"tensor<{pool}xf32>" not in text, key
 
 
-@pytest.mark.parametrize("speculative", ["off", "mtp"])
+@pytest.mark.parametrize("speculative", ["off", pytest.param("mtp", marks=pytest.mark.slow)])
 def test_pallas_verify_runs_the_gdn_kernel_in_verify_windows_only(speculative):
     """gdn_impl="pallas_verify" (the GPU default): the recurrent kernel where a step keeps
     every token's state (an MTP verify window, the decode step of a speculative Program), the
