@@ -597,10 +597,11 @@ class DraftPolicy:
         their ends (`_speeds`): row i needs budget_i / E_i rounds, and the rows that end first
         leave rounds of fewer rows (tails[K][n]: a round of K with n rows; a row's budget is
         its tokens left or its cap), with K kept to the end or, if faster, until the first row
-        ends and the cheapest round after it. `first`: (s, seconds): s rounds of 0 with the drafter's upkeep run first,
-        taking those seconds and committing a token a row each (rows that bare rounds left
-        stale: the upkeep is paid for by what the rows draft after it, so near a row's end
-        or the break-even a choice that would draft holds the bare rounds of 0)."""
+        ends and the cheapest round after it. `first`: (s, seconds): s rounds of 0 with the
+        drafter's upkeep run first, taking those seconds and committing a token a row each
+        (rows that bare rounds left stale: the upkeep is paid for by what the rows draft after
+        it, so near a row's end or the break-even a choice that would draft holds the bare
+        rounds of 0)."""
         b = len(rows)
         t = times[k]
         stale, lead = first
