@@ -167,6 +167,8 @@ def test_bad_logits_input_is_refused():
         model.logits(np.array([[1, 384]]))
 
 
+@pytest.mark.slow  # ~15 s: two processes; jax's cache serving a second process is also
+# tests/program/test_executable_cache.py's (its damaged entries come from jax's cache)
 def test_a_second_process_reuses_compiled_code(tmp_path):
     """The persistent compilation cache serves a second run of the same config."""
     script = textwrap.dedent(f"""
