@@ -249,6 +249,15 @@ def _ends(rounds: list[float], tails: list[float]) -> list[float]:
     return ends
 
 
+def _speeds(budgets: list[float], ends: list[float], lead: float) -> float:
+    """The rows' speed as their streams see it while nothing waits: rows over the sum of each
+    row's seconds a token (from now, `lead` + ends[i], to its end; its tokens per second for one
+    row). A K that ends the rows it suits sooner gains though the last row ends when it would
+    have; one that slows a row counts that row's loss in full, not in proportion to its tokens
+    per second."""
+    return len(budgets) / max(sum((lead + e) / n for n, e in zip(budgets, ends)), 1e-12)
+
+
 def _steps(prior: list[float]) -> list[float]:
     """[i]: the prior's ratio of position i + 1's rate to position i's (`DraftPolicy._rates`;
     the last one unused)."""
@@ -613,25 +622,15 @@ class DraftPolicy:
             return sum(budgets) / max(lead + sum(after) * t / sum(expected), 1e-12)
         order = sorted(range(b), key=lambda i: after[i] / expected[i])
         ends = _ends([after[i] / expected[i] for i in order], tails[k])
-        score = self._speeds([budgets[i] for i in order], ends, lead)
+        score = _speeds([budgets[i] for i in order], ends, lead)
         if k != cheapest and b > 1:  # or K until the first row ends, then the cheapest
             first_end = after[order[0]] / expected[order[0]]
             left = {i: after[i] - first_end * expected[i] for i in order[1:]}
             rest = sorted(left, key=left.get)
             ends = [first_end * t] + [first_end * t + e for e in _ends(
                 [max(left[i], 0.0) for i in rest], tails[cheapest])]
-            score = max(score, self._speeds([budgets[i] for i in [order[0], *rest]], ends,
-                                            lead))
+            score = max(score, _speeds([budgets[i] for i in [order[0], *rest]], ends, lead))
         return score
-
-    @staticmethod
-    def _speeds(budgets: list[float], ends: list[float], lead: float) -> float:
-        """The rows' speed as their streams see it while nothing waits: rows over the sum of
-        each row's seconds a token (from now to its end; its tokens per second for one row).
-        A K that ends the rows it suits sooner gains though the last row ends when it would
-        have; one that slows a row counts that row's loss in full, not in proportion to its
-        tokens per second."""
-        return len(budgets) / max(sum((lead + e) / n for n, e in zip(budgets, ends)), 1e-12)
 
     def _tail_times(self, k: int, b: int, t: float, cheapest: int) -> list[float]:
         """[n]: a round of K with n <= B rows (a round of all B takes t): measured, else t

@@ -256,9 +256,6 @@ class StoreEntry(StoreNode):
             if job_id in self._in_flight:
                 raise InvalidParam(f"job id {job_id} is already in flight")
             self._in_flight[job_id] = job
-            for deferred in self._deferred:
-                if deferred.token == job.token:
-                    deferred.pending.add(job_id)
 
     def _release(self, job_id: int) -> None:
         """Forgets a consumed (or refused) job; releases the deferred windows it held last."""
@@ -269,8 +266,8 @@ class StoreEntry(StoreNode):
                 return
             for deferred in list(self._deferred):
                 deferred.pending.discard(job_id)
-                if not deferred.pending:
-                    deferred.pending = self._holding(deferred.token)  # submitted since
+                if not deferred.pending:  # or jobs on its token or blocks submitted since
+                    deferred.pending = self._holding(deferred.token)
                 if not deferred.pending:
                     self._deferred.remove(deferred)
                     self._release_leftover(deferred.request_id, deferred.kind, deferred.token)
