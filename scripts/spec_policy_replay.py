@@ -16,14 +16,18 @@ largest). Written to `tests/fixtures/spec_policy/acceptance_<method>.json`.
 
 Replay: turns of the benchmark's shape (B fresh requests of the prompts together, 128 tokens
 each, nothing waiting; a row's round of K commits 1 + its accepted drafts, at most its budget)
-driven by `DraftPolicy` on a clock that advances a round's time per (K, B) (`MACHINES`: the
-policy's round times measured on two machines, each round times a log-normal factor of sigma
-`--sigma`). Prints, per B, the decode tok/s of the policy and of every fixed K (the turn's
+driven by `DraftPolicy` on a clock that advances a round's time per (K, B) (`MACHINES`: round
+times measured on two machines, each round times a log-normal factor of sigma `--sigma`). Prints, per B, the decode tok/s of the policy and of every fixed K (the turn's
 tokens after each request's first over its seconds, summed over the requests, as the
 benchmark measures; the mean over seeds), the policy over off and over the best fixed K (its
-mean and its worst seed), and its rounds by K. Not simulated: bursts of the machine, a change
-of K slowing its first rounds, the host's work, bare rounds' savings (a bare round costs a
-round of 0).
+mean and its worst seed), and its rounds by K. A round of 0 is off's time bare and the
+machine's ("upkeep", B) more with the drafter's upkeep; bare rounds leave a row's drafter
+context stale as the Program's do (`RowOutlook.stale`: the policy drafts for it only after that
+many rounds of upkeep). Not simulated: bursts of the machine, a change of K slowing its first
+rounds, the host's work, the batch filling one request a round, requests with speculation
+off between the turns. It put the cost of probes that came 1.7x as often at 0.4% of the fast
+machine's B = 1 where the benchmark showed several percent (docs/speculative.md, "Replayed
+acceptance"): a change it approves still needs the benchmark.
 """
 
 from __future__ import annotations
@@ -44,18 +48,23 @@ NEW_TOKENS = 128
 # (K, B) -> ms of a round on two machines, from `spec_policy` runs: rounds of 0 from the off
 # side's decode tok/s (B rows over it), drafting rounds the policy's estimates at the end of the
 # run (`policy_stats.round_ms`; its rounds of 0 there were taken in bursts or include more of
-# the host's work). "slow": `results/spec_policy_2026-12-07_dflash_x.json`; "fast":
-# `_dflash_z` and `_mtp_r`. (The slow machine's MTP estimates do not rise with K: left out.)
+# the host's work); ("upkeep", B): what a round of 0 with the drafter's upkeep took more than
+# off's (the run's "upkeep" lines, the median over its runs; off's rounds and bare ones have
+# none). "slow": `results/spec_policy_2026-12-07_dflash_x.json`; "fast": `_dflash_z`, `_za`,
+# `_zb` and `_mtp_s`. (The slow machine's MTP estimates do not rise with K: left out.)
 MACHINES = {
     "dflash": {
         "slow": {(0, 1): 3.39, (1, 1): 8.55, (4, 1): 12.29, (8, 1): 14.88, (15, 1): 16.38,
-                 (0, 4): 6.29, (1, 4): 14.22, (4, 4): 19.29, (8, 4): 28.31, (15, 4): 37.28},
+                 (0, 4): 6.29, (1, 4): 14.22, (4, 4): 19.29, (8, 4): 28.31, (15, 4): 37.28,
+                 ("upkeep", 1): 0.0, ("upkeep", 4): 0.01},
         "fast": {(0, 1): 0.52, (1, 1): 2.17, (4, 1): 3.04, (8, 1): 4.19, (15, 1): 4.53,
-                 (0, 4): 1.16, (1, 4): 4.27, (4, 4): 5.78, (8, 4): 7.69, (15, 4): 10.74},
+                 (0, 4): 1.16, (1, 4): 4.27, (4, 4): 5.78, (8, 4): 7.69, (15, 4): 10.74,
+                 ("upkeep", 1): 0.11, ("upkeep", 4): 0.02},
     },
     "mtp": {
         "fast": {(0, 1): 0.50, (1, 1): 1.45, (2, 1): 2.01, (3, 1): 2.41,
-                 (0, 4): 1.47, (1, 4): 3.42, (2, 4): 4.74, (3, 4): 5.73},
+                 (0, 4): 1.47, (1, 4): 3.42, (2, 4): 4.74, (3, 4): 5.73,
+                 ("upkeep", 1): 0.0, ("upkeep", 4): 0.03},
     },
 }
 
@@ -132,20 +141,27 @@ def replay(policy, trace: dict, times: dict, b: int, turns: int, seed: int,
     positions = max(trace["ks"])
     now, speeds, rounds = 0.0, [], collections.Counter()
     for turn in range(warmup + turns):
-        # [acceptance, output position (the tokens it has: the prefill gave the first), trace]
-        rows = [[RowAcceptance(positions), 1, trace["prompts"][i]["accepted"]] for i in range(b)]
+        # [acceptance, output position (the tokens it has: the prefill gave the first), trace,
+        # the position after its last bare round (0: none; `HostProgram.context_stale`)]
+        rows = [[RowAcceptance(positions), 1, trace["prompts"][i]["accepted"], 0]
+                for i in range(b)]
         start, speed = now, 0.0
         while live := [r for r in rows if r[1] < NEW_TOKENS]:
-            outlook = [RowOutlook(a, NEW_TOKENS - n) for a, n, _ in live]
+            outlook = [RowOutlook(a, NEW_TOKENS - n, max(0, c + trace["window"] - n) if c else 0)
+                       for a, n, _, c in live]
             if fixed:
                 k, bare = policy, False
             else:
                 k = policy.choose(outlook, lambda k, b: True)
                 bare = not k and policy.bare(outlook)
                 policy.dispatched(k, outlook, bare)
-            now += 1e-3 * times[(k, len(live))] * math.exp(rng.normal(0.0, sigma))
+            upkeep = not fixed and not k and not bare  # off's rounds and bare ones have none
+            now += 1e-3 * times[(k, len(live))] * math.exp(rng.normal(0.0, sigma)) * (
+                1.0 + times[("upkeep", len(live))] * upkeep)
             done = 0
             for r in live:
+                if bare:
+                    r[3] = r[1] + 1
                 limit = min(k + 1, NEW_TOKENS - r[1])
                 produced = 1 + min(r[2][str(k)][r[1] - 1], limit - 1) if k else 1
                 r[1] += produced
@@ -167,15 +183,35 @@ def replay(policy, trace: dict, times: dict, b: int, turns: int, seed: int,
 
 
 def times_for(method: str, machine: str, b: int) -> dict:
-    """(K, n) -> ms for n = 1..B: the machine's rounds at 1 and 4 rows, linear between."""
+    """(K, n) -> ms and ("upkeep", n) -> its share, for n = 1..B: the machine's at 1 and 4
+    rows, linear between."""
     table = MACHINES[method][machine]
     out = {}
-    for (k, bb), ms in table.items():
+    for (k, bb), at1 in table.items():
         if bb == 1:
             at4 = table[(k, 4)]
             for n in range(1, b + 1):
-                out[(k, n)] = ms + (at4 - ms) * (n - 1) / 3
+                out[(k, n)] = at1 + (at4 - at1) * (n - 1) / 3
     return out
+
+
+def compare(method: str, machine: str, b: int, seeds: int, turns: int = 15,
+            sigma: float = 0.08) -> dict:
+    """The policy against every fixed K at B: {"fixed": {K: decode tok/s, the mean over
+    seeds}, "policy": [its decode tok/s per seed], "rounds": its last seed's rounds by K}."""
+    from ninfer_jax.engine.spec_policy import DraftPolicy
+
+    trace = load(method)
+    times = times_for(method, machine, b)
+    ks = (0, *trace["ks"])
+    fixed = {k: sum(replay(k, trace, times, b, turns, s, sigma)[0] for s in range(seeds)) / seeds
+             for k in ks}
+    policy, rounds = [], {}
+    for s in range(seeds):
+        rate, rounds = replay(DraftPolicy(ks, method, trace["window"]), trace, times, b, turns,
+                              s, sigma)
+        policy.append(rate)
+    return {"fixed": fixed, "policy": policy, "rounds": rounds}
 
 
 def main(argv) -> None:
@@ -187,28 +223,18 @@ def main(argv) -> None:
         path.write_text(json.dumps(collect(method), separators=(",", ":")) + "\n")
         print(f"wrote {path}")
         return
-    from ninfer_jax.engine.spec_policy import DraftPolicy
-
-    trace = load(method)
     if MACHINE.value not in MACHINES[method]:
         raise app.UsageError(f"--machine for {method}: one of {list(MACHINES[method])}")
-    ks = (0, *trace["ks"])
     for b in (int(x) for x in BATCHES.value):
-        times = times_for(method, MACHINE.value, b)
-        fixed = {k: sum(replay(k, trace, times, b, TURNS.value, s, SIGMA.value)[0]
-                        for s in range(SEEDS.value)) / SEEDS.value for k in ks}
+        r = compare(method, MACHINE.value, b, SEEDS.value, TURNS.value, SIGMA.value)
+        fixed, got = r["fixed"], r["policy"]
         best = max(fixed, key=fixed.get)
-        got, rounds = [], None
-        for s in range(SEEDS.value):
-            rate, rounds = replay(DraftPolicy(ks, method, trace["window"]), trace, times, b, TURNS.value,
-                                  s, SIGMA.value)
-            got.append(rate)
         mean = sum(got) / len(got)
         print(f"{method} B={b} {MACHINE.value}: fixed K / off "
-              + " ".join(f"K={k} {fixed[k] / fixed[0]:.3f}" for k in ks)
+              + " ".join(f"K={k} {fixed[k] / fixed[0]:.3f}" for k in fixed)
               + f"; policy / off {mean / fixed[0]:.3f}, / best fixed (K={best}) "
               f"{mean / fixed[best]:.3f} (worst seed {min(got) / fixed[best]:.3f}); "
-              f"last seed's rounds by K {rounds}")
+              f"last seed's rounds by K {r['rounds']}")
 
 
 if __name__ == "__main__":

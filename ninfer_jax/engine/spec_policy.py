@@ -73,13 +73,9 @@ The choice: the K of most committed tokens per second for the round's rows.
   two rounds (drafts a row's end cuts time K for fewer tokens). A probe's loss is measured: the time
   of its rounds and of the SETTLE rounds of the best after it (the change back: a chain of rounds of
   0 restarts) less what their tokens take at the best's rate, in rounds of the best (the median of
-  the last PROBE_MEMORY probes of that K and B, or the last one's if less: a text that turned
-  predictable shows in the last probe first; with UPSIDE's more frequent probes the median of
-  earlier ones held the next ~370 rounds away in 3 of 20 seeds of test_spec_policy's text whose
-  second half drafts well); before one is measured, each of its two rounds loses what its tokens
-  would have taken less at the best's rate, plus a round for the changes (a K that nearly ties
-  the best is probed often). While the cheapest K is the best, the budget grows with what a
-  predictable stretch would gain (UPSIDE). Where every K that drafts is expected to commit under
+  the last PROBE_MEMORY probes of that K and B); before one is measured, each of its two rounds
+  loses what its tokens would have taken less at the best's rate, plus a round for the changes (a K
+  that nearly ties the best is probed often). Where every K that drafts is expected to commit under
   1 - FAR of the cheapest's tokens per second, a probe also costs the `window` rounds of upkeep
   before it (bare rounds, below; each what rounds of 0 with the upkeep took more than bare ones at
   its B, timed where a stretch of one kind follows the other: `upkeep`), and they spend
@@ -165,16 +161,6 @@ PROBE_EVERY = 32  # the fewest rounds at a B between probes
 PROBE_BUDGET = 0.01  # the most of the time probes may add (a costlier probe waits longer)
 PROBE_BUDGET_FAR = 0.004  # the same where drafting is FAR from winning (module docstring)
 PROBE_MEMORY = 5  # measured probes of a (K, B) whose median loss spaces the next
-# While the cheapest round is the best, probes may lose UPSIDE * (ceiling - 1) times their budget
-# where that is more than 1 (ceiling: `_ceiling`, what a round commits where every draft is
-# right, over the cheapest round's tokens per second): a stretch of text that turns predictable
-# is found only by a probe, and is worth the more the further drafting could win there.
-# Replayed on the demo's acceptance (`scripts/spec_policy_replay.py`, the slow machine, DFlash
-# at B = 1, ceiling ~3.3), probes ~260 rounds apart missed the predictable second half of a
-# story in most turns: 0.88 of the best fixed K on the benchmark's story and 0.74-0.77 on that
-# one, 0.95 and 0.80 with UPSIDE (20 seeds; the others' within 1%). The fast machine's DFlash
-# has a ceiling of ~1.8, its MTP below 1.
-UPSIDE = 2.0
 PRIOR_WEIGHT = 4.0  # rounds of the prior acceptance a request's own counts start from
 # A request's first rounds, whose drafts' counts make the prior: what a request of which nothing
 # is known expects (counts of every round would promise it too much: the policy drafts most in
@@ -566,24 +552,20 @@ class DraftPolicy:
         best = max(ks, key=lambda k: (ranked[k] / (1.0 if k == ks[0] else 1.0 + MARGIN) / (
             1.0 + SWITCH if held and k not in (held, ks[0]) else 1.0), -k))
         probe = self._probe(best, b, ks, scores)
-        # a probe may add at most PROBE_BUDGET of the time: what the last ones lost, measured
-        # (the last one's loss where that is less: the text may have changed since the others);
+        # a probe may add at most PROBE_BUDGET of the time: what the last ones lost, measured;
         # before any, two rounds of its K (the second measures its time) that lose what their
         # tokens would have taken less at the best's rate, and a change each way (about a
         # round of the best)
         measured = self._probe_lost.get((probe, b))
         if measured:
-            lost = min(_median(measured), measured[-1])
+            lost = _median(measured)
         else:
             lost = 2.0 * times[probe] / times[best] * max(
                 1.0 - scores[probe] / scores[best], 0.0) + 1.0
         far = max(scores[k] for k in ks[1:]) < (1.0 - FAR) * scores[ks[0]]
         if far:  # and the `window` rounds of upkeep before it, which bare rounds would skip
             lost += self.window * self.upkeep(b)
-        budget = PROBE_BUDGET_FAR if far else PROBE_BUDGET
-        if best == ks[0]:  # the more a predictable stretch would gain, the sooner it is sought
-            budget *= max(1.0, UPSIDE * (self._ceiling(ks, times) - 1.0))
-        wait = max(PROBE_EVERY, lost / budget)
+        wait = max(PROBE_EVERY, lost / (PROBE_BUDGET_FAR if far else PROBE_BUDGET))
         last = self._choice.get(b)
         if last is not None and last.round == self._round and last.rows == key:
             last = self._displaced.get(b)  # made again with the rows' stale (`_standing`)
@@ -603,12 +585,6 @@ class DraftPolicy:
                                          scores[probe] < (1.0 - MARGIN) * scores[best], wait,
                                          sum(expected[best]) / times[best], times[best], stale)
         return made
-
-    @staticmethod
-    def _ceiling(ks: list[int], times: dict[int, float]) -> float:
-        """The most tokens per second a round that drafts may commit (every draft right, at
-        the K where that is the most) over the cheapest round's (one token a row)."""
-        return max((k + 1) / times[k] for k in ks[1:]) * times[ks[0]]
 
     @staticmethod
     def _stands(best: int, cheapest: int, far: bool, scores: dict[int, float]) -> int:

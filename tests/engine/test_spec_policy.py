@@ -180,16 +180,15 @@ def test_a_drafting_choice_far_from_the_break_even_stands_refresh_drafting_round
     (here ~2.4x) is scored anew every REFRESH_DRAFTING rounds while its rows stay the same
     (scoring every K is host time on the critical path between two drafting rounds), and
     every round once a row's budget is under a whole round of it; near the break-even (here
-    ~1.1x: drafting chosen in about two thirds of the rounds) every round, but where the
-    row's estimate reaches 1 + FAR now and then (the probes UPSIDE brings back to drafting
-    sooner: 86% of its drafting rounds had a choice made that round, 94% before)."""
+    ~1.1x: drafting chosen in under half the rounds) every round, but where the row's
+    estimate reaches 1 + FAR now and then."""
     drafting, made, tail = _drafting_choices(0.1, 0.9)
     assert drafting > 0.9 * 790
     assert drafting / REFRESH_DRAFTING <= made <= 1.3 * drafting / REFRESH_DRAFTING
     assert tail and all(tail), tail
     drafting, made, _ = _drafting_choices(0.18, 0.5)
     assert drafting > 0.3 * 790
-    assert made >= 0.8 * drafting
+    assert made >= 0.9 * drafting
 
 
 def test_probes_lose_their_budget_with_the_cost_of_a_change():
