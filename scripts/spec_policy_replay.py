@@ -68,13 +68,17 @@ MACHINES = {
     },
 }
 
-METHOD = flags.DEFINE_enum("method", "dflash", ["dflash", "mtp"], "the drafter")
-COLLECT = flags.DEFINE_bool("collect", False, "measure the acceptance fixture instead")
-MACHINE = flags.DEFINE_enum("machine", "slow", ["slow", "fast"], "the round times")
-BATCHES = flags.DEFINE_list("batches", ["1", "4"], "requests a turn")
-SEEDS = flags.DEFINE_integer("seeds", 10, "replays, each with its own round-time noise")
-TURNS = flags.DEFINE_integer("turns", 15, "measured turns a replay (after 2 warm-up turns)")
-SIGMA = flags.DEFINE_float("sigma", 0.08, "log-normal noise of a round's time")
+
+def _define_flags() -> None:
+    """The command line's flags (defined only when run as a script: a test imports this module
+    beside others whose flags share names)."""
+    flags.DEFINE_enum("method", "dflash", ["dflash", "mtp"], "the drafter")
+    flags.DEFINE_bool("collect", False, "measure the acceptance fixture instead")
+    flags.DEFINE_enum("machine", "slow", ["slow", "fast"], "the round times")
+    flags.DEFINE_list("batches", ["1", "4"], "requests a turn")
+    flags.DEFINE_integer("seeds", 10, "replays, each with its own round-time noise")
+    flags.DEFINE_integer("turns", 15, "measured turns a replay (after 2 warm-up turns)")
+    flags.DEFINE_float("sigma", 0.08, "log-normal noise of a round's time")
 
 
 def collect(method: str) -> dict:
@@ -216,21 +220,22 @@ def compare(method: str, machine: str, b: int, seeds: int, turns: int = 15,
 
 def main(argv) -> None:
     del argv
-    method = METHOD.value
-    if COLLECT.value:
+    f = flags.FLAGS
+    method = f.method
+    if f.collect:
         FIXTURES.mkdir(parents=True, exist_ok=True)
         path = FIXTURES / f"acceptance_{method}.json"
         path.write_text(json.dumps(collect(method), separators=(",", ":")) + "\n")
         print(f"wrote {path}")
         return
-    if MACHINE.value not in MACHINES[method]:
+    if f.machine not in MACHINES[method]:
         raise app.UsageError(f"--machine for {method}: one of {list(MACHINES[method])}")
-    for b in (int(x) for x in BATCHES.value):
-        r = compare(method, MACHINE.value, b, SEEDS.value, TURNS.value, SIGMA.value)
+    for b in (int(x) for x in f.batches):
+        r = compare(method, f.machine, b, f.seeds, f.turns, f.sigma)
         fixed, got = r["fixed"], r["policy"]
         best = max(fixed, key=fixed.get)
         mean = sum(got) / len(got)
-        print(f"{method} B={b} {MACHINE.value}: fixed K / off "
+        print(f"{method} B={b} {f.machine}: fixed K / off "
               + " ".join(f"K={k} {fixed[k] / fixed[0]:.3f}" for k in fixed)
               + f"; policy / off {mean / fixed[0]:.3f}, / best fixed (K={best}) "
               f"{mean / fixed[best]:.3f} (worst seed {min(got) / fixed[best]:.3f}); "
@@ -238,4 +243,5 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)
