@@ -15,7 +15,9 @@ decoded; DFlash's drafts depend on the block's size, so every K is measured, not
 largest). Written to `tests/fixtures/spec_policy/acceptance_<method>.json`.
 
 Replay: turns of the benchmark's shape (B fresh requests of the prompts together, 128 tokens
-each, nothing waiting; a row's round of K commits 1 + its accepted drafts, at most its budget)
+each, nothing waiting; a row's round of K commits 1 + its accepted drafts, at most its budget;
+each policy turn followed by one of requests with speculation off, as the benchmark's
+"policy:off" side runs in the same Engine)
 driven by `DraftPolicy` on a clock that advances a round's time per (K, B) (`MACHINES`: round
 times measured on two machines, each round times a log-normal factor of sigma `--sigma`). Prints, per B, the decode tok/s of the policy and of every fixed K (the turn's
 tokens after each request's first over its seconds, summed over the requests, as the
@@ -24,10 +26,10 @@ mean and its worst seed), and its rounds by K. A round of 0 is off's time bare a
 machine's ("upkeep", B) more with the drafter's upkeep; bare rounds leave a row's drafter
 context stale as the Program's do (`RowOutlook.stale`: the policy drafts for it only after that
 many rounds of upkeep). Not simulated: bursts of the machine, a change of K slowing its first
-rounds, the host's work, the batch filling one request a round, requests with speculation
-off between the turns. It put the cost of probes that came 1.7x as often at 0.4% of the fast
-machine's B = 1 where the benchmark showed several percent (docs/speculative.md, "Replayed
-acceptance"): a change it approves still needs the benchmark.
+rounds, the host's work, the batch filling one request a round. It put the cost of probes
+that came 1.7x as often at 0.7% of the fast machine's B = 1 where the benchmark showed several
+percent (docs/speculative.md, "Replayed acceptance"): a change it approves still needs the
+benchmark.
 """
 
 from __future__ import annotations
@@ -131,9 +133,11 @@ def load(method: str) -> dict:
 
 
 def replay(policy, trace: dict, times: dict, b: int, turns: int, seed: int,
-           sigma: float = 0.08, warmup: int = 2) -> tuple[float, dict]:
+           sigma: float = 0.08, warmup: int = 2, off_turns: bool = True) -> tuple[float, dict]:
     """Decode tok/s of `policy` (a DraftPolicy, or a fixed K) over `turns` turns of B requests,
-    the mean over turns, and its rounds by K."""
+    the mean over turns, and its rounds by K. `off_turns`: after each turn a DraftPolicy also
+    runs one of requests with speculative="off" (the benchmark's "policy:off" side, in the same
+    Engine: its rounds of 0 count toward the policy's probe waits), not measured."""
     import collections
 
     import numpy as np
@@ -144,15 +148,18 @@ def replay(policy, trace: dict, times: dict, b: int, turns: int, seed: int,
     fixed = isinstance(policy, int)
     positions = max(trace["ks"])
     now, speeds, rounds = 0.0, [], collections.Counter()
-    for turn in range(warmup + turns):
-        # [acceptance, output position (the tokens it has: the prefill gave the first), trace,
-        # the position after its last bare round (0: none; `HostProgram.context_stale`)]
-        rows = [[RowAcceptance(positions), 1, trace["prompts"][i]["accepted"], 0]
-                for i in range(b)]
+    sides = [(turn, speculative) for turn in range(warmup + turns)
+             for speculative in ((True, False) if off_turns and not fixed else (True,))]
+    for turn, speculative in sides:
+        # [acceptance (None: speculation off), output position (the tokens it has: the
+        # prefill gave the first), trace, the position after its last bare round (0: none;
+        # `HostProgram.context_stale`)]
+        rows = [[RowAcceptance(positions) if speculative else None, 1,
+                 trace["prompts"][i]["accepted"], 0] for i in range(b)]
         start, speed = now, 0.0
         while live := [r for r in rows if r[1] < NEW_TOKENS]:
-            outlook = [RowOutlook(a, NEW_TOKENS - n, max(0, c + trace["window"] - n) if c else 0)
-                       for a, n, _, c in live]
+            outlook = [RowOutlook(a, NEW_TOKENS - n, max(0, c + trace["window"] - n)
+                                  if c and a is not None else 0) for a, n, _, c in live]
             if fixed:
                 k, bare = policy, False
             else:
@@ -176,12 +183,12 @@ def replay(policy, trace: dict, times: dict, b: int, turns: int, seed: int,
                     policy.add_row(r[0], k, limit, produced, produced)
             if not fixed:
                 policy.round_done(k, len(live), now, done, bare)
-            if turn >= warmup:
+            if turn >= warmup and speculative:
                 rounds[k] += 1
         if not fixed:
             policy.interrupt()  # the next turn's prefills
         now += 0.02
-        if turn >= warmup:
+        if turn >= warmup and speculative:
             speeds.append(speed)
     return sum(speeds) / len(speeds), dict(sorted(rounds.items()))
 

@@ -43,16 +43,16 @@ def test_the_fixture_is_the_programs_rounds(method):
 
 @pytest.mark.parametrize("method, b", [("dflash", 1), ("dflash", 4), ("mtp", 1), ("mtp", 4)])
 def test_where_drafting_loses_at_every_k_the_policy_runs_rounds_of_0(method, b):
-    """The fast machine (every fixed K 0.40-0.81x off): the policy within 1% of off, its probes
-    all it loses."""
+    """The fast machine (every fixed K 0.40-0.81x off): the policy within 2% of off (0.990-0.995
+    when written), its probes and their upkeep all it loses."""
     over_off, _ = _ratios(method, "fast", b, seeds=3)
-    assert over_off >= 0.99, over_off
+    assert over_off >= 0.98, over_off
 
 
 @pytest.mark.parametrize("b, target", [(1, 0.85), (4, 0.95)])
 def test_where_dflash_wins_the_policy_keeps_most_of_the_best_fixed_k(b, target):
     """The slow machine (fixed K = 8 1.26x off at B = 1, K = 4 1.22x at B = 4), the benchmark's
-    story at B = 1: 0.89 of the best fixed K at B = 1 (the mean of 20 seeds), 1.00 at B = 4.
+    story at B = 1: 0.90 of the best fixed K at B = 1 (the mean of 20 seeds), 0.99 at B = 4.
     At B = 1 the rest is a predictable stretch found late: once at 0 in an unpredictable one
     the policy comes back only with a probe (docs/speculative.md, "Replayed acceptance")."""
     _, over_best = _ratios("dflash", "slow", b, seeds=20)
