@@ -17,17 +17,17 @@ largest). Written to `tests/fixtures/spec_policy/acceptance_<method>.json`.
 Replay: turns of the benchmark's shape (B fresh requests of the prompts together, 128 tokens
 each, nothing waiting; a row's round of K commits 1 + its accepted drafts, at most its budget;
 each policy turn followed by one of requests with speculation off, as the benchmark's
-"policy:off" side runs in the same Engine)
-driven by `DraftPolicy` on a clock that advances a round's time per (K, B) (`MACHINES`: round
-times measured on two machines, each round times a log-normal factor of sigma `--sigma`). Prints, per B, the decode tok/s of the policy and of every fixed K (the turn's
-tokens after each request's first over its seconds, summed over the requests, as the
-benchmark measures; the mean over seeds), the policy over off and over the best fixed K (its
-mean and its worst seed), and its rounds by K. A round of 0 is off's time bare and the
-machine's ("upkeep", B) more with the drafter's upkeep; bare rounds leave a row's drafter
+"policy:off" side runs in the same Engine) driven by `DraftPolicy` on a clock that advances a
+round's time per (K, B) (`MACHINES`: round times measured on two machines, each round times a
+log-normal factor of sigma `--sigma`). Prints, per B, the decode tok/s of the policy and of
+every fixed K (the turn's tokens after each request's first over its seconds, summed over the
+requests, as the benchmark measures; the mean over seeds), the policy over off and over the best
+fixed K (its mean and its worst seed), and its rounds by K. A round of 0 is off's time bare and
+the machine's ("upkeep", B) more with the drafter's upkeep; bare rounds leave a row's drafter
 context stale as the Program's do (`RowOutlook.stale`: the policy drafts for it only after that
 many rounds of upkeep). Not simulated: bursts of the machine, a change of K slowing its first
-rounds, the host's work, the batch filling one request a round. It put the cost of probes
-that came 1.7x as often at 0.7% of the fast machine's B = 1 where the benchmark showed several
+rounds, the host's work, the batch filling one request a round. It put the cost of probes that
+came 1.7x as often at 0.7% of the fast machine's B = 1 where the benchmark showed several
 percent (docs/speculative.md, "Replayed acceptance"): a change it approves still needs the
 benchmark.
 """
