@@ -2,12 +2,15 @@
 
     python -m scripts.spec_policy_ab --against=c1e1862 --method=mtp --batch=1
     python -m scripts.spec_policy_ab --against=zero --method=dflash --batch=4
+    python -m scripts.spec_policy_ab --against=k:8 --method=dflash --batch=1
 
 One Engine on the embedded model (speculation `--method` up to `--k` drafts, prefix reuse off)
 alternates turns between this checkout's `DraftPolicy` and the other: `--against=REV` the
 `engine/spec_policy.py` of that git revision (its own counts and times: each policy object
 lives through its own turns only), `--against=zero` this policy frozen at rounds of 0 (it
-chooses 0 and learns nothing: the cost of the policy's choices and probes, upkeep aside). A
+chooses 0 and learns nothing: the cost of the policy's choices and probes, upkeep aside),
+`--against=k:N` every round drafting N (a fixed K in the same process: the spec_policy suite
+runs each fixed K in a process of its own, whose speed is on its side of the ratio). A
 turn submits the first B story prompts together, greedy, `ignore_eos`, 128 tokens each, and
 times from submit to the last result. The same Program, process and executables serve both
 sides, so the process-to-process spread of the `spec_policy` suite (its sides are separate
@@ -18,6 +21,7 @@ quartiles, each side's rounds by K and the 1-minute load average.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import pathlib
 import statistics
@@ -28,7 +32,8 @@ import time
 
 from absl import app, flags
 
-_AGAINST = flags.DEFINE_string("against", "zero", "a git revision, or 'zero'")
+_AGAINST = flags.DEFINE_string("against", "zero", "a git revision, 'zero', or 'k:N' (every "
+                               "round drafts N)")
 _METHOD = flags.DEFINE_enum("method", "mtp", ["mtp", "dflash"], "speculative method")
 _BATCH = flags.DEFINE_integer("batch", 1, "requests per turn (1..4)", lower_bound=1, upper_bound=4)
 _TURNS = flags.DEFINE_integer("turns", 20, "measured turn pairs", lower_bound=4)
@@ -56,6 +61,18 @@ def _policy_at(rev: str):
     return module.DraftPolicy
 
 
+def _fixed_k(against: str, ks: tuple[int, ...]) -> int:
+    """N of --against=k:N, one of the Program's compiled Ks that draft."""
+    try:
+        k = int(against[2:])
+    except ValueError:
+        raise app.UsageError(f"--against=k:N takes an integer N, got {against!r}") from None
+    if k not in ks or k == 0:
+        raise app.UsageError(f"--against=k:{k}: N must be a compiled K that drafts, one of "
+                             f"{[j for j in ks if j]}")
+    return k
+
+
 def main(argv):
     del argv
     from ninfer_jax.api import Engine
@@ -71,11 +88,16 @@ def main(argv):
     ours = rounds.policy
     if _AGAINST.value == "zero":
         other = type(ours)(ours.ks, ours.method)
-        other.choose = lambda rows, ready, refill=False: other.ks[0]
+        other.choose = lambda *args: other.ks[0]
         for name in ("dispatched", "round_done", "add_row"):
             setattr(other, name, lambda *a, **k: None)
+    elif _AGAINST.value.startswith("k:"):
+        k = _fixed_k(_AGAINST.value, ours.ks)
+        other = type(ours)((k,), ours.method)  # not adaptive: every round drafts k
     else:
-        other = _policy_at(_AGAINST.value)(ours.ks, ours.method)
+        policy = _policy_at(_AGAINST.value)
+        window = ((ours.window,) if "window" in inspect.signature(policy).parameters else ())
+        other = policy(ours.ks, ours.method, *window)  # bare rounds too, where it has them
     sampling = SamplingParams(temperature=0.0, max_new_tokens=_TOKENS.value, ignore_eos=True)
 
     def turn(policy) -> float:

@@ -42,6 +42,10 @@ def test_the_ab_script_loads_a_revisions_policy_and_names_a_bad_one():
     assert policy.adaptive and policy.choose([], lambda k, b: True) == 0
     with pytest.raises(app.UsageError, match="--against: no spec_policy.py at 'no-such-rev'"):
         spec_policy_ab._policy_at("no-such-rev")
+    assert spec_policy_ab._fixed_k("k:8", (0, 4, 8, 15)) == 8
+    for bad, says in (("k:0", "one of \\[4, 8, 15\\]"), ("k:5", "one of"), ("k:x", "integer")):
+        with pytest.raises(app.UsageError, match=says):
+            spec_policy_ab._fixed_k(bad, (0, 4, 8, 15))
 
 
 def test_a_turns_rounds_by_k_are_the_differences_of_the_engines_counts():
