@@ -19,7 +19,8 @@ The choice: the K of most committed tokens per second for the round's rows.
   median (a change, the start of a chain of rounds of 0 and an executable's first runs are not
   samples; a drafting round fewer than STINT rounds into a run of its K is counted as a steady
   one, its time divided by how much slower such rounds were than steady ones at that B, or at the
-  nearest B that ran a drafting K long enough to tell); at a B where some K was measured and this
+  nearest B that ran a drafting K long enough to tell; a round of 0 with the upkeep fewer than
+  STINT_ZERO rounds into its run the same, by such rounds of 0 at that B only); at a B where some K was measured and this
   one not, its time at the nearest B scaled by a K measured at both (the larger of their ratio and
   K's extra over it in proportion to the rows), but a drafting K from a smaller B the least it can
   take (its time there, or the cheapest's here, whichever is longer): a K that may win at the new
@@ -67,7 +68,8 @@ The choice: the K of most committed tokens per second for the round's rows.
   that ended amid the exploration at B = 4 left a round of 0 there scaled from B = 1 at 4.9 ms
   against 3.0 measured: K = 3 drafted at ~0.7 of 0's rate for two turns). Then probes keep the
   estimates current: while the cheapest K is the best, of the drafting K of the highest score; else
-  of the largest K (acceptance at every position) or of the K whose time is the oldest in turn; each
+  of the cheapest K, the largest (acceptance at every position) and the K whose time is the
+  oldest in turn; each
   until its time has a sample (two rounds; of the cheapest K, MIN_SAMPLES samples), spaced so they
   lose at most PROBE_BUDGET of the time; a probe that drafts waits for rows that live through its
   two rounds (drafts a row's end cuts time K for fewer tokens). A probe's loss is measured: the time
@@ -181,6 +183,14 @@ SWITCH = 0.05
 # 3.14, 3.05, 2.96, 2.91 ms in the 2nd-5th rounds of a run against 2.75 steady; K = 7 4.32,
 # 4.22, 3.99, 4.09 against 3.84), and a K the policy does not hold runs only such rounds.
 STINT = 5
+# The same for rounds of 0 (with the drafter's upkeep: bare ones never start a run): after a
+# drafting run they are slower for longer (the demo's DFlash at B = 1 through the Engine,
+# rounds of 0 after three of K = 4 or 8: 1.30-1.52 ms in the 2nd-6th rounds of the run,
+# 1.15-1.25 from the 12th; at B = 4 no difference, 3.0-3.1 ms throughout). Unsteadied, a
+# drafting choice's rounds of 0 are such rounds: paired with the drafting K's samples they
+# read a round of 0 ~15-20% slow (`_pair`, up to 1.95 ms against ~1.2 steady), and the demo's
+# DFlash at B = 1 held K = 4 for whole turns at 0.93 of rounds of 0's tokens per second.
+STINT_ZERO = 12
 # What a round of 0 with the drafter's upkeep takes more than a bare one, in rounds, before
 # the policy measured it at a B (`_upkeep`: through the Program on these cores, the spec_policy
 # benchmark's "upkeep" lines: 0.02-0.13 for the demo's DFlash and MTP at B = 1 and 4). Where
@@ -384,10 +394,14 @@ class DraftPolicy:
         self._round_ms: tuple | None = None  # `stats`' (K, B, ms), rebuilt as `stats` says
         self._round_ms_stale = False  # a time changed since (`_round_ms_at`: the round then)
         self._round_ms_at = 0
-        # (K, B) -> seconds of rounds STINT or more into a run of K (drafting Ks)
+        # (K, B) -> seconds of rounds STINT or more into a run of K (drafting Ks; of 0: with
+        # the upkeep, STINT_ZERO or more)
         self._steady: dict[tuple[int, int], collections.deque] = {}
         # (B, r) -> seconds of rounds r < STINT into a run over their K's steady median
         self._slow: dict[tuple[int, int], collections.deque] = {}
+        # (B, r) -> the same for rounds of 0 with the upkeep, r < STINT_ZERO (their steady
+        # ones: `_steady[(0, B)]`)
+        self._slow_zero: dict[tuple[int, int], collections.deque] = {}
         self._explored: set[int] = set()  # Bs whose first exploration ended
         # (K, B, seconds, round, bare) of the round times not yet in the estimates
         # (`take_samples`)
@@ -651,14 +665,19 @@ class DraftPolicy:
         """The next probe's K. While the cheapest K is the best, the drafting K of the highest
         score (the one that would beat it first, and the cheapest probe: with the largest and
         the oldest in turn, runs of the demo's DFlash at B = 1 that held rounds of 0 by
-        mistake went 380-760 rounds without a probe). Else every other probe the
-        largest (every position's acceptance at once; when that is the best, the K below it),
-        the others the K whose time is the oldest (no estimate stays from a cold start or a
-        busy moment)."""
+        mistake went 380-760 rounds without a probe). Else in turn the cheapest (whether
+        drafting pays at all: timed only by the last choice of it, rounds of 0 stayed the 1.7x
+        of a slow stretch while the demo's DFlash at B = 1 drafted K = 4 for 16 turns, every
+        round, at 0.8-0.9 of rounds of 0's tokens per second), the largest (every position's
+        acceptance at once; when that is the best, the K below it) and the K whose time is the
+        oldest (no estimate stays from a cold start or a busy moment)."""
         others = [k for k in ks if k != best]
         if best == ks[0]:
             return max(others, key=lambda k: (scores[k], -k))
-        if self._probes[b] % 2 == 0:
+        turn = self._probes[b] % 3
+        if turn == 0:
+            return ks[0]
+        if turn == 1:
             return others[-1]
         return min(others, key=lambda k: self._measured.get((k, b), -1))
 
@@ -967,6 +986,8 @@ class DraftPolicy:
                 seconds = max(now - self._last[2], 1e-9)
                 if k and self.adaptive:
                     seconds = self._steadied(k, b, seconds)
+                elif self.adaptive and not bare:
+                    seconds = self._steadied_zero(b, seconds)
                 self._samples.append((k, b, seconds, self._round, bare))
                 if len(self._samples) >= KEPT_SAMPLES:
                     self.take_samples()
@@ -993,6 +1014,21 @@ class DraftPolicy:
             slow = min(((abs(other - b), s) for (other, at), s in self._slow.items()
                         if at == r and len(s) >= MIN_SAMPLES),
                        key=lambda x: x[0], default=(0, slow))[1]
+        return seconds / _median(slow) if len(slow) >= MIN_SAMPLES else seconds
+
+    def _steadied_zero(self, b: int, seconds: float) -> float:
+        """A round of 0 with the upkeep as a steady one: r < STINT_ZERO rounds into its run,
+        divided by how much slower such rounds were at this B than its rounds of 0 with the
+        upkeep STINT_ZERO or more into a run (the median of the last PAIRS of them; none
+        before MIN_SAMPLES, nor from another B: the slowing differs by B)."""
+        r = self._run
+        if r >= STINT_ZERO:
+            _window(self._steady, (0, b), WINDOW).append(seconds)
+            return seconds
+        steady = self._steady.get((0, b))
+        slow = _window(self._slow_zero, (b, r), PAIRS)
+        if steady is not None and len(steady) >= MIN_SAMPLES:
+            slow.append(seconds / _median(steady))
         return seconds / _median(slow) if len(slow) >= MIN_SAMPLES else seconds
 
     def _count_probe(self, k: int, b: int, now: float, tokens: int) -> None:
