@@ -18,7 +18,7 @@ Replay: turns of the benchmark's shape (B fresh requests of the prompts together
 each, nothing waiting; a row's round of K commits 1 + its accepted drafts, at most its budget;
 each policy turn followed by one of requests with speculation off, as the benchmark's
 "policy:off" side runs in the same Engine) driven by `DraftPolicy` on a clock that advances a
-round's time per (K, B) (`MACHINES`: round times measured on two machines, each round times a
+round's time per (K, B) (`MACHINES`: round times measured on three machines, each round times a
 log-normal factor of sigma `--sigma`). Prints, per B, the decode tok/s of the policy and of
 every fixed K (the turn's tokens after each request's first over its seconds, summed over the
 requests, as the benchmark measures; the mean over seeds), the policy over off and over the best
@@ -47,13 +47,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "spec_policy"
 NEW_TOKENS = 128
 
-# (K, B) -> ms of a round on two machines, from `spec_policy` runs: rounds of 0 from the off
+# (K, B) -> ms of a round on three machines, from `spec_policy` runs: rounds of 0 from the off
 # side's decode tok/s (B rows over it), drafting rounds the policy's estimates at the end of the
 # run (`policy_stats.round_ms`; its rounds of 0 there were taken in bursts or include more of
 # the host's work); ("upkeep", B): what a round of 0 with the drafter's upkeep took more than
 # off's (the run's "upkeep" lines, the median over its runs; off's rounds and bare ones have
 # none). "slow": `results/spec_policy_2026-12-07_dflash_x.json`; "fast": `_dflash_z`, `_za`,
-# `_zb` and `_mtp_s`. (The slow machine's MTP estimates do not rise with K: left out.)
+# `_zb` and `_mtp_s`. (The slow machine's MTP estimates do not rise with K: left out.) "mid":
+# `_dflash_zc`, its drafting rounds from the fixed Ks' decode tok/s and the rounds each story
+# takes at that K in the fixture (the policy's own estimates there put K = 15 under K = 8),
+# K = 1 the policy's, the upkeep measured in one process through the Program (1.11x a bare
+# round of 0 at B = 1, 1.04x at B = 4).
 MACHINES = {
     "dflash": {
         "slow": {(0, 1): 3.39, (1, 1): 8.55, (4, 1): 12.29, (8, 1): 14.88, (15, 1): 16.38,
@@ -62,6 +66,9 @@ MACHINES = {
         "fast": {(0, 1): 0.52, (1, 1): 2.17, (4, 1): 3.04, (8, 1): 4.19, (15, 1): 4.53,
                  (0, 4): 1.16, (1, 4): 4.27, (4, 4): 5.78, (8, 4): 7.69, (15, 4): 10.74,
                  ("upkeep", 1): 0.11, ("upkeep", 4): 0.02},
+        "mid": {(0, 1): 1.39, (1, 1): 5.35, (4, 1): 6.6, (8, 1): 7.1, (15, 1): 8.5,
+                (0, 4): 3.0, (1, 4): 6.6, (4, 4): 10.7, (8, 4): 13.3, (15, 4): 17.2,
+                ("upkeep", 1): 0.1, ("upkeep", 4): 0.05},
     },
     "mtp": {
         "fast": {(0, 1): 0.50, (1, 1): 1.45, (2, 1): 2.01, (3, 1): 2.41,
@@ -76,7 +83,7 @@ def _define_flags() -> None:
     beside others whose flags share names)."""
     flags.DEFINE_enum("method", "dflash", ["dflash", "mtp"], "the drafter")
     flags.DEFINE_bool("collect", False, "measure the acceptance fixture instead")
-    flags.DEFINE_enum("machine", "slow", ["slow", "fast"], "the round times")
+    flags.DEFINE_enum("machine", "slow", ["slow", "mid", "fast"], "the round times")
     flags.DEFINE_list("batches", ["1", "4"], "requests a turn")
     flags.DEFINE_integer("seeds", 10, "replays, each with its own round-time noise")
     flags.DEFINE_integer("turns", 15, "measured turns a replay (after 2 warm-up turns)")

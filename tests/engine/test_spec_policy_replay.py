@@ -1,6 +1,6 @@
 """The draft policy replayed on the embedded model's own acceptance (`scripts/spec_policy_replay`:
 the drafts each compiled K accepts from every position of the `spec_policy` benchmark's four
-stories, measured once into `tests/fixtures/spec_policy/`) on two machines' round times: where
+stories, measured once into `tests/fixtures/spec_policy/`) on three machines' round times: where
 drafting loses at every K it stays with rounds of 0, and where DFlash wins it keeps most of the
 best fixed K's gain. A simulated clock: no machine's noise in the verdict (nor its bursts, nor
 the host's work: the benchmark decides the targets)."""
@@ -57,3 +57,13 @@ def test_where_dflash_wins_the_policy_keeps_most_of_the_best_fixed_k(b, target):
     the policy comes back only with a probe (docs/speculative.md, "Replayed acceptance")."""
     _, over_best = _ratios("dflash", "slow", b, seeds=20)
     assert over_best >= target, over_best
+
+
+def test_where_dflash_wins_narrowly_the_policy_keeps_most_of_the_best_fixed_k():
+    """The machine between the two ("mid": fixed K = 8 1.08x off at B = 1, 1.21x at B = 4,
+    every other K near or under off): 0.90 of K = 8 at B = 1 (the mean of 20 seeds, worst
+    0.88). At B = 4 it keeps 0.85 (worst seed 0.80), under the 0.9 target: there K = 8 wins
+    by ending some rows sooner, near the break-even round by round (docs/speculative.md,
+    "A third machine")."""
+    _, over_best = _ratios("dflash", "mid", 1, seeds=20)
+    assert over_best >= 0.87, over_best
