@@ -17,26 +17,26 @@ counts behind `SpeculativeStats`.
 The choice: the K of most committed tokens per second for the round's rows.
 - t(K, B): the mean of the last steady rounds of that (K, B), each clipped at CLIP times their
   median (a change, the start of a chain of rounds of 0 and an executable's first runs are not
-  samples; a drafting round fewer than STINT rounds into a run of its K is counted as a steady
-  one, its time divided by how much slower such rounds were than steady ones at that B, or at the
+  samples; a drafting round fewer than STINT rounds into a run of its K is counted as a steady one,
+  its time divided by how much slower such rounds were than steady ones at that B, or at the
   nearest B that ran a drafting K long enough to tell; a round of 0 with the upkeep fewer than
-  STINT_ZERO rounds into its run the same, by such rounds of 0 at that B only); at a B where some K was measured and this
-  one not, its time at the nearest B scaled by a K measured at both (the larger of their ratio and
-  K's extra over it in proportion to the rows), but a drafting K from a smaller B the least it can
-  take (its time there, or the cheapest's here, whichever is longer): a K that may win at the new
-  B runs there and is measured (scaled by the rows, the demo's DFlash K = 8 read ~29 ms at B = 4
-  where it took ~15, and the policy held rounds of 0 where fixed K = 8 ran 1.05-1.22x off). Ks are
-  compared on times taken close together: every sample is paired with the other Ks' samples of the
-  NEAR rounds before it, and a K other than the anchor (the K of the latest sample, mostly the
-  choice) is timed as the anchor's time times their paired ratio (the geometric mean of the two
-  directions': a busy stretch of the machine slows both sides of a pair; times taken at different
-  moments would compare the stretches, not the Ks). A K with no pairs of its own with the anchor
-  (the largest ones, timed in the first exploration only and paired there with the K they ran
-  after) is timed through the chain of pairs that links them, once that puts it more than BAND
-  from its own time: in a burst of the machine the rounds of 0 slowed 2-3x while such a K's time
-  stayed, and the demo's DFlash at B = 1 drafted K = 8 and 15 for 5-14 rounds of a turn (three
-  such turns: 0.57-0.76 of off). A drafting choice paired only with rounds of 0 before it is
-  checked by rounds of 0 right after its samples.
+  STINT_ZERO rounds into its run the same, by such rounds of 0 at that B only); at a B where some K
+  was measured and this one not, its time at the nearest B scaled by a K measured at both (the
+  larger of their ratio and K's extra over it in proportion to the rows), but a drafting K from a
+  smaller B the least it can take (its time there, or the cheapest's here, whichever is longer): a
+  K that may win at the new B runs there and is measured (scaled by the rows, the demo's DFlash K =
+  8 read ~29 ms at B = 4 where it took ~15, and the policy held rounds of 0 where fixed K = 8 ran
+  1.05-1.22x off). Ks are compared on times taken close together: every sample is paired with the
+  other Ks' samples of the NEAR rounds before it, and a K other than the anchor (the K of the
+  latest sample, mostly the choice) is timed as the anchor's time times their paired ratio (the
+  geometric mean of the two directions': a busy stretch of the machine slows both sides of a pair;
+  times taken at different moments would compare the stretches, not the Ks). A K with no pairs of
+  its own with the anchor (the largest ones, timed in the first exploration only and paired there
+  with the K they ran after) is timed through the chain of pairs that links them, once that puts it
+  more than BAND from its own time: in a burst of the machine the rounds of 0 slowed 2-3x while
+  such a K's time stayed, and the demo's DFlash at B = 1 drafted K = 8 and 15 for 5-14 rounds of a
+  turn (three such turns: 0.57-0.76 of off). A drafting choice paired only with rounds of 0 before
+  it is checked by rounds of 0 right after its samples.
 - Tokens: a row with acceptance a_i (the chance draft i is right when drafts 0..i-1 were) and
   a limit of L tokens expects E(K) = 1 + sum_{j=1..min(K, L-1)} prod_{i<j} a_i from a round
   of K. A request's a_i are its own counts on PRIOR_WEIGHT rounds of an anchor: the prior at
@@ -61,33 +61,32 @@ The choice: the K of most committed tokens per second for the round's rows.
   (REFRESH_FAR where every K that drafts is expected to commit under 1 - FAR of the
   cheapest's tokens per second). The round times `round_done` kept are added to the
   estimates when a choice is scored.
-- The first rounds explore every compiled K, largest first, until each has MIN_SAMPLES steady rounds
-  (a drafting K, MIN_SAMPLES at least STINT rounds into its run: the process's first rounds and
-  those after a change are slower); a new B measures its cheapest K first, and an exploration ends
-  only once the cheapest K's time is measured at its B, never scaled (a turn of the demo's DFlash
-  that ended amid the exploration at B = 4 left a round of 0 there scaled from B = 1 at 4.9 ms
-  against 3.0 measured: K = 3 drafted at ~0.7 of 0's rate for two turns). Then probes keep the
+- The first rounds explore every compiled K, largest first, until each has MIN_SAMPLES steady
+  rounds (a drafting K, MIN_SAMPLES at least STINT rounds into its run: the process's first rounds
+  and those after a change are slower); a new B measures its cheapest K first, and an exploration
+  ends only once the cheapest K's time is measured at its B, never scaled (a turn of the demo's
+  DFlash that ended amid the exploration at B = 4 left a round of 0 there scaled from B = 1 at 4.9
+  ms against 3.0 measured: K = 3 drafted at ~0.7 of 0's rate for two turns). Then probes keep the
   estimates current: while the cheapest K is the best, of the drafting K of the highest score; else
-  of the cheapest K, the largest (acceptance at every position) and the K whose time is the
-  oldest in turn; each
-  until its time has a sample (two rounds; of the cheapest K, MIN_SAMPLES samples), spaced so they
-  lose at most PROBE_BUDGET of the time; a probe that drafts waits for rows that live through its
-  two rounds (drafts a row's end cuts time K for fewer tokens). A probe's loss is measured: the time
-  of its rounds and of the SETTLE rounds of the best after it (the change back: a chain of rounds of
-  0 restarts) less what their tokens take at the best's rate, in rounds of the best (the median of
-  the last PROBE_MEMORY probes of that K and B); before one is measured, each of its two rounds
-  loses what its tokens would have taken less at the best's rate, plus a round for the changes (a K
-  that nearly ties the best is probed often). Where every K that drafts is expected to commit under
-  1 - FAR of the cheapest's tokens per second, a probe also costs the `window` rounds of upkeep
-  before it (bare rounds, below; each what rounds of 0 with the upkeep took more than bare ones at
-  its B, timed where a stretch of one kind follows the other: `upkeep`), and they spend
-  PROBE_BUDGET_FAR (the spec_policy benchmark's MTP at B = 1, where drafting commits ~0.7 of 0's
-  tokens per second: turns with a probe ran 0.94 of off's tokens per second, turns without 1.0,
-  medians over 5 and 10 turns). A probe interrupted (another unit, another B) is dropped, but one
-  whose first round is the first after another unit (a turn's first round after its prefills) runs
-  on, that round timed as one of its K (unmeasured, such probes came every turn at B = 4). A
-  request's counts decay with time (about the last 100 rounds count), so one whose estimate fell
-  below the break-even drifts back to the prior's.
+  of the cheapest K, the largest (acceptance at every position) and the K whose time is the oldest
+  in turn; each until its time has a sample (two rounds; of the cheapest K, MIN_SAMPLES samples),
+  spaced so they lose at most PROBE_BUDGET of the time; a probe that drafts waits for rows that
+  live through its two rounds (drafts a row's end cuts time K for fewer tokens). A probe's loss is
+  measured: the time of its rounds and of the SETTLE rounds of the best after it (the change back:
+  a chain of rounds of 0 restarts) less what their tokens take at the best's rate, in rounds of the
+  best (the median of the last PROBE_MEMORY probes of that K and B); before one is measured, each
+  of its two rounds loses what its tokens would have taken less at the best's rate, plus a round
+  for the changes (a K that nearly ties the best is probed often). Where every K that drafts is
+  expected to commit under 1 - FAR of the cheapest's tokens per second, a probe also costs the
+  `window` rounds of upkeep before it (bare rounds, below; each what rounds of 0 with the upkeep
+  took more than bare ones at its B, timed where a stretch of one kind follows the other:
+  `upkeep`), and they spend PROBE_BUDGET_FAR (the spec_policy benchmark's MTP at B = 1, where
+  drafting commits ~0.7 of 0's tokens per second: turns with a probe ran 0.94 of off's tokens per
+  second, turns without 1.0, medians over 5 and 10 turns). A probe interrupted (another unit,
+  another B) is dropped, but one whose first round is the first after another unit (a turn's first
+  round after its prefills) runs on, that round timed as one of its K (unmeasured, such probes came
+  every turn at B = 4). A request's counts decay with time (about the last 100 rounds count), so
+  one whose estimate fell below the break-even drifts back to the prior's.
 - Rows of requests with speculative="off" expect one token at every K; a round of only such
   rows is a round of 0. Only compiled Ks are chosen.
 - While a waiting request may be admitted next (`filling`: a free lane, an admission not
