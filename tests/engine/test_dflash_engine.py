@@ -122,6 +122,7 @@ def test_seeded_sampling_is_reproducible_alone_or_in_any_company():
             assert {i: got[i].token_ids for i in range(3)} == alone, arrival
 
 
+@pytest.mark.slow  # ~18 s: the default run's 15 minutes (MTP's stats: test_speculative_engine.py)
 def test_stats_add_up_per_block_position():
     requests = _requests()[:4]
     with engine(K, opened=_dflash()) as (e, decisions):

@@ -98,6 +98,7 @@ def test_platform_defaults_decide_dtype_and_attention_in_one_place():
         ProgramConfig(dtype="fp8")
 
 
+@pytest.mark.slow  # ~12 s: the default run's 15 minutes (the moe lowering above stays in it)
 def test_a_dflash_program_lowers_for_cuda_with_the_kernel_in_its_verify_steps():
     """The DFlash round (drafter block, verify over T = K + 1 positions) and the ring-carrying
     prefill, capture and images lower for CUDA. The verify step attends over T > 1 positions:
