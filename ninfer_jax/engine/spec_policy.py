@@ -667,7 +667,7 @@ class DraftPolicy:
         mistake went 380-760 rounds without a probe). Else in turn the cheapest (whether
         drafting pays at all: timed only by the last choice of it, rounds of 0 stayed the 1.7x
         of a slow stretch while the demo's DFlash at B = 1 drafted K = 4 for 16 turns, every
-        round, at 0.8-0.9 of rounds of 0's tokens per second), the largest (every position's
+        round, at 0.7-0.9 of rounds of 0's tokens per second), the largest (every position's
         acceptance at once; when that is the best, the K below it) and the K whose time is the
         oldest (no estimate stays from a cold start or a busy moment)."""
         others = [k for k in ks if k != best]
