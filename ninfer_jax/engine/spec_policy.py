@@ -983,10 +983,8 @@ class DraftPolicy:
         if self._run >= (SETTLE if k == 0 else 1):
             if self._warm[(k, b)] >= WARM_ROUNDS:
                 seconds = max(now - self._last[2], 1e-9)
-                if k and self.adaptive:
+                if self.adaptive and (k or not bare):  # bare rounds never start a run
                     seconds = self._steadied(k, b, seconds)
-                elif self.adaptive and not bare:
-                    seconds = self._steadied_zero(b, seconds)
                 self._samples.append((k, b, seconds, self._round, bare))
                 if len(self._samples) >= KEPT_SAMPLES:
                     self.take_samples()
@@ -994,40 +992,29 @@ class DraftPolicy:
         self._last = (k, b, now)
 
     def _steadied(self, k: int, b: int, seconds: float) -> float:
-        """A drafting round's seconds as a steady one's: a round r < STINT rounds into a run of
-        its K is divided by how much slower such rounds are at this B (the median, over the
-        last PAIRS of them of any K measured steady, of their seconds over their K's steady
-        median; none before MIN_SAMPLES), or at the nearest B where that was measured: a B at
-        which no drafting K runs STINT rounds (rounds of 0 and probes) has no factor of its
-        own, and its probes' rounds, all early in a run, timed the demo's DFlash K = 8 at
-        B = 4 at 18.4 ms where its fixed process's rounds took ~15.7."""
+        """A round's seconds as a steady one's: a round r < STINT rounds into a run of its
+        drafting K (of 0 with the upkeep: STINT_ZERO) is divided by how much slower such
+        rounds are at this B (the median, over the last PAIRS of them, of their seconds over
+        their K's steady median, drafting Ks pooled; none before MIN_SAMPLES). A drafting K
+        without that at its B takes the nearest B's: a B at which no drafting K runs STINT
+        rounds (rounds of 0 and probes) has no factor of its own, and its probes' rounds, all
+        early in a run, timed the demo's DFlash K = 8 at B = 4 at 18.4 ms where its fixed
+        process's rounds took ~15.7. Rounds of 0 take only their own B's (their slowing
+        differs by B)."""
         r = self._run
-        if r >= STINT:
+        if r >= (STINT if k else STINT_ZERO):
             _window(self._steady, (k, b), WINDOW).append(seconds)
             return seconds
         steady = self._steady.get((k, b))
-        slow = _window(self._slow, (b, r), PAIRS)
+        table = self._slow if k else self._slow_zero
+        slow = _window(table, (b, r), PAIRS)
         if steady is not None and len(steady) >= MIN_SAMPLES:
             slow.append(seconds / _median(steady))
-        if len(slow) < MIN_SAMPLES:  # no run of a drafting K this long at B: the nearest B's
+        # no run of a drafting K this long at B: the nearest B's
+        if k and len(slow) < MIN_SAMPLES:
             slow = min(((abs(other - b), s) for (other, at), s in self._slow.items()
                         if at == r and len(s) >= MIN_SAMPLES),
                        key=lambda x: x[0], default=(0, slow))[1]
-        return seconds / _median(slow) if len(slow) >= MIN_SAMPLES else seconds
-
-    def _steadied_zero(self, b: int, seconds: float) -> float:
-        """A round of 0 with the upkeep as a steady one: r < STINT_ZERO rounds into its run,
-        divided by how much slower such rounds were at this B than its rounds of 0 with the
-        upkeep STINT_ZERO or more into a run (the median of the last PAIRS of them; none
-        before MIN_SAMPLES, nor from another B: the slowing differs by B)."""
-        r = self._run
-        if r >= STINT_ZERO:
-            _window(self._steady, (0, b), WINDOW).append(seconds)
-            return seconds
-        steady = self._steady.get((0, b))
-        slow = _window(self._slow_zero, (b, r), PAIRS)
-        if steady is not None and len(steady) >= MIN_SAMPLES:
-            slow.append(seconds / _median(steady))
         return seconds / _median(slow) if len(slow) >= MIN_SAMPLES else seconds
 
     def _count_probe(self, k: int, b: int, now: float, tokens: int) -> None:
