@@ -212,6 +212,11 @@ def _spec_policy(data: dict) -> tuple[list[Row], str]:
             n = policy["replicas"]
             rows.append(Row(config=f"{method} B={b}: policy vs off, {n} processes a side",
                             ratio=_rounded(policy["decode_over_off"], 2)))
+            if "fixed_over_off" in policy:  # the fixed Ks as replicated too
+                best = policy["best_fixed"]
+                rows.append(Row(config=f"{method} B={b}: best fixed {best} vs off, {n} "
+                                       f"processes a side",
+                                ratio=_rounded(policy["fixed_over_off"][best], 2)))
             rows.append(Row(config=f"{method} B={b}: off vs off, the same code in another "
                                    f"process", ratio=_rounded(batch["replica_spread"]["off"], 3)))
         if "decode_over_own_off" in policy:  # the policy's process, requests drafting nothing

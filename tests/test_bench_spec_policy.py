@@ -185,3 +185,13 @@ def test_replicas_pool_every_policy_process_over_every_off_process_per_turn(monk
     alone = spec_policy._pooled(rates, ["policy"], ["off"])
     assert alone == spec_policy._over(rates["policy"], rates["off"])
     assert spec_policy._pooled(rates, ["off 2"], ["off"])["median"] == pytest.approx(1.1)
+
+
+def test_replicas_run_every_fixed_k_as_several_processes_too(monkeypatch):
+    monkeypatch.setenv("BENCH_SPECPOL_METHOD", "dflash")
+    monkeypatch.setenv("BENCH_SPECPOL_REPLICAS", "2")
+    names = {name: (k, policy) for name, k, policy in
+             spec_policy._sides(spec_policy.Settings.from_env())}
+    assert list(names) == ["off", "policy", "K=4", "K=8", "K=15", "off 2", "policy 2",
+                           "K=4 2", "K=8 2", "K=15 2"]
+    assert names["K=8 2"] == (8, "fixed") and names["policy 2"] == (15, "adaptive")

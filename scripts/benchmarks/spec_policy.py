@@ -15,8 +15,12 @@ round of turns starting one side later (`alternate(rotate=True)`: every side in 
 equally often, none twice in a row; the serpentine order used until 2026-12-07 ran its end
 sides, "off" among them, twice in a row at its turnarounds). A process has a speed of its own:
 two of the same code ran 0.92-1.07x apart (medians over 15 turns, docs/speculative.md), so
-with BENCH_SPECPOL_REPLICAS=N "off" and "policy" each run as N processes and the targets are on
-the ratios pooled over every pair of them. A turn submits the first B story
+with BENCH_SPECPOL_REPLICAS=N "off", "policy" and each fixed K run as N processes each and the
+targets are on the ratios pooled over every pair of them (with one process a fixed K, its luck
+was the best fixed K's: the demo's DFlash at B = 4, 2026-12-07, the one K = 4 process ran 1.07x
+the four off processes' mean and the policy 0.88 of it, where policy / off was 0.98 and K = 4 /
+off 1.01 in their own turns). The best fixed K is the one whose processes ran the most over off,
+pooled. A turn submits the first B story
 prompts of `_engine_vs_program.py` together, greedy, `ignore_eos`, NEW_TOKENS each. A thread a
 request is its client: it reads events until the first token arrives, then waits for the end.
 Two rates a turn: the decode tok/s (each request's tokens after its first over the seconds
@@ -32,8 +36,8 @@ Reported per B: each side's decode tok/s and turn tok/s (median [min-max] over t
 ratios to "off" per turn pair, the first token's ratio, "policy" over "policy:off" per turn
 pair (what its choices did: the same process, so a process's own speed is on both sides) and
 "policy:off" over "off" (what an Engine opened with speculation costs a request that drafts
-nothing, a process's speed included), "policy" over the best fixed K (by
-decode tok/s) per turn pair, whether every side's tokens equal "off"'s, the policy's rounds
+nothing, a process's speed included), each fixed K over "off" and "policy" over the best
+fixed K per turn pair, whether every side's tokens equal "off"'s, the policy's rounds
 by K (in all and per turn), and the 1-minute load average. Then the
 upkeep: the same Programs driven directly (their Engines stopped), ms per round of 0 drafts
 of the policy's Program (plain decode plus the drafter's upkeep) against "off"'s plain
@@ -44,9 +48,11 @@ True)`) where it has one. The policy's bare rounds are counted per turn. Targets
 
 Settings (environment): BENCH_SPECPOL_METHOD=mtp (or dflash)  BENCH_SPECPOL_KS (mtp: 1,2,3;
 dflash: 4,8,15)  BENCH_SPECPOL_BATCHES=1,4  BENCH_SPECPOL_NEW_TOKENS=128  BENCH_SPECPOL_REPS=5
-BENCH_SPECPOL_WARMUP=2  BENCH_SPECPOL_REPLICAS=1 (processes of "off" and of "policy", "off 2",
-"policy 2", ...: the targets are then on every policy process over every off process per turn,
-and how far the same code's processes ran apart is reported)  BENCH_SPECPOL_BASELINE=DIR (a
+BENCH_SPECPOL_WARMUP=2  BENCH_SPECPOL_REPLICAS=1 (processes of "off", of "policy" and of each fixed K, "off 2",
+"policy 2", "K=4 2", ...: the targets are then on every policy process over every off process,
+and over every process of the best fixed K, per turn, and how far the same code's processes ran
+apart is reported; the demo's DFlash at 4: ~20 GB resident, a policy process ~2 GB, a fixed K
+~0.75 GB, off ~0.5 GB)  BENCH_SPECPOL_BASELINE=DIR (a
 checkout of an earlier commit, `git worktree add DIR COMMIT`: its "off" and "policy" Engines
 join the turns as the sides "base off" and "base policy", and "off" and "policy" over them per
 pair are reported: a change to the Program, the Engine or the policy measured in the same
@@ -117,17 +123,23 @@ def _replicas(s: Settings, name: str) -> list[str]:
     return [name] + [f"{name} {r}" for r in range(2, s.replicas + 1)]
 
 
+def _sides(s: Settings) -> list[tuple[str, int, str]]:
+    """(name, K, draft_policy) of every process, in the order they start and take turns."""
+    return [("off", 0, "fixed"), ("policy", max(s.ks), "adaptive"),
+            *((f"K={k}", k, "fixed") for k in s.ks),
+            *((name, k, policy) for r in range(2, s.replicas + 1)
+              for name, k, policy in ((f"off {r}", 0, "fixed"),
+                                      (f"policy {r}", max(s.ks), "adaptive"),
+                                      *((f"K={k} {r}", k, "fixed") for k in s.ks))),
+            *([("base off", 0, "fixed"), ("base policy", max(s.ks), "adaptive")]
+              if s.baseline else [])]
+
+
 def measure(s: Settings) -> dict:
-    sides = [("off", 0, "fixed"), ("policy", max(s.ks), "adaptive"),
-             *((f"K={k}", k, "fixed") for k in s.ks),
-             *((name, k, policy) for r in range(2, s.replicas + 1)
-               for name, k, policy in ((f"off {r}", 0, "fixed"),
-                                       (f"policy {r}", max(s.ks), "adaptive"))),
-             *([("base off", 0, "fixed"), ("base policy", max(s.ks), "adaptive")]
-               if s.baseline else [])]
+    sides = _sides(s)
     offs, policies = _replicas(s, "off"), _replicas(s, "policy")
     out = {"setup": {}, "batches": {}, "upkeep": {}, "upkeep_bare": {}}
-    fixed = [f"K={k}" for k in s.ks]
+    fixed = {f"K={k}": _replicas(s, f"K={k}") for k in s.ks}  # each K's processes
     with contextlib.ExitStack() as stack:
         workers = {}
         for name, k, policy in sides:
@@ -160,15 +172,18 @@ def measure(s: Settings) -> dict:
                     "worker_cpu_ms_per_round": spread(_outputs(side, "worker_cpu_ms_per_round")),
                     "same_tokens_as_off": all(o["tokens"] == reference for o in
                                               side["warmup_outputs"] + side["outputs"])}
-            best = max(fixed, key=lambda n: row["sides"][n]["decode_tok_s"]["median"])
+            # each fixed K over off, pooled over their processes; the best by that
+            fixed_over_off = {k: _pooled(decode, names, offs) for k, names in fixed.items()}
+            best = max(fixed, key=lambda k: fixed_over_off[k]["median"])
             pol = r["sides"]["policy"]["rates"]
             turns = {n: v["rates"] for n, v in r["sides"].items()}
             over_off = _pooled(decode, policies, offs)
-            over_best = _pooled(decode, policies, [best])
+            over_best = _pooled(decode, policies, fixed[best])
             turn_over_off = _pooled(turns, policies, offs)
-            turn_over_best = _pooled(turns, policies, [best])
+            turn_over_best = _pooled(turns, policies, fixed[best])
             row["policy"] = {
-                "best_fixed": best, "replicas": s.replicas, "decode_over_off": over_off,
+                "best_fixed": best, "replicas": s.replicas,
+                "fixed_over_off": fixed_over_off, "decode_over_off": over_off,
                 "decode_over_best_fixed": over_best, "over_off": turn_over_off,
                 "over_best_fixed": turn_over_best, "met": _met(over_off, over_best),
                 "turn_met": _met(turn_over_off, turn_over_best)}
@@ -292,6 +307,9 @@ def format_table(result: dict) -> str:
                          f"pair (the same process): decode "
                          f"{fmt_spread(p['decode_over_own_off'], 2)}; those requests / off per "
                          f"pair: decode {fmt_spread(p['own_off_over_off'], 2)}")
+        if "fixed_over_off" in p:
+            lines.append(f"    fixed K / off per pair{pooled}: decode " + ", ".join(
+                f"{k} {fmt_spread(v, 2)}" for k, v in p["fixed_over_off"].items()))
         lines.append(f"    policy / best fixed ({p['best_fixed']}) per pair{pooled}: decode "
                      f"{fmt_spread(p['decode_over_best_fixed'], 2)}, turn "
                      f"{fmt_spread(p['over_best_fixed'], 2)}; target on decode tok/s >= "
