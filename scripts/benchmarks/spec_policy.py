@@ -6,31 +6,29 @@
 One method per run. The sides are Engines over Programs of the demo model (max_concurrency 4,
 every executable compiled before the first turn), each in its own long-lived process
 (`workers/spec_engine.py`: in one process the Engines' idle workers and caches disturbed each
-other's rounds), taking turns: "off" (no speculation), "policy" (`draft_policy="adaptive"`,
-K = the largest of BENCH_SPECPOL_KS: each round's K, 0 included, chosen from what that Engine
+other's rounds), taking turns: "off" (no speculation), "policy" (`draft_policy="adaptive"`, K =
+the largest of BENCH_SPECPOL_KS: each round's K, 0 included, chosen from what that Engine
 measured), "K=k" (`draft_policy="fixed"`: every round drafts k) for each k of them and
 "policy:off" (the policy's Engine, in its process, serving requests with speculative="off":
-rounds of 0, bare ones where it has them; `RequestsOff`), each
-round of turns starting one side later (`alternate(rotate=True)`: every side in every place
-equally often, none twice in a row; the serpentine order used until 2026-12-07 ran its end
-sides, "off" among them, twice in a row at its turnarounds). A process has a speed of its own:
-two of the same code ran 0.92-1.07x apart (medians over 15 turns, docs/speculative.md), so
-with BENCH_SPECPOL_REPLICAS=N "off", "policy" and each fixed K run as N processes each and the
-targets are on the ratios pooled over every pair of them (with one process a fixed K, its luck
-was the best fixed K's: the demo's DFlash at B = 4, 2026-12-07, the one K = 4 process ran 1.07x
-the four off processes' mean and the policy 0.88 of it, where policy / off was 0.98 and K = 4 /
-off 1.01 in their own turns). The best fixed K is the one whose processes ran the most over off,
-pooled. A turn submits the first B story
+rounds of 0, bare ones where it has them; `RequestsOff`), each round of turns starting one side
+later (`alternate(rotate=True)`: every side in every place equally often, none twice in a row;
+the serpentine order used until 2026-12-07 ran its end sides, "off" among them, twice in a row
+at its turnarounds). A process has a speed of its own: two of the same code ran 0.92-1.07x apart
+(medians over 15 turns, docs/speculative.md), so with BENCH_SPECPOL_REPLICAS=N "off", "policy"
+and each fixed K run as N processes each and the targets are on the ratios pooled over every
+pair of them (with one process a fixed K, its luck was the best fixed K's: the demo's DFlash at
+B = 4, 2026-12-07, the one K = 4 process ran 1.07x the four off processes' mean and the policy
+0.88 of it, where policy / off was 0.98 and K = 4 / off 1.01 in their own turns). The best fixed
+K is the one whose processes ran the most over off, pooled. A turn submits the first B story
 prompts of `_engine_vs_program.py` together, greedy, `ignore_eos`, NEW_TOKENS each. A thread a
 request is its client: it reads events until the first token arrives, then waits for the end.
-Two rates a turn: the decode tok/s (each request's tokens after its first over the seconds
-from its first to its end, summed over the requests: what the targets are on) and the turn's
-tok/s (B * NEW_TOKENS from the submit to the last end: the prompts' prefills too, which are
-not the same on every side: a speculative Program's prefill also fills the drafter's context,
-the demo's DFlash 4 short prompts 45.0 ms against 41.6 without); and the last request's first
-token from the submit. Each Engine lives through all turns, as a server does: the policy's
-measurements carry from one request to the next (its first requests, the warm-up turns,
-explore every K).
+Two rates a turn: the decode tok/s (each request's tokens after its first over the seconds from
+its first to its end, summed over the requests: what the targets are on) and the turn's tok/s
+(B * NEW_TOKENS from the submit to the last end: the prompts' prefills too, which are not the same
+on every side: a speculative Program's prefill also fills the drafter's context, the demo's
+DFlash 4 short prompts 45.0 ms against 41.6 without); and the last request's first token from
+the submit. Each Engine lives through all turns, as a server does: the policy's measurements
+carry from one request to the next (its first requests, the warm-up turns, explore every K).
 
 Reported per B: each side's decode tok/s and turn tok/s (median [min-max] over turns), their
 ratios to "off" per turn pair, the first token's ratio, "policy" over "policy:off" per turn
@@ -48,11 +46,11 @@ True)`) where it has one. The policy's bare rounds are counted per turn. Targets
 
 Settings (environment): BENCH_SPECPOL_METHOD=mtp (or dflash)  BENCH_SPECPOL_KS (mtp: 1,2,3;
 dflash: 4,8,15)  BENCH_SPECPOL_BATCHES=1,4  BENCH_SPECPOL_NEW_TOKENS=128  BENCH_SPECPOL_REPS=5
-BENCH_SPECPOL_WARMUP=2  BENCH_SPECPOL_REPLICAS=1 (processes of "off", of "policy" and of each fixed K, "off 2",
-"policy 2", "K=4 2", ...: the targets are then on every policy process over every off process,
-and over every process of the best fixed K, per turn, and how far the same code's processes ran
-apart is reported; the demo's DFlash at 4: ~20 GB resident, a policy process ~2 GB, a fixed K
-~0.75 GB, off ~0.5 GB)  BENCH_SPECPOL_BASELINE=DIR (a
+BENCH_SPECPOL_WARMUP=2  BENCH_SPECPOL_REPLICAS=1 (processes of "off", of "policy" and of each
+fixed K, "off 2", "policy 2", "K=4 2", ...: the targets are then on every policy process over
+every off process, and over every process of the best fixed K, per turn, and how far the same
+code's processes ran apart is reported; the demo's DFlash at 4 replicas: ~20 GB resident, a
+policy process ~2 GB, a fixed K ~0.75 GB, off ~0.5 GB)  BENCH_SPECPOL_BASELINE=DIR (a
 checkout of an earlier commit, `git worktree add DIR COMMIT`: its "off" and "policy" Engines
 join the turns as the sides "base off" and "base policy", and "off" and "policy" over them per
 pair are reported: a change to the Program, the Engine or the policy measured in the same
