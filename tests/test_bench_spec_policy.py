@@ -195,3 +195,10 @@ def test_replicas_run_every_fixed_k_as_several_processes_too(monkeypatch):
     assert list(names) == ["off", "policy", "K=4", "K=8", "K=15", "off 2", "policy 2",
                            "K=4 2", "K=8 2", "K=15 2"]
     assert names["K=8 2"] == (8, "fixed") and names["policy 2"] == (15, "adaptive")
+
+
+def test_the_policys_round_times_are_kept_per_turn_at_the_turns_b():
+    side = {"outputs": [{"stats": {"round_ms": [[0, 1, 0.9], [4, 1, 4.1], [0, 4, 2.5]]}},
+                        {"stats": {"round_ms": [[0, 1, 1.3], [4, 4, 10.0]]}}]}
+    assert spec_policy._round_ms_by_turn(side, 1) == [{0: 0.9, 4: 4.1}, {0: 1.3}]
+    assert spec_policy._round_ms_by_turn(side, 4) == [{0: 2.5}, {4: 10.0}]

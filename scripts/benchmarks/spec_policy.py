@@ -31,18 +31,18 @@ the submit. Each Engine lives through all turns, as a server does: the policy's 
 carry from one request to the next (its first requests, the warm-up turns, explore every K).
 
 Reported per B: each side's decode tok/s and turn tok/s (median [min-max] over turns), their
-ratios to "off" per turn pair, the first token's ratio, "policy" over "policy:off" per turn
-pair (what its choices did: the same process, so a process's own speed is on both sides) and
+ratios to "off" per turn pair, the first token's ratio, "policy" over "policy:off" per turn pair
+(what its choices did: the same process, so a process's own speed is on both sides) and
 "policy:off" over "off" (what an Engine opened with speculation costs a request that drafts
-nothing, a process's speed included), each fixed K over "off" and "policy" over the best
-fixed K per turn pair, whether every side's tokens equal "off"'s, the policy's rounds
-by K (in all and per turn), and the 1-minute load average. Then the
-upkeep: the same Programs driven directly (their Engines stopped), ms per round of 0 drafts
-of the policy's Program (plain decode plus the drafter's upkeep) against "off"'s plain
-decode, in turn; and of its bare round of 0 (the upkeep skipped, `HostProgram.decode(bare=
-True)`) where it has one. The policy's bare rounds are counted per turn. Targets
-([spec-policy], on decode tok/s): policy >= 0.97x off and >= 0.9x the best fixed K at every B
-(whether the turn's tok/s meets them too is reported beside).
+nothing, a process's speed included), each fixed K over "off" and "policy" over the best fixed K
+per turn pair, whether every side's tokens equal "off"'s, the policy's rounds by K (in all and
+per turn) and its round times by K after each turn, and the 1-minute load average. Then the
+upkeep: the same Programs driven directly (their Engines stopped), ms per round of 0 drafts of
+the policy's Program (plain decode plus the drafter's upkeep) against "off"'s plain decode, in
+turn; and of its bare round of 0 (the upkeep skipped, `HostProgram.decode(bare=True)`) where it
+has one. The policy's bare rounds are counted per turn. Targets ([spec-policy], on decode
+tok/s): policy >= 0.97x off and >= 0.9x the best fixed K at every B (whether the turn's tok/s
+meets them too is reported beside).
 
 Settings (environment): BENCH_SPECPOL_METHOD=mtp (or dflash)  BENCH_SPECPOL_KS (mtp: 1,2,3;
 dflash: 4,8,15)  BENCH_SPECPOL_BATCHES=1,4  BENCH_SPECPOL_NEW_TOKENS=128  BENCH_SPECPOL_REPS=5
@@ -200,6 +200,7 @@ def measure(s: Settings) -> dict:
                 row["policy_over_base"] = _over(pol, r["sides"]["base policy"]["rates"])
             row["policy_rounds_by_turn"] = _rounds_by_turn(r["sides"]["policy"])
             row["policy_bare_by_turn"] = _bare_by_turn(r["sides"]["policy"])
+            row["policy_round_ms_by_turn"] = _round_ms_by_turn(r["sides"]["policy"], b)
             out["batches"][b] = row
             out["policy_stats"] = r["sides"]["policy"]["outputs"][-1]["stats"]
         # The upkeep: rounds of 0 drafts at the Program, off's plain decode and the policy's
@@ -267,6 +268,12 @@ def _rounds_by_turn(side: dict) -> list[dict[int, int]]:
     """The policy's decode rounds by K in each measured turn (its Engine's counts over the
     turn: a turn runs one B)."""
     return [o["rounds_by_drafts"] for o in side["outputs"]]
+
+
+def _round_ms_by_turn(side: dict, b: int) -> list[dict[int, float]]:
+    """The policy's round time by K at B after each measured turn (what its next choices
+    start from: `SpeculativeStats.round_ms`)."""
+    return [{k: ms for k, at, ms in o["stats"]["round_ms"] if at == b} for o in side["outputs"]]
 
 
 def _bare_by_turn(side: dict) -> list[int]:
