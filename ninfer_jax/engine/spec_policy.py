@@ -70,9 +70,11 @@ The choice: the K of most committed tokens per second for the round's rows.
   estimates current: while the cheapest K is the best, of the drafting K of the highest score; else
   of the cheapest K, the largest (acceptance at every position) and the K whose time is the oldest
   in turn; each until its time has a sample (two rounds; of the cheapest K, MIN_SAMPLES samples),
-  spaced so they lose at most PROBE_BUDGET of the time; a probe that drafts waits for rows that
-  live through its two rounds (drafts a row's end cuts time K for fewer tokens). A probe's loss is
-  measured: the time of its rounds and of the SETTLE rounds of the best after it (the change back:
+  spaced so they lose at most PROBE_BUDGET of the time (of the rounds with a row that may draft:
+  the requests that pay for them; counting every round, requests with speculative="off" taking
+  turns with ones that draft in one Engine had the latter probed about twice as often); a probe
+  that drafts waits for rows that live through its two rounds (drafts a row's end cuts time K for
+  fewer tokens). A probe's loss is measured: the time of its rounds and of the SETTLE rounds of the best after it (the change back:
   a chain of rounds of 0 restarts) less what their tokens take at the best's rate, in rounds of the
   best (the median of the last PROBE_MEMORY probes of that K and B); before one is measured, each
   of its two rounds loses what its tokens would have taken less at the best's rate, plus a round
@@ -699,7 +701,8 @@ class DraftPolicy:
         if made is not None and made.best == k:
             self._gain[0] += made.gain
             self._gain[1] += 1
-        self._since_probe[b] += 1
+        if any(r.acceptance is not None and r.budget > 1 for r in rows):
+            self._since_probe[b] += 1  # the time probes spend is of rows that may draft
         keep = False  # a probe's round expected to lose: the run of 0s stands (`bare`)
         if b in self._plan and self._plan[b][0] == k:  # a probe's later round
             keep = self._plan[b][2]

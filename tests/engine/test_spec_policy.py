@@ -1174,3 +1174,38 @@ def test_an_exploration_cut_short_measures_the_cheapest_round_before_it_ends():
     assert again[:n] == [0] * n
     assert policy._time(0, 4) == pytest.approx(cost(0, 4))
     assert again[n:].count(0) > 0.95 * len(again[n:])  # drafting loses at B = 4
+
+
+@pytest.mark.parametrize("window", [0, 64])
+def test_probes_keep_their_budget_of_the_requests_that_draft_beside_ones_that_do_not(window):
+    """Requests with speculative="off" take turns with ones that draft (the spec_policy
+    benchmark's "policy:off" and "policy" turns in one Engine): the probes' loss is paid by
+    the requests that draft, so it stays within their budget of those requests' time (counting
+    every round between probes, 2.4x its budget here, 1.7x with bare rounds; 0.84 and 0.87
+    counting the rounds of rows that may draft)."""
+    policy = DraftPolicy(KS, "mtp", window=window)
+    cost, rng = _cost(1.0, 1.0), np.random.default_rng(0)
+    now = lost = drafting_s = 0.0
+    last = 0
+    for turn in range(200):
+        on = turn % 2 == 0
+        row = RowAcceptance(max(KS)) if on else None
+        for left in range(128, 0, -1):
+            outlook = [RowOutlook(row, left)]
+            k = policy.choose(outlook, lambda k, b: True)
+            bare = not k and policy.bare(outlook)
+            policy.dispatched(k, outlook, bare)
+            seconds = cost(k, 1) * (0.97 if bare else 1.0) + 2.0 * (k != last)
+            produced = 1
+            while produced <= min(k, left - 1) and rng.random() < 0.2:
+                produced += 1
+            if row is not None:
+                policy.add_row(row, k, k + 1, produced, produced)
+            now += seconds
+            policy.round_done(k, 1, now, produced, bare)
+            last = k
+            if on and turn >= 20:  # past the exploration
+                drafting_s += seconds
+                lost += seconds - produced * cost(0, 1) * (0.97 if bare else 1.0)
+        policy.interrupt()  # the next request's prefill
+    assert 0 < lost <= 1.25 * PROBE_BUDGET_FAR * drafting_s, lost / drafting_s / PROBE_BUDGET_FAR
