@@ -36,7 +36,9 @@ ratios to "off" per turn pair, the first token's ratio, "policy" over "policy:of
 "policy:off" over "off" (what an Engine opened with speculation costs a request that drafts
 nothing, a process's speed included), each fixed K over "off" and "policy" over the best fixed K
 per turn pair, whether every side's tokens equal "off"'s, the policy's rounds by K (in all and
-per turn) and its round times by K after each turn, and the 1-minute load average. Then the
+per turn) and its round times by K after each turn (in the output, `policy_replica_turns`: for
+every policy process, its rounds by K and by (K, B) per turn too), and the 1-minute load
+average. Then the
 upkeep: the same Programs driven directly (their Engines stopped), ms per round of 0 drafts of
 the policy's Program (plain decode plus the drafter's upkeep) against "off"'s plain decode, in
 turn; and of its bare round of 0 (the upkeep skipped, `HostProgram.decode(bare=True)`) where it
@@ -201,6 +203,12 @@ def measure(s: Settings) -> dict:
             row["policy_rounds_by_turn"] = _rounds_by_turn(r["sides"]["policy"])
             row["policy_bare_by_turn"] = _bare_by_turn(r["sides"]["policy"])
             row["policy_round_ms_by_turn"] = _round_ms_by_turn(r["sides"]["policy"], b)
+            # the same for every policy process (each learns on its own), by (K, B) too
+            row["policy_replica_turns"] = {n: {
+                "rounds_by_turn": _rounds_by_turn(r["sides"][n]),
+                "rounds_by_kb_by_turn": [o["rounds_by_kb"] for o in r["sides"][n]["outputs"]],
+                "bare_by_turn": _bare_by_turn(r["sides"][n]),
+                "round_ms_by_turn": _round_ms_by_turn(r["sides"][n], b)} for n in policies}
             out["batches"][b] = row
             out["policy_stats"] = r["sides"]["policy"]["outputs"][-1]["stats"]
         # The upkeep: rounds of 0 drafts at the Program, off's plain decode and the policy's

@@ -86,6 +86,7 @@ class SpecEngine(BenchWorker):
             return {"seconds": time.perf_counter() - start, "work": self.rounds,
                     "outputs": {}}
         before = self.engine.stats()
+        by_kb = self.engine.core.rounds.policy.rounds_by_kb.copy()
         rounds, cpu = before.rounds.rounds, time.clock_gettime(self.worker_clock)
         start = time.perf_counter()
         watches = [_Watch(self.engine.submit(prompt=p, sampling=self.sampling[name]))
@@ -101,6 +102,9 @@ class SpecEngine(BenchWorker):
                             "stats": dataclasses.asdict(stats.speculative),
                             "rounds_by_drafts": _since(stats.speculative.rounds_by_drafts,
                                                        before.speculative.rounds_by_drafts),
+                            "rounds_by_kb": {  # "K,B": rounds (a turn's tail runs fewer rows)
+                                f"{k},{b}": n for (k, b), n in sorted(
+                                    (self.engine.core.rounds.policy.rounds_by_kb - by_kb).items())},
                             "bare_rounds": stats.speculative.bare_rounds
                             - before.speculative.bare_rounds,
                             "worker_cpu_ms_per_round":
