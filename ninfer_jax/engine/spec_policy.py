@@ -61,34 +61,34 @@ The choice: the K of most committed tokens per second for the round's rows.
   (REFRESH_FAR where every K that drafts is expected to commit under 1 - FAR of the
   cheapest's tokens per second). The round times `round_done` kept are added to the
   estimates when a choice is scored.
-- The first rounds explore every compiled K, largest first, until each has MIN_SAMPLES steady
-  rounds (a drafting K, MIN_SAMPLES at least STINT rounds into its run: the process's first rounds
-  and those after a change are slower); a new B measures its cheapest K first, and an exploration
-  ends only once the cheapest K's time is measured at its B, never scaled (a turn of the demo's
-  DFlash that ended amid the exploration at B = 4 left a round of 0 there scaled from B = 1 at 4.9
-  ms against 3.0 measured: K = 3 drafted at ~0.7 of 0's rate for two turns). Then probes keep the
+- The first rounds explore every compiled K, largest first, until each has MIN_SAMPLES steady rounds
+  (a drafting K, MIN_SAMPLES at least STINT rounds into its run: the process's first rounds and
+  those after a change are slower); a new B measures its cheapest K first, and an exploration ends
+  only once the cheapest K's time is measured at its B, never scaled (a turn of the demo's DFlash
+  that ended amid the exploration at B = 4 left a round of 0 there scaled from B = 1 at 4.9 ms
+  against 3.0 measured: K = 3 drafted at ~0.7 of 0's rate for two turns). Then probes keep the
   estimates current: while the cheapest K is the best, of the drafting K of the highest score; else
   of the cheapest K, the largest (acceptance at every position) and the K whose time is the oldest
   in turn; each until its time has a sample (two rounds; of the cheapest K, MIN_SAMPLES samples),
-  spaced so they lose at most PROBE_BUDGET of the time (of the rounds with a row that may draft:
-  the requests that pay for them; counting every round, requests with speculative="off" taking
-  turns with ones that draft in one Engine had the latter probed about twice as often); a probe
-  that drafts waits for rows that live through its two rounds (drafts a row's end cuts time K for
-  fewer tokens). A probe's loss is measured: the time of its rounds and of the SETTLE rounds of the best after it (the change back:
-  a chain of rounds of 0 restarts) less what their tokens take at the best's rate, in rounds of the
-  best (the median of the last PROBE_MEMORY probes of that K and B); before one is measured, each
-  of its two rounds loses what its tokens would have taken less at the best's rate, plus a round
-  for the changes (a K that nearly ties the best is probed often). Where every K that drafts is
-  expected to commit under 1 - FAR of the cheapest's tokens per second, a probe also costs the
-  `window` rounds of upkeep before it (bare rounds, below; each what rounds of 0 with the upkeep
-  took more than bare ones at its B, timed where a stretch of one kind follows the other:
-  `upkeep`), and they spend PROBE_BUDGET_FAR (the spec_policy benchmark's MTP at B = 1, where
+  spaced so they lose at most PROBE_BUDGET of the time (of the rounds with a row that may draft: the
+  requests that pay for them; counting every round, requests with speculative="off" taking turns
+  with ones that draft in one Engine had the latter probed about twice as often); a probe that
+  drafts waits for rows that live through its two rounds (drafts a row's end cuts time K for fewer
+  tokens). A probe's loss is measured: the time of its rounds and of the SETTLE rounds of the best
+  after it (the change back: a chain of rounds of 0 restarts) less what their tokens take at the
+  best's rate, in rounds of the best (the median of the last PROBE_MEMORY probes of that K and B);
+  before one is measured, each of its two rounds loses what its tokens would have taken less at the
+  best's rate, plus a round for the changes (a K that nearly ties the best is probed often). Where
+  every K that drafts is expected to commit under 1 - FAR of the cheapest's tokens per second, a
+  probe also costs the `window` rounds of upkeep before it (bare rounds, below; each what rounds of
+  0 with the upkeep took more than bare ones at its B, timed where a stretch of one kind follows the
+  other: `upkeep`), and they spend PROBE_BUDGET_FAR (the spec_policy benchmark's MTP at B = 1, where
   drafting commits ~0.7 of 0's tokens per second: turns with a probe ran 0.94 of off's tokens per
   second, turns without 1.0, medians over 5 and 10 turns). A probe interrupted (another unit,
   another B) is dropped, but one whose first round is the first after another unit (a turn's first
   round after its prefills) runs on, that round timed as one of its K (unmeasured, such probes came
-  every turn at B = 4). A request's counts decay with time (about the last 100 rounds count), so
-  one whose estimate fell below the break-even drifts back to the prior's.
+  every turn at B = 4). A request's counts decay with time (about the last 100 rounds count), so one
+  whose estimate fell below the break-even drifts back to the prior's.
 - Rows of requests with speculative="off" expect one token at every K; a round of only such
   rows is a round of 0. Only compiled Ks are chosen.
 - While a waiting request may be admitted next (`filling`: a free lane, an admission not

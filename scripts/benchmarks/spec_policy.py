@@ -30,21 +30,19 @@ DFlash 4 short prompts 45.0 ms against 41.6 without); and the last request's fir
 the submit. Each Engine lives through all turns, as a server does: the policy's measurements
 carry from one request to the next (its first requests, the warm-up turns, explore every K).
 
-Reported per B: each side's decode tok/s and turn tok/s (median [min-max] over turns), their
-ratios to "off" per turn pair, the first token's ratio, "policy" over "policy:off" per turn pair
-(what its choices did: the same process, so a process's own speed is on both sides) and
-"policy:off" over "off" (what an Engine opened with speculation costs a request that drafts
-nothing, a process's speed included), each fixed K over "off" and "policy" over the best fixed K
-per turn pair, whether every side's tokens equal "off"'s, the policy's rounds by K (in all and
-per turn) and its round times by K after each turn (in the output, `policy_replica_turns`: for
-every policy process, its rounds by K and by (K, B) per turn too), and the 1-minute load
-average. Then the
-upkeep: the same Programs driven directly (their Engines stopped), ms per round of 0 drafts of
-the policy's Program (plain decode plus the drafter's upkeep) against "off"'s plain decode, in
-turn; and of its bare round of 0 (the upkeep skipped, `HostProgram.decode(bare=True)`) where it
-has one. The policy's bare rounds are counted per turn. Targets ([spec-policy], on decode
-tok/s): policy >= 0.97x off and >= 0.9x the best fixed K at every B (whether the turn's tok/s
-meets them too is reported beside).
+Reported per B: each side's decode tok/s and turn tok/s (median [min-max] over turns), their ratios
+to "off" per turn pair, the first token's ratio, "policy" over "policy:off" per turn pair (what its
+choices did: the same process, so a process's own speed is on both sides) and "policy:off" over
+"off" (what an Engine opened with speculation costs a request that drafts nothing, a process's speed
+included), each fixed K over "off" and "policy" over the best fixed K per turn pair, whether every
+side's tokens equal "off"'s, the policy's rounds by K (in all and per turn) and its round times by K
+after each turn (in the output, `policy_replica_turns`: for every policy process, its rounds by K
+and by (K, B) per turn too), and the 1-minute load average. Then the upkeep: the same Programs
+driven directly (their Engines stopped), ms per round of 0 drafts of the policy's Program (plain
+decode plus the drafter's upkeep) against "off"'s plain decode, in turn; and of its bare round of 0
+(the upkeep skipped, `HostProgram.decode(bare=True)`) where it has one. The policy's bare rounds are
+counted per turn. Targets ([spec-policy], on decode tok/s): policy >= 0.97x off and >= 0.9x the best
+fixed K at every B (whether the turn's tok/s meets them too is reported beside).
 
 Settings (environment): BENCH_SPECPOL_METHOD=mtp (or dflash)  BENCH_SPECPOL_KS (mtp: 1,2,3;
 dflash: 4,8,15)  BENCH_SPECPOL_BATCHES=1,4  BENCH_SPECPOL_NEW_TOKENS=128  BENCH_SPECPOL_REPS=5
