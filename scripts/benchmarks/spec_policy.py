@@ -117,7 +117,7 @@ def _settings(s: Settings, k: int, policy: str) -> dict:
 
 
 def _replicas(s: Settings, name: str) -> list[str]:
-    """The processes of side `name` ("off" or "policy"): itself, then "<name> 2", ..."""
+    """The processes of side `name` ("off", "policy" or "K=k"): itself, then "<name> 2", ..."""
     return [name] + [f"{name} {r}" for r in range(2, s.replicas + 1)]
 
 
