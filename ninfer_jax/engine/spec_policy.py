@@ -87,9 +87,8 @@ The choice: the K of most committed tokens per second for the round's rows.
   second, turns without 1.0, medians over 5 and 10 turns). A probe interrupted (another unit,
   another B) is dropped, but one whose first round is the first after another unit (a turn's first
   round after its prefills) runs on, that round timed as one of its K (unmeasured, such probes came
-  every turn at B = 4). A request's counts decay with time (about the last 100 rounds count), and
-  faster in rounds of 0, which add none (IDLE_DECAY): one whose estimate fell below the
-  break-even rests on the prior's again ~10 rounds later.
+  every turn at B = 4). A request's counts decay with time (about the last 100 rounds count), so one
+  whose estimate fell below the break-even drifts back to the prior's.
 - Rows of requests with speculative="off" expect one token at every K; a round of only such
   rows is a round of 0. Only compiled Ks are chosen.
 - While a waiting request may be admitted next (`filling`: a free lane, an admission not
@@ -175,13 +174,6 @@ OPENING = 8
 # prior's. Applied every DECAY_EVERY rounds; the prior's counts decay by it per row counted.
 DECAY = 0.99
 DECAY_EVERY = 16
-# What a request's counts keep of their weight per round of 0 it sits through (on top of DECAY):
-# such rounds add no counts, so an estimate that fell below the break-even on a few rounds'
-# misses stayed there for a request's whole life (DECAY's ~100 rounds are most of a 128-token
-# request) while a text that turned predictable went unnoticed; at 0.9 it rests on the prior
-# again ~10 rounds later. `scripts/spec_policy_replay.py` at B = 1 (8 seeds, policy over the best
-# fixed K): "mid" 0.92 -> 0.99, "slow" 0.85 -> 0.97, "now" 0.93 -> 0.95, the rest unchanged.
-IDLE_DECAY = 0.9
 # How much more a drafting K must promise than the drafting K of the round before at its B
 # (rounds of 0 aside): a change costs its first rounds (below, STINT: ~0.4 of a round over
 # the next four on these cores), and choices that flipped between K = 3 and 7 every 1-4
@@ -301,28 +293,16 @@ def _rows_key(rows: Sequence[RowOutlook], refill: bool) -> tuple:
 
 class RowAcceptance:
     """One request's accepted / attempted drafts by position (conditional: attempted when
-    every draft before it was accepted), decayed as the prior's counts are, and by IDLE_DECAY
-    a round of 0 (applied when the counts are next read or added: `settle`)."""
+    every draft before it was accepted), decayed as the prior's counts are."""
 
     def __init__(self, positions: int):
         self.attempted = [0.0] * positions
         self.accepted = [0.0] * positions
         self.age = 0  # decode rounds it was in
-        self.idle = 0  # rounds of 0 since the counts were last settled
 
     def decay(self, factor: float) -> None:
         self.attempted = [x * factor for x in self.attempted]
         self.accepted = [x * factor for x in self.accepted]
-
-    def settle(self, prior: Sequence[float]) -> None:
-        """Applies IDLE_DECAY for the rounds of 0 it sat through since the last call, at the
-        positions whose rate is under the prior's (`prior`: its rates)."""
-        if not self.idle:
-            return
-        factor, self.idle = IDLE_DECAY**self.idle, 0
-        for i, (acc, att, rate) in enumerate(zip(self.accepted, self.attempted, prior)):
-            if acc < rate * att:
-                self.accepted[i], self.attempted[i] = acc * factor, att * factor
 
 
 class RowOutlook(NamedTuple):
@@ -566,7 +546,10 @@ class DraftPolicy:
         made = self._standing(rows, ks, refill)
         if made is not None:
             return made
-        prior, steps = self._prior_now(), self._prior[1]
+        if self._prior is None:  # kept until the prior's counts change (openings, probes)
+            rates = self._prior_rates()
+            self._prior = rates, _steps(rates)
+        prior, steps = self._prior
         by_row = [self._row_expected(r, self._rates(r.acceptance, prior, steps))
                   for r in rows]
         anchor = self._anchor(b)
@@ -711,10 +694,6 @@ class DraftPolicy:
         for r in rows:
             if r.acceptance is not None:
                 r.acceptance.age += 1
-                if not k:
-                    r.acceptance.idle += 1
-                elif r.acceptance.idle:  # its counts settle before the round's are added
-                    r.acceptance.settle(self._prior_now())
         made = self._choice.get(b)
         self._round += 1
         if self._round % DECAY_EVERY == 0:
@@ -768,13 +747,6 @@ class DraftPolicy:
             out.append(total)
         return out
 
-    def _prior_now(self) -> list[float]:
-        """`_prior_rates`, kept until the prior's counts change."""
-        if self._prior is None:
-            rates = self._prior_rates()
-            self._prior = rates, _steps(rates)
-        return self._prior[0]
-
     def _prior_rates(self) -> list[float]:
         """Per position, the chance that draft i is right given drafts 0..i-1 were, in the
         first OPENING rounds of requests and in probes: the counts shrunk toward the position
@@ -795,7 +767,6 @@ class DraftPolicy:
         rates). `steps`: `_steps(prior)`, when the caller has it."""
         if own is None:
             return prior
-        own.settle(prior)
         rates: list[float] = []
         anchor, w = prior[0], PRIOR_WEIGHT
         for acc, att, step in zip(own.accepted, own.attempted, steps or _steps(prior)):

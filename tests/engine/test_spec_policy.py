@@ -18,8 +18,6 @@ from hypothesis import strategies as st
 
 from ninfer_jax.engine.rounds import Rounds
 from ninfer_jax.engine.spec_policy import (
-    FAR,
-    IDLE_DECAY,
     KEPT_SAMPLES,
     MIN_SAMPLES,
     NEAR,
@@ -163,16 +161,13 @@ def test_a_choice_of_0_far_from_drafting_is_scored_less_often():
     assert made["near"] >= 0.6 * 2000 / REFRESH > 2 * made["far"], made
 
 
-def _drafting_choices(per_draft: float, accept: float
-                      ) -> tuple[int, int, list[bool], list[bool]]:
+def _drafting_choices(per_draft: float, accept: float) -> tuple[int, int, list[bool]]:
     """Rounds that drafted the choice's K in rounds 200-989 of one row, the choices behind
-    them, for each round of the last ten whose budget (10 - i tokens) is under a whole
-    round of the largest K whether its choice was made that round, and the same for each of
-    the drafting rounds whose choice promised under 1 + FAR of a round of 0's tokens per
-    second."""
+    them, and for each round of the last ten whose budget (10 - i tokens) is under a whole
+    round of the largest K, whether its choice was made that round."""
     policy, cost = DraftPolicy(KS, "mtp"), _cost(1.0, per_draft)
     row, rng, now = RowAcceptance(max(KS)), np.random.default_rng(0), 0.0
-    made_at, tail, near = set(), [], []
+    made_at, tail = set(), []
     drafting = 0
     for i in range(1000):
         budget = 10**6 if i < 990 else 1000 - i
@@ -182,8 +177,6 @@ def _drafting_choices(per_draft: float, accept: float
         if 200 <= i < 990 and k and made is not None and made.best == k:
             made_at.add(made.round)
             drafting += 1
-            if made.gain < 1.0 + FAR:
-                near.append(made.round == policy._round)
         elif i >= 990 and 1 < budget <= max(KS) and made is not None:
             tail.append(made.round == policy._round)
         policy.dispatched(k, outlook)
@@ -193,7 +186,7 @@ def _drafting_choices(per_draft: float, accept: float
         policy.add_row(row, k, min(k + 1, budget), produced, produced)
         now += cost(k, 1)
         policy.round_done(k, 1, now, produced)
-    return drafting, len(made_at), tail, near
+    return drafting, len(made_at), tail
 
 
 def test_a_drafting_choice_far_from_the_break_even_stands_refresh_drafting_rounds():
@@ -201,15 +194,15 @@ def test_a_drafting_choice_far_from_the_break_even_stands_refresh_drafting_round
     (here ~2.4x) is scored anew every REFRESH_DRAFTING rounds while its rows stay the same
     (scoring every K is host time on the critical path between two drafting rounds), and
     every round once a row's budget is under a whole round of it; near the break-even (here
-    ~1.1x) every round where it promises under 1 + FAR (most of the drafting rounds; the
-    row's estimate reaches 1 + FAR now and then)."""
-    drafting, made, tail, _ = _drafting_choices(0.1, 0.9)
+    ~1.1x: drafting chosen in under half the rounds) every round, but where the row's
+    estimate reaches 1 + FAR now and then."""
+    drafting, made, tail = _drafting_choices(0.1, 0.9)
     assert drafting > 0.9 * 790
     assert drafting / REFRESH_DRAFTING <= made <= 1.3 * drafting / REFRESH_DRAFTING
     assert tail and all(tail), tail
-    drafting, made, _, near = _drafting_choices(0.18, 0.5)
+    drafting, made, _ = _drafting_choices(0.18, 0.5)
     assert drafting > 0.3 * 790
-    assert len(near) > 0.5 * drafting and all(near), (len(near), drafting)
+    assert made >= 0.9 * drafting
 
 
 def test_probes_lose_their_budget_with_the_cost_of_a_change():
@@ -297,61 +290,6 @@ def _requests_until_drafting(seed: int, switch: int = 2, tokens: int = 128) -> i
         if request >= switch and drafting > rounds / 2:
             return request
     return 40
-
-
-def _requests_with_openings(policy: DraftPolicy | int, seed: int, requests: int = 30,
-                            tokens: int = 128) -> float:
-    """Tokens per simulated second of B = 1 requests one after another (after the first
-    five), each drafting right with chance 0.4 in its first 8 rounds and 0.85 after."""
-    rng, cost = np.random.default_rng(seed), _cost(1.0, 0.3)
-    now = start = 0.0
-    total = 0
-    for request in range(requests):
-        row, budget, rounds = RowAcceptance(max(KS)), tokens, 0
-        while budget > 0:
-            outlook = [RowOutlook(row, budget)]
-            k = policy if isinstance(policy, int) else policy.choose(outlook, lambda k, b: True)
-            produced = 1
-            while produced <= min(k, budget - 1) and rng.random() < (0.4 if rounds < 8 else 0.85):
-                produced += 1
-            now += cost(k, 1)
-            if not isinstance(policy, int):
-                policy.dispatched(k, outlook)
-                policy.add_row(row, k, min(k + 1, budget), produced, produced)
-                policy.round_done(k, 1, now, produced)
-            budget, rounds = budget - produced, rounds + 1
-            total += produced if request >= 5 else 0
-        if not isinstance(policy, int):
-            policy.interrupt()  # the next request's prefill
-        start = now if request == 4 else start
-    return total / (now - start)
-
-
-def test_a_request_held_at_rounds_of_0_by_a_poor_start_drafts_again():
-    """Requests whose openings are less predictable than the rest (as the spec_policy
-    benchmark's stories are: their openings commit ~0.8 of what whole texts do): the prior,
-    counted in openings, is pessimistic, and a request whose own first rounds missed held rounds
-    of 0 (which add no counts) for most of its life. Its counts under the prior's decay by
-    IDLE_DECAY a round of 0, so it drafts again: 0.90-0.97 of fixed K = 3 over these seeds
-    (0.85-0.88 without)."""
-    ratios = []
-    for seed in range(4):
-        best = max(_requests_with_openings(k, seed) for k in KS)
-        ratios.append(_requests_with_openings(DraftPolicy(KS, "mtp"), seed) / best)
-    assert np.mean(ratios) >= 0.91, ratios
-
-
-def test_an_estimate_over_the_prior_keeps_its_counts_through_rounds_of_0():
-    """IDLE_DECAY forgets only what is under the prior: a request whose drafts were right
-    (a probe's rounds, say) keeps that through the rounds of 0 that follow."""
-    policy = DraftPolicy(KS, "mtp")
-    prior = policy._prior_rates()
-    row = RowAcceptance(max(KS))
-    row.attempted, row.accepted = [10.0, 8.0, 6.0], [10.0, 0.0, 6.0]
-    row.idle = 20
-    row.settle(prior)
-    assert row.attempted[0] == 10.0 and row.attempted[2] == 6.0  # over the prior: kept
-    assert row.attempted[1] == pytest.approx(8.0 * IDLE_DECAY**20) and row.idle == 0
 
 
 def test_probes_teach_the_prior_what_new_requests_expect():
